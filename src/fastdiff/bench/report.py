@@ -1,0 +1,63 @@
+"""Markdown tables and bar charts from bench result JSON files (the README's tables come from here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def markdown_table(result: dict) -> str:
+    """One Markdown table for one bench result (rows in the order measured)."""
+    cfg, env = result["config"], result["env"]
+    head = (
+        f"**{cfg['model']}**, batch {cfg['batch']}, {cfg['sampler']} {cfg['steps']} steps "
+        f"({'random weights' if cfg.get('random_weights') else 'trained weights'}) — {env['gpu']}, "
+        f"torch {env['torch']}, triton {env['triton']}, diffusers {env['diffusers']}, git {env['git_sha']}, "
+        f"{env['date'][:10]}. Quality: {cfg['quality_sampler']} {cfg['quality_steps']} steps vs eager-fp32, same x_T."
+    )
+    lines = [
+        head,
+        "",
+        "| system | dtype | ms/step | s/image | images/s | ready (s) | peak MiB | J/image | W | PSNR dB | max abs diff |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in result["results"]:
+        if r.get("error"):
+            lines.append(f"| {r['system']} | {r['dtype']} | {r['error']} |||||||||")
+            continue
+        lines.append(
+            f"| {r['system']} | {r['dtype']} | {_fmt(r['ms_per_step'], '.3f')} | {_fmt(r['s_per_image'], '.4g')} "
+            f"| {_fmt(r['images_per_s'], '.4g')} | {_fmt(r['time_to_ready_s'], '.1f')} "
+            f"| {_fmt(r['peak_mem_mb'], '.0f')} | {_fmt(r['energy_j_per_image'], '.3g')} "
+            f"| {_fmt(r['avg_power_w'], '.0f')} | {_fmt(r['psnr_db'], '.1f')} | {_fmt(r['max_abs_diff'], '.2e')} |"
+        )
+    return "\n".join(lines)
+
+
+def markdown_from_files(paths: list[Path]) -> str:
+    return "\n\n".join(markdown_table(json.loads(Path(p).read_text())) for p in sorted(paths))
+
+
+def plot_result(result: dict, path: Path) -> None:
+    """Bar chart of images/s per system (log scale), saved as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["results"] if not r.get("error")]
+    labels = [f"{r['system']}\n{r['dtype']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(rows)), 3.5))
+    ax.bar(labels, [r["images_per_s"] for r in rows], color="tab:blue")
+    ax.set_yscale("log")
+    ax.set_ylabel("images/s")
+    cfg = result["config"]
+    ax.set_title(f"{cfg['model']} b{cfg['batch']} {cfg['sampler']}{cfg['steps']} — {result['env']['gpu']}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,243 @@
+"""``fastdiff bench``: every system on the same model, weights, seeds and x_T, in one process and run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from fastdiff.bench.energy import EnergyMeter
+from fastdiff.bench.env import environment, gpu_slug
+from fastdiff.bench.systems import CompileSystem, DiffusersSystem, EagerSystem, System
+from fastdiff.errors import FastdiffError
+from fastdiff.models import PRESETS, load_unet
+from fastdiff.quality.psnr import psnr
+from fastdiff.samplers import ScheduleConfig, make_sampler
+from fastdiff.samplers.noise import draw_noise
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "fastdiff.bench/1"
+ALL_SYSTEMS = (
+    "eager-fp32",
+    "eager-fp16",
+    "diffusers-fp16",
+    "compile-fp16",
+    "diffusers+compile-fp16",
+    "engine-fp16",
+    "engine-bf16",
+)
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class BenchConfig:
+    model: str = "ddpm-cifar10"
+    batch: int = 1
+    sampler: str = "ddpm"
+    steps: int = 1000
+    timed_steps: int = 100
+    """Steps timed per repeat (ms/step is the same for every step of a loop); the full-loop numbers scale it."""
+    repeats: int = 3
+    quality_sampler: str = "ddim"
+    quality_steps: int = 100
+    energy_seconds: float = 5.0
+    systems: tuple[str, ...] = ALL_SYSTEMS
+    seed: int = 0
+    device: str = "cuda"
+
+
+@dataclass
+class Row:
+    system: str
+    dtype: str
+    ms_per_step: float | None = None
+    s_per_image: float | None = None
+    images_per_s: float | None = None
+    time_to_ready_s: float | None = None
+    peak_mem_mb: float | None = None
+    energy_j_per_image: float | None = None
+    avg_power_w: float | None = None
+    psnr_db: float | None = None
+    max_abs_diff: float | None = None
+    notes: str = ""
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_ms(fn, device: torch.device) -> float:
+    """Wall time of ``fn()`` in ms: CUDA events on the GPU, perf_counter on the CPU."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def build_system(name: str, cfg: BenchConfig, device: torch.device, warmup_x: torch.Tensor, schedule) -> System:
+    kind, _, dtype_name = name.rpartition("-")
+    dtype = DTYPES[dtype_name]
+
+    def make_model():
+        torch.manual_seed(cfg.seed)  # the same random weights for every system when the preset has none
+        return load_unet(cfg.model, device="cpu", dtype=torch.float32)
+
+    if kind == "eager":
+        return EagerSystem(make_model, dtype, device)
+    if kind == "compile":
+        return CompileSystem(make_model, dtype, device, warmup_x)
+    if kind == "diffusers":
+        return DiffusersSystem(make_model, dtype, device, schedule)
+    if kind == "diffusers+compile":
+        return DiffusersSystem(make_model, dtype, device, schedule, compile_warmup=warmup_x)
+    if kind == "engine":
+        from fastdiff.engine import EngineSystem
+
+        return EngineSystem(make_model, dtype, device)
+    raise FastdiffError(f"unknown bench system {name!r}: choose from {', '.join(ALL_SYSTEMS)}")
+
+
+def skip_reason(name: str, device: torch.device, model_class: str) -> str | None:
+    """Why a system cannot run here (None if it can)."""
+    if device.type != "cuda" and not name.startswith("eager-"):
+        return "needs CUDA"
+    if device.type != "cuda" and name == "eager-fp16":
+        return "fp16 on CPU is not a meaningful baseline"
+    if name.startswith("diffusers"):
+        if model_class != "DDPMUNet":
+            return "diffusers has no equivalent of this model"
+        try:
+            import diffusers  # noqa: F401
+        except ImportError:
+            return "diffusers not installed"
+    if name.startswith("engine"):
+        try:
+            from fastdiff.engine import EngineSystem  # noqa: F401
+        except ImportError:
+            return "engine not available"
+    return None
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    """Measure every system of ``cfg.systems``; returns the JSON-ready result."""
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise FastdiffError("bench on cuda asked for but no CUDA GPU is available (use --device cpu)")
+    if cfg.timed_steps <= 0 or cfg.steps <= 0 or cfg.batch <= 0:
+        raise FastdiffError("steps, timed steps and batch must be positive")
+    probe = load_unet(cfg.model, device="cpu")
+    model_class = type(probe).__name__
+    random_weights = cfg.model in PRESETS and getattr(probe, "scheduler_config", None) is None
+    schedule = ScheduleConfig.from_diffusers(getattr(probe, "scheduler_config", None))
+    cfg_in = probe.config
+    shape = (cfg_in.in_channels, cfg_in.sample_size, cfg_in.sample_size)
+    del probe
+
+    sampler = make_sampler(cfg.sampler, schedule, cfg.steps, device=device)
+    q_sampler = make_sampler(cfg.quality_sampler, schedule, cfg.quality_steps, device=device)
+    seeds = list(range(cfg.seed, cfg.seed + cfg.batch))
+    timed = min(cfg.timed_steps, cfg.steps)
+    x_t, noise = draw_noise(seeds, shape, timed if sampler.needs_noise else 0, device)
+    q_noise = None  # quality runs use the deterministic quality sampler (DDIM eta=0)
+
+    meter = EnergyMeter(device.index or 0) if device.type == "cuda" else None
+    idle_w = meter.idle_watts() if meter is not None and meter.available else None
+    rows: list[Row] = []
+    reference: torch.Tensor | None = None
+    for name in cfg.systems:
+        dtype_name = name.rpartition("-")[2]
+        row = Row(system=name.rpartition("-")[0], dtype=dtype_name)
+        reason = skip_reason(name, device, model_class)
+        if reason is not None:
+            row.error = f"skipped: {reason}"
+            rows.append(row)
+            log.info("%s: %s", name, row.error)
+            continue
+        try:
+            measure_system(row, build_system(name, cfg, device, x_t, schedule), cfg, device, sampler, q_sampler,
+                           x_t, noise, q_noise, timed, meter, idle_w)  # fmt: skip
+            if name == "eager-fp32":
+                reference = row.extra.pop("final")
+            else:
+                final = row.extra.pop("final")
+                if reference is not None:
+                    row.psnr_db = float(psnr(final.clamp(-1, 1), reference.clamp(-1, 1)).mean())
+                    row.max_abs_diff = float((final.clamp(-1, 1) - reference.clamp(-1, 1)).abs().max())
+        except Exception as exc:  # a baseline that fails here is reported, not fatal
+            log.exception("%s failed", name)
+            row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+            row.extra.pop("final", None)
+        rows.append(row)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {
+        "schema": SCHEMA,
+        "env": environment(),
+        "config": {**asdict(cfg), "model_class": model_class, "random_weights": random_weights,
+                   "timed_steps": timed, "idle_watts": idle_w},  # fmt: skip
+        "results": [asdict(r) for r in rows],
+    }
+
+
+def measure_system(row, system, cfg, device, sampler, q_sampler, x_t, noise, q_noise, timed, meter, idle_w):
+    """Fill ``row`` with time-to-ready, ms/step, memory, energy and the quality-run output (``extra["final"]``)."""
+    row.notes = system.notes
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    system.prepare()
+    _sync(device)
+    row.time_to_ready_s = time.perf_counter() - t0
+    system.run(x_t, noise, sampler, min(3, timed))  # warm-up (kernels compiled, caches hot)
+    _sync(device)
+    times = [_time_ms(lambda: system.run(x_t, noise, sampler, timed), device) for _ in range(cfg.repeats)]
+    ms_step = statistics.median(times) / timed
+    row.ms_per_step = ms_step
+    row.s_per_image = ms_step * cfg.steps / 1e3 / cfg.batch
+    row.images_per_s = 1.0 / row.s_per_image
+    if meter is not None and meter.available:
+        runs = max(1, math.ceil(cfg.energy_seconds * 1e3 / (ms_step * timed)))
+        with meter:
+            for _ in range(runs):
+                system.run(x_t, noise, sampler, timed)
+            _sync(device)
+        steps_done = runs * timed
+        row.avg_power_w = meter.joules / meter.seconds
+        row.energy_j_per_image = meter.joules / steps_done * cfg.steps / cfg.batch
+        row.extra["energy_window_s"] = meter.seconds
+        row.extra["idle_watts"] = idle_w
+    row.extra["final"] = system.run(x_t, q_noise, q_sampler, q_sampler.num_steps).float().cpu()
+    if device.type == "cuda":
+        row.peak_mem_mb = torch.cuda.max_memory_allocated() / 2**20
+
+
+def result_path(result: dict, out_dir: Path, name: str | None = None) -> Path:
+    cfg = result["config"]
+    gpu = gpu_slug(result["env"]["gpu"])
+    date = result["env"]["date"][:10]
+    name = name or f"{cfg['model']}-b{cfg['batch']}-{cfg['sampler']}{cfg['steps']}"
+    return out_dir / f"{name}-{gpu}-{date}.json"
+
+
+def write_json_atomic(data: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)

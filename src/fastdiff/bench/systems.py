@@ -1,0 +1,127 @@
+"""The systems ``fastdiff bench`` compares, each with ``prepare()`` (timed as time-to-ready) and ``run()``.
+
+All systems share the model weights, the seeds' x_T and noise. Ours use fastdiff's device-side samplers; the
+diffusers systems use diffusers' own schedulers, as a diffusers user would.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from fastdiff.samplers import Sampler, ScheduleConfig
+
+log = logging.getLogger(__name__)
+
+
+class System:
+    """One way to run the sampling loop. ``run(x, noise, sampler, num_steps)`` runs steps 0..num_steps-1."""
+
+    name: str = ""
+    notes: str = ""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def prepare(self) -> None:
+        raise NotImplementedError
+
+    def run(self, x: torch.Tensor, noise: torch.Tensor | None, sampler: Sampler, num_steps: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class EagerSystem(System):
+    """fastdiff's plain PyTorch model and sampler (fp32 is the reference of every quality number)."""
+
+    def __init__(self, make_model: Callable[[], nn.Module], dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(dtype)
+        self.make_model, self.device = make_model, device
+        self.name = "eager"
+
+    def prepare(self) -> None:
+        self.model = self.make_model().to(device=self.device, dtype=self.dtype).eval()
+
+    @torch.no_grad()
+    def run(self, x, noise, sampler, num_steps):
+        x0 = None
+        batch = x.shape[0]
+        for i in range(num_steps):
+            out = self.model(x.to(self.dtype), sampler.timesteps[i].expand(batch)).float()
+            x, x0 = sampler.step(i, x, out, x0, None if noise is None else noise[i])
+        return x
+
+
+class CompileSystem(EagerSystem):
+    """torch.compile(mode="reduce-overhead") of fastdiff's eager model; compilation counts in time-to-ready."""
+
+    def __init__(self, make_model, dtype, device, warmup_batch: torch.Tensor) -> None:
+        super().__init__(make_model, dtype, device)
+        self.name = "compile"
+        self.notes = "torch.compile mode=reduce-overhead"
+        self.warmup_batch = warmup_batch
+
+    def prepare(self) -> None:
+        super().prepare()
+        self.model = torch.compile(self.model, mode="reduce-overhead")
+        t = torch.zeros(self.warmup_batch.shape[0], dtype=torch.long, device=self.device)
+        with torch.no_grad():
+            for _ in range(3):  # compile + CUDA-graph recording happen in these calls
+                self.model(self.warmup_batch.to(self.dtype), t)
+        torch.cuda.synchronize()
+
+
+class DiffusersSystem(System):
+    """diffusers' UNet2DModel with the same weights and its own scheduler (optionally torch.compile'd)."""
+
+    def __init__(self, make_model, dtype, device, schedule: ScheduleConfig, compile_warmup=None) -> None:
+        super().__init__(dtype)
+        self.make_model, self.device, self.schedule = make_model, device, schedule
+        self.compile_warmup = compile_warmup
+        self.name = "diffusers+compile" if compile_warmup is not None else "diffusers"
+        self.notes = "diffusers UNet2DModel + its scheduler" + (
+            ", torch.compile mode=reduce-overhead" if compile_warmup is not None else ""
+        )
+        self._schedulers: dict[tuple[str, int], object] = {}
+
+    def prepare(self) -> None:
+        import diffusers
+
+        ours = self.make_model()
+        config = {k: v for k, v in vars(ours.config).items() if not k.startswith("_")}
+        unet = diffusers.UNet2DModel(**config)
+        unet.load_state_dict(ours.state_dict())
+        self.unet = unet.to(device=self.device, dtype=self.dtype).eval()
+        if self.compile_warmup is not None:
+            self.unet = torch.compile(self.unet, mode="reduce-overhead")
+            t = torch.zeros(self.compile_warmup.shape[0], dtype=torch.long, device=self.device)
+            with torch.no_grad():
+                for _ in range(3):
+                    self.unet(self.compile_warmup.to(self.dtype), t)
+            torch.cuda.synchronize()
+
+    def scheduler(self, sampler: Sampler):
+        import diffusers
+
+        key = (sampler.name, sampler.num_steps)
+        if key not in self._schedulers:
+            classes = {
+                "ddpm": diffusers.DDPMScheduler,
+                "ddim": diffusers.DDIMScheduler,
+                "dpmsolver++": diffusers.DPMSolverMultistepScheduler,
+            }
+            sched = classes[sampler.name].from_config(vars(self.schedule))
+            sched.set_timesteps(sampler.num_steps, device=self.device)
+            self._schedulers[key] = sched
+        return self._schedulers[key]
+
+    @torch.no_grad()
+    def run(self, x, noise, sampler, num_steps):
+        sched = self.scheduler(sampler)
+        sched.set_timesteps(sampler.num_steps, device=self.device)  # resets multistep state
+        x = x.to(self.dtype)
+        for i, t in enumerate(sched.timesteps[:num_steps]):
+            x = sched.step(self.unet(x, t).sample, t, x).prev_sample
+        return x.float()

@@ -1,0 +1,34 @@
+"""Triton kernels: each module holds ``<op>_ref`` (plain torch, the definition), the kernel, the wrapper ``<op>``
+and ``OP = KernelOp(...)``. ``REGISTRY`` maps op name -> KernelOp for the tests, the benchmarks and the engine.
+
+Conventions: activations are logical ``[N, C, H, W]`` tensors in channels-last memory (NHWC); attention takes
+``[B, heads, L, head_dim]``. On the GPU the kernels run fp16/bf16 with fp32 accumulation and statistics; on the
+CPU they run in fp32 in Triton's interpreter (``TRITON_INTERPRET=1``).
+"""
+
+from fastdiff.kernels import (
+    attention,
+    attention_gate,
+    conv2d,
+    depthwise_conv2d,
+    group_norm_act,
+    sampler_step,
+    winograd_conv3x3,
+)
+from fastdiff.kernels.registry import KernelOp
+
+REGISTRY: dict[str, KernelOp] = {
+    module.OP.name: module.OP
+    for module in (
+        conv2d,
+        depthwise_conv2d,
+        winograd_conv3x3,
+        group_norm_act,
+        attention,
+        attention_gate,
+        sampler_step,
+    )
+}
+"""Op name -> KernelOp, in the order a U-Net forward meets them."""
+
+__all__ = ["REGISTRY", "KernelOp"]

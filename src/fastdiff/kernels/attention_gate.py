@@ -1,0 +1,260 @@
+"""The ConvNeXt U-Net's attention gate on a skip connection, in one kernel.
+
+``models.convnext_unet.AttentionGate``::
+
+    a   = ReLU(gate_conv(g) + residual_conv(x))      # two 1x1 convs to `inter` channels, both with bias
+    psi = sigmoid(psi_conv(a))                       # 1x1 conv to one channel
+    out = x * psi
+
+Argument names map to its weights: ``w_x, b_x`` = ``residual_conv`` (on the skip ``x``), ``w_g, b_g`` =
+``gate_conv`` (on the decoder path ``g``), ``w_psi, b_psi`` = ``psi``; every bias is optional. 1x1 weights are
+accepted as torch's ``[out, in, 1, 1]`` or as ``[out, in]``.
+
+Layout: ``x`` ``[N, Cx, H, W]`` and ``g`` ``[N, Cg, H, W]`` are logical NCHW tensors in channels-last memory
+(other layouts are copied first); the output is channels-last like ``x``. Each program owns BLOCK_P pixels: it
+loads their full x and g channel rows once, runs both 1x1 convs as ``tl.dot`` into one fp32 accumulator per
+BLOCK_F slice of ``inter``, applies bias + ReLU and folds the slice into the psi dot product, then writes
+``x * sigmoid(psi)`` from the x rows still in registers. x and g are read once, out written once; meant for up
+to ~1024 channels per input (whole rows live in registers).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from fastdiff.errors import FastdiffError
+from fastdiff.kernels.conv2d import channels_last_randn, num_sms
+from fastdiff.kernels.registry import KernelOp
+
+log = logging.getLogger(__name__)
+
+
+def _as_conv1x1(weight: torch.Tensor) -> torch.Tensor:
+    return weight.reshape(weight.shape[0], weight.shape[1], 1, 1)
+
+
+def attention_gate_ref(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    w_x: torch.Tensor,
+    w_g: torch.Tensor,
+    b_g: torch.Tensor | None,
+    w_psi: torch.Tensor,
+    b_psi: torch.Tensor | None,
+    *,
+    b_x: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain torch definition (the model's own forward): ``x * sigmoid(psi(relu(conv_g(g) + conv_x(x))))``."""
+    a = F.relu(F.conv2d(g, _as_conv1x1(w_g), b_g) + F.conv2d(x, _as_conv1x1(w_x), b_x))
+    y = x * torch.sigmoid(F.conv2d(a, w_psi.reshape(1, -1, 1, 1), b_psi))
+    if out is not None:
+        return out.copy_(y)
+    return y
+
+
+@triton.jit
+def _attention_gate_kernel(
+    x_ptr,
+    g_ptr,
+    wx_ptr,
+    wg_ptr,
+    bx_ptr,
+    bg_ptr,
+    wpsi_ptr,
+    bpsi_ptr,
+    out_ptr,
+    P,
+    CX,
+    CG,
+    INTER,
+    HAS_BX: tl.constexpr,
+    HAS_BG: tl.constexpr,
+    HAS_BPSI: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_CX: tl.constexpr,
+    BLOCK_CG: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    row_mask = rows < P
+    rows64 = rows.to(tl.int64)
+    offs_cx = tl.arange(0, BLOCK_CX)
+    offs_cg = tl.arange(0, BLOCK_CG)
+    cx_mask = offs_cx < CX
+    cg_mask = offs_cg < CG
+    x_offs = rows64[:, None] * CX + offs_cx[None, :]
+    x_mask = row_mask[:, None] & cx_mask[None, :]
+    xa = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
+    ga = tl.load(
+        g_ptr + rows64[:, None] * CG + offs_cg[None, :], mask=row_mask[:, None] & cg_mask[None, :], other=0.0
+    )
+
+    logit = tl.zeros([BLOCK_P], dtype=tl.float32)
+    for f0 in range(0, INTER, BLOCK_F):
+        offs_f = f0 + tl.arange(0, BLOCK_F)
+        f_mask = offs_f < INTER
+        # [C, F] views of the row-major [INTER, C] weights.
+        wx = tl.load(
+            wx_ptr + offs_f[None, :] * CX + offs_cx[:, None],
+            mask=cx_mask[:, None] & f_mask[None, :],
+            other=0.0,
+        )
+        wg = tl.load(
+            wg_ptr + offs_f[None, :] * CG + offs_cg[:, None],
+            mask=cg_mask[:, None] & f_mask[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(xa, wx)
+        acc = tl.dot(ga, wg, acc)
+        if HAS_BX:
+            acc += tl.load(bx_ptr + offs_f, mask=f_mask, other=0.0).to(tl.float32)[None, :]
+        if HAS_BG:
+            acc += tl.load(bg_ptr + offs_f, mask=f_mask, other=0.0).to(tl.float32)[None, :]
+        acc = tl.maximum(acc, 0.0)
+        w_psi = tl.load(wpsi_ptr + offs_f, mask=f_mask, other=0.0).to(tl.float32)
+        logit += tl.sum(acc * w_psi[None, :], axis=1)
+    if HAS_BPSI:
+        logit += tl.load(bpsi_ptr).to(tl.float32)
+    psi = 1.0 / (1.0 + tl.exp(-logit))
+    y = xa.to(tl.float32) * psi[:, None]
+    tl.store(out_ptr + x_offs, y.to(out_ptr.dtype.element_ty), mask=x_mask)
+
+
+def _weight_2d(name: str, weight: torch.Tensor, inter: int | None, channels: int) -> torch.Tensor:
+    if weight.dim() == 4 and weight.shape[2:] == (1, 1):
+        weight = weight.reshape(weight.shape[0], weight.shape[1])
+    if weight.dim() != 2 or weight.shape[1] != channels or (inter is not None and weight.shape[0] != inter):
+        raise FastdiffError(
+            f"{name} must be a 1x1 conv weight [inter, {channels}(, 1, 1)], got {tuple(weight.shape)}"
+        )
+    return weight.contiguous()
+
+
+def _gate_blocks(pixels: int, block_cx: int, block_cg: int, device: torch.device) -> int:
+    """BLOCK_P: 128 pixels, fewer for wide rows (registers) or when the grid would not fill the GPU."""
+    block_p = max(16, min(128, 16384 // max(block_cx, block_cg)))
+    while block_p > 16 and triton.cdiv(pixels, block_p) < num_sms(device):
+        block_p //= 2
+    return block_p
+
+
+def attention_gate(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    w_x: torch.Tensor,
+    w_g: torch.Tensor,
+    b_g: torch.Tensor | None,
+    w_psi: torch.Tensor,
+    b_psi: torch.Tensor | None,
+    *,
+    b_x: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x * sigmoid(w_psi . relu(w_g g + b_g + w_x x + b_x) + b_psi)`` per pixel, one launch (see module doc)."""
+    if x.dim() != 4 or g.dim() != 4 or g.shape[0] != x.shape[0] or g.shape[2:] != x.shape[2:]:
+        raise FastdiffError(
+            f"attention_gate needs x [N, Cx, H, W] and g [N, Cg, H, W] at one resolution, got {tuple(x.shape)} "
+            f"and {tuple(g.shape)}"
+        )
+    n, cx, h, w = x.shape
+    cg = g.shape[1]
+    w_x = _weight_2d("w_x", w_x, None, cx)
+    inter = w_x.shape[0]
+    w_g = _weight_2d("w_g", w_g, inter, cg)
+    w_psi = w_psi.reshape(-1).contiguous()
+    if w_psi.numel() != inter:
+        raise FastdiffError(f"w_psi must hold {inter} weights ([1, {inter}(, 1, 1)]), got {w_psi.numel()}")
+    for name, tensor in (("g", g), ("w_x", w_x), ("w_g", w_g), ("w_psi", w_psi)):
+        if tensor.dtype != x.dtype or tensor.device != x.device:
+            raise FastdiffError(
+                f"{name} ({tensor.dtype}, {tensor.device}) must match x ({x.dtype}, {x.device})"
+            )
+    for name, tensor, numel in (("b_x", b_x, inter), ("b_g", b_g, inter), ("b_psi", b_psi, 1)):
+        if tensor is not None and (tensor.numel() != numel or tensor.device != x.device):
+            raise FastdiffError(
+                f"{name} must hold {numel} values on {x.device}, got shape {tuple(tensor.shape)}"
+            )
+    x = x.contiguous(memory_format=torch.channels_last)
+    g = g.contiguous(memory_format=torch.channels_last)
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.channels_last)
+    elif (
+        tuple(out.shape) != tuple(x.shape)
+        or out.dtype != x.dtype
+        or not out.is_contiguous(memory_format=torch.channels_last)
+    ):
+        raise FastdiffError(f"out must be a channels-last {x.dtype} tensor of shape {tuple(x.shape)}")
+    pixels = n * h * w
+    block_cx = max(16, triton.next_power_of_2(cx))
+    block_cg = max(16, triton.next_power_of_2(cg))
+    block_f = max(16, min(64, triton.next_power_of_2(inter)))
+    block_p = _gate_blocks(pixels, block_cx, block_cg, x.device)
+    _attention_gate_kernel[(triton.cdiv(pixels, block_p),)](
+        x, g, w_x, w_g,
+        b_x if b_x is not None else w_x, b_g if b_g is not None else w_x, w_psi,
+        b_psi if b_psi is not None else w_x, out, pixels, cx, cg, inter,
+        HAS_BX=b_x is not None, HAS_BG=b_g is not None, HAS_BPSI=b_psi is not None,
+        BLOCK_P=block_p, BLOCK_CX=block_cx, BLOCK_CG=block_cg, BLOCK_F=block_f,
+        num_warps=4 if block_p * max(block_cx, block_cg) <= 8192 else 8,
+    )  # fmt: skip
+    return out
+
+
+GATE_SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
+    "small": (2, 12, 20, 6, 7, 9),
+    "cifar10-b1": (1, 64, 64, 32, 32, 32),
+    "cifar10-b256": (256, 64, 64, 32, 32, 32),
+    "large": (256, 64, 64, 32, 32, 32),
+    "sd15-b2": (2, 64, 64, 32, 64, 64),
+}
+"""size -> (N, Cx, Cg, inter, H, W): the convnext-cifar10 preset's outermost gate (64 channels, 32x32). SD1.5 has
+no gate: "sd15-b2" stands for the convnext-64 preset's 64x64 gate at batch 2."""
+
+
+def attention_gate_example_inputs(
+    size: str, dtype: torch.dtype, device: str | torch.device, seed: int = 0
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Skip x, decoder path g and the gate's three 1x1 convs with biases (torch's default-init scale)."""
+    if size not in GATE_SHAPES:
+        raise FastdiffError(f"unknown example size {size!r}; expected one of {', '.join(GATE_SHAPES)}")
+    n, cx, cg, inter, h, w = GATE_SHAPES[size]
+    gen = torch.Generator().manual_seed(seed)
+    x = channels_last_randn((n, cx, h, w), dtype, device, gen)
+    g = channels_last_randn((n, cg, h, w), dtype, device, gen)
+
+    def param(*shape: int, fan_in: int) -> torch.Tensor:
+        return (torch.rand(shape, generator=gen) * 2 - 1).div(fan_in**0.5).to(device=device, dtype=dtype)
+
+    w_x, b_x = param(inter, cx, 1, 1, fan_in=cx), param(inter, fan_in=cx)
+    w_g, b_g = param(inter, cg, 1, 1, fan_in=cg), param(inter, fan_in=cg)
+    w_psi, b_psi = param(1, inter, 1, 1, fan_in=inter), param(1, fan_in=inter)
+    return (x, g, w_x, w_g, b_g, w_psi, b_psi), {"b_x": b_x}
+
+
+def attention_gate_cost(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float, float]:
+    """(2 * pixels * (Cx + Cg + 1) * inter + pixels * Cx; x, g and the weights read once, out written once)."""
+    x, g, w_x = args[0], args[1], args[2]
+    pixels = x.shape[0] * x.shape[2] * x.shape[3]
+    inter = w_x.shape[0]
+    flops = 2.0 * pixels * (x.shape[1] + g.shape[1] + 1) * inter + pixels * x.shape[1]
+    tensors = (x, x, *(a for a in args[1:] if a is not None), kwargs.get("b_x"))
+    moved = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    return flops, float(moved)
+
+
+OP = KernelOp(
+    name="attention_gate",
+    triton=attention_gate,
+    ref=attention_gate_ref,
+    example_inputs=attention_gate_example_inputs,
+    cost=attention_gate_cost,
+)
+
+__all__ = ["GATE_SHAPES", "OP", "attention_gate", "attention_gate_ref"]

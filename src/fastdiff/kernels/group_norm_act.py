@@ -1,0 +1,484 @@
+"""GroupNorm over NHWC activations with fused affine, activation and residual add.
+
+Layout: ``x`` is a logical ``[N, C, H, W]`` torch tensor in channels-last memory (NHWC: ``x.is_contiguous(
+memory_format=torch.channels_last)``); a tensor in another layout is copied to channels-last first. The output
+is channels-last. Any group count that divides C works; ``num_groups=1`` is a LayerNorm over C x H x W per sample.
+
+Order, per element, with fp32 statistics (Chan's parallel merge of per-tile two-pass mean / M2, so no
+sum-of-squares cancellation)::
+
+    y = (x - mean[n, g]) * rsqrt(var[n, g] + eps) * weight[c] + bias[c]
+    y = activation(y)                  # None | "silu" | "gelu" (exact, erf) | "relu"
+    y = y + residual[n, c, h, w]       # optional
+
+Two designs, chosen by size:
+
+* single pass: one program per (sample, block of whole groups). When the block (H*W rows x its channels) fits
+  in registers it is loaded once, reduced and normalised from registers (x read once, y written once); otherwise
+  the program streams it twice (statistics, then apply; the second read mostly hits L2).
+* two phase, for large groups with too few (sample, group) pairs to fill the GPU (batch 1, SD1.5 at 64x64):
+  a split-reduction kernel writes per-split (count, mean, M2) partials, an apply kernel merges them and writes y.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from fastdiff.errors import FastdiffError
+from fastdiff.kernels.conv2d import ACTIVATIONS, activation_ref, channels_last_randn, num_sms
+from fastdiff.kernels.registry import KernelOp
+
+log = logging.getLogger(__name__)
+
+MAX_REGISTER_TILE = 16384
+"""Most elements one single-pass program keeps in registers (32 KB of fp16 over 8 warps)."""
+STREAM_TILE = 4096
+"""Elements per loop step when a program streams its block."""
+MAX_SPLIT = 64
+"""Most row splits per group in the two-phase design (the apply kernel merges them all in registers)."""
+
+Design = Literal["auto", "single_pass", "two_phase"]
+
+
+def group_norm_act_ref(
+    x: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+    *,
+    activation: str | None = None,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    design: Design = "auto",
+) -> torch.Tensor:
+    """Plain torch definition: ``F.group_norm`` -> activation -> + residual (``design`` is ignored)."""
+    y = activation_ref(F.group_norm(x, num_groups, weight, bias, eps), activation)
+    if residual is not None:
+        y = y + residual
+    if out is not None:
+        return out.copy_(y)
+    return y
+
+
+@triton.jit
+def _merge_stats(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
+    """Chan's merge of two (count, mean, M2) summaries; ``n_b`` > 0."""
+    n = n_a + n_b
+    delta = mean_b - mean_a
+    frac = n_b / n
+    return n, mean_a + delta * frac, m2_a + m2_b + delta * delta * n_a * frac
+
+
+@triton.jit
+def _channels_to_groups(cnt, ch_mean, ch_m2, local_c, c_mask, CG: tl.constexpr):
+    """Per-channel (row count, mean, M2) -> per-lane stats of the lane's group; masked lanes join group 0."""
+    grp = tl.where(c_mask, local_c // CG, 0)
+    same = (grp[:, None] == grp[None, :]) & c_mask[None, :]
+    k = tl.sum(same.to(tl.float32), axis=1)
+    g_mean = tl.sum(tl.where(same, ch_mean[None, :], 0.0), axis=1) / k
+    dev = ch_mean[None, :] - g_mean[:, None]
+    g_m2 = tl.sum(tl.where(same, ch_m2[None, :] + cnt[None, :] * dev * dev, 0.0), axis=1)
+    return k * cnt, g_mean, g_m2
+
+
+@triton.jit
+def _block_group_stats(
+    x_ptr,
+    base,
+    hw_start,
+    hw_end,
+    c_begin,
+    span,
+    C,
+    CG: tl.constexpr,
+    BLOCK_HW: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Stats of the groups in channels [c_begin, c_begin + span) over rows [hw_start, hw_end), streamed in tiles.
+
+    Returns per-lane (count, mean, M2) of the lane's group; a group wider than BLOCK_C (then span == CG) is
+    merged over its channel chunks, so every lane ends with the same values.
+    """
+    lane = tl.arange(0, BLOCK_C)
+    run_n = tl.zeros([BLOCK_C], dtype=tl.float32)
+    run_mean = tl.zeros([BLOCK_C], dtype=tl.float32)
+    run_m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for cc in range(0, span, BLOCK_C):
+        local_c = cc + lane
+        c_mask = local_c < span
+        offs_c = c_begin + local_c
+        cnt = tl.zeros([BLOCK_C], dtype=tl.float32)
+        ch_mean = tl.zeros([BLOCK_C], dtype=tl.float32)
+        ch_m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for h0 in range(hw_start, hw_end, BLOCK_HW):
+            rows = h0 + tl.arange(0, BLOCK_HW)
+            mask = (rows < hw_end)[:, None] & c_mask[None, :]
+            ptrs = x_ptr + base + rows.to(tl.int64)[:, None] * C + offs_c[None, :]
+            tile = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            nb = tl.minimum(hw_end - h0, BLOCK_HW).to(tl.float32)
+            t_mean = tl.sum(tile, axis=0) / nb
+            dev = tl.where(mask, tile - t_mean[None, :], 0.0)
+            cnt, ch_mean, ch_m2 = _merge_stats(cnt, ch_mean, ch_m2, nb, t_mean, tl.sum(dev * dev, axis=0))
+        g_n, g_mean, g_m2 = _channels_to_groups(cnt, ch_mean, ch_m2, local_c, c_mask, CG)
+        run_n, run_mean, run_m2 = _merge_stats(run_n, run_mean, run_m2, g_n, g_mean, g_m2)
+    return run_n, run_mean, run_m2
+
+
+@triton.jit
+def _scale_shift(w_ptr, b_ptr, offs_c, c_mask, mean, rstd, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    """Per-channel (scale, shift) so that y = x * scale + shift is the normalised, affine output."""
+    scale = rstd
+    if HAS_W:
+        scale = scale * tl.load(w_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+    shift = -mean * scale
+    if HAS_B:
+        shift += tl.load(b_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+    return scale, shift
+
+
+@triton.jit
+def _finish_tile(tile, scale, shift, y_ptr, r_ptr, offs, mask, ACT: tl.constexpr, HAS_RES: tl.constexpr):
+    """y = act(tile * scale + shift) (+ residual), stored at ``offs``."""
+    y = tile.to(tl.float32) * scale[None, :] + shift[None, :]
+    if ACT == 1:
+        y = y / (1.0 + tl.exp(-y))
+    elif ACT == 2:
+        y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
+    elif ACT == 3:
+        y = tl.maximum(y, 0.0)
+    if HAS_RES:
+        y += tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gn_single_pass_kernel(
+    x_ptr,
+    y_ptr,
+    w_ptr,
+    b_ptr,
+    r_ptr,
+    HW,
+    C,
+    eps,
+    CG: tl.constexpr,
+    GPB: tl.constexpr,
+    BLOCK_HW: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    IN_REGISTERS: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+):
+    """One program per (sample, block of GPB whole groups)."""
+    n = tl.program_id(0)
+    c_begin = tl.program_id(1) * (GPB * CG)
+    span = tl.minimum(GPB * CG, C - c_begin)
+    base = n.to(tl.int64) * HW * C
+    lane = tl.arange(0, BLOCK_C)
+    if IN_REGISTERS:
+        # The whole block is one tile: load once, reduce, normalise from registers.
+        rows = tl.arange(0, BLOCK_HW)
+        c_mask = lane < span
+        offs_c = c_begin + lane
+        mask = (rows < HW)[:, None] & c_mask[None, :]
+        offs = base + rows.to(tl.int64)[:, None] * C + offs_c[None, :]
+        tile = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        tile32 = tile.to(tl.float32)
+        cnt = tl.zeros([BLOCK_C], dtype=tl.float32) + HW
+        ch_mean = tl.sum(tile32, axis=0) / cnt
+        dev = tl.where(mask, tile32 - ch_mean[None, :], 0.0)
+        g_n, g_mean, g_m2 = _channels_to_groups(cnt, ch_mean, tl.sum(dev * dev, axis=0), lane, c_mask, CG)
+        rstd = tl.math.rsqrt(g_m2 / g_n + eps)
+        scale, shift = _scale_shift(w_ptr, b_ptr, offs_c, c_mask, g_mean, rstd, HAS_W, HAS_B)
+        _finish_tile(tile, scale, shift, y_ptr, r_ptr, offs, mask, ACT, HAS_RES)
+    else:
+        g_n, g_mean, g_m2 = _block_group_stats(x_ptr, base, 0, HW, c_begin, span, C, CG, BLOCK_HW, BLOCK_C)
+        rstd = tl.math.rsqrt(g_m2 / g_n + eps)
+        for cc in range(0, span, BLOCK_C):
+            c_mask = cc + lane < span
+            offs_c = c_begin + cc + lane
+            scale, shift = _scale_shift(w_ptr, b_ptr, offs_c, c_mask, g_mean, rstd, HAS_W, HAS_B)
+            for h0 in range(0, HW, BLOCK_HW):
+                rows = h0 + tl.arange(0, BLOCK_HW)
+                mask = (rows < HW)[:, None] & c_mask[None, :]
+                offs = base + rows.to(tl.int64)[:, None] * C + offs_c[None, :]
+                tile = tl.load(x_ptr + offs, mask=mask, other=0.0)
+                _finish_tile(tile, scale, shift, y_ptr, r_ptr, offs, mask, ACT, HAS_RES)
+
+
+@triton.jit
+def _gn_partial_stats_kernel(
+    x_ptr,
+    part_ptr,
+    HW,
+    C,
+    G,
+    HW_PER_SPLIT,
+    SPLIT,
+    CG: tl.constexpr,
+    GPB: tl.constexpr,
+    BLOCK_HW: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Phase 1: (count, mean, M2) of each group of a (sample, group block) over one split of the rows."""
+    n = tl.program_id(0)
+    block = tl.program_id(1)
+    split = tl.program_id(2)
+    c_begin = block * (GPB * CG)
+    span = tl.minimum(GPB * CG, C - c_begin)
+    hw_start = split * HW_PER_SPLIT
+    hw_end = tl.minimum(hw_start + HW_PER_SPLIT, HW)
+    base = n.to(tl.int64) * HW * C
+    g_n, g_mean, g_m2 = _block_group_stats(
+        x_ptr, base, hw_start, hw_end, c_begin, span, C, CG, BLOCK_HW, BLOCK_C
+    )
+    lane = tl.arange(0, BLOCK_C)
+    first_of_group = (lane % CG == 0) & (lane < span)
+    slot = part_ptr + ((n * G + block * GPB + lane // CG) * SPLIT + split) * 3
+    tl.store(slot, g_n, mask=first_of_group)
+    tl.store(slot + 1, g_mean, mask=first_of_group)
+    tl.store(slot + 2, g_m2, mask=first_of_group)
+
+
+@triton.jit
+def _gn_apply_kernel(
+    x_ptr,
+    y_ptr,
+    w_ptr,
+    b_ptr,
+    r_ptr,
+    part_ptr,
+    HW,
+    C,
+    G,
+    SPLIT,
+    HW_PER_PROGRAM,
+    eps,
+    CG: tl.constexpr,
+    BLOCK_HW: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+):
+    """Phase 2: merge the partials of each channel's group, then normalise a range of rows x BLOCK_C channels."""
+    n = tl.program_id(0)
+    hw_start = tl.program_id(1) * HW_PER_PROGRAM
+    hw_end = tl.minimum(hw_start + HW_PER_PROGRAM, HW)
+    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = offs_c < C
+    grp = tl.where(c_mask, offs_c // CG, 0)
+    offs_s = tl.arange(0, BLOCK_S)
+    p_mask = c_mask[:, None] & (offs_s < SPLIT)[None, :]
+    slot = part_ptr + ((n * G + grp)[:, None] * SPLIT + offs_s[None, :]) * 3
+    cnt = tl.load(slot, mask=p_mask, other=0.0)
+    means = tl.load(slot + 1, mask=p_mask, other=0.0)
+    m2s = tl.load(slot + 2, mask=p_mask, other=0.0)
+    total = tl.maximum(tl.sum(cnt, axis=1), 1.0)
+    mean = tl.sum(cnt * means, axis=1) / total
+    dev = means - mean[:, None]
+    m2 = tl.sum(m2s + cnt * dev * dev, axis=1)
+    rstd = tl.math.rsqrt(m2 / total + eps)
+    scale, shift = _scale_shift(w_ptr, b_ptr, offs_c, c_mask, mean, rstd, HAS_W, HAS_B)
+    base = n.to(tl.int64) * HW * C
+    for h0 in range(hw_start, hw_end, BLOCK_HW):
+        rows = h0 + tl.arange(0, BLOCK_HW)
+        mask = (rows < hw_end)[:, None] & c_mask[None, :]
+        offs = base + rows.to(tl.int64)[:, None] * C + offs_c[None, :]
+        tile = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        _finish_tile(tile, scale, shift, y_ptr, r_ptr, offs, mask, ACT, HAS_RES)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one call runs: design, channel block, groups per block, row tile."""
+
+    design: str
+    block_c: int
+    groups_per_block: int
+    block_hw: int
+    in_registers: bool
+
+
+def _channel_block(group_size: int, channels: int) -> int:
+    """Power-of-two lane count holding whole groups with >= 75% of the lanes used (rows of >= 32 B in fp16)."""
+    first = triton.next_power_of_2(max(group_size, min(16, channels)))
+    for block in (first, 2 * first, 4 * first):
+        if group_size > block or (block // group_size) * group_size >= 0.75 * block:
+            return block
+    return first
+
+
+def _plan(n: int, channels: int, hw: int, groups: int, device: torch.device, design: Design) -> _Plan:
+    group_size = channels // groups
+    block_c = _channel_block(group_size, channels)
+    hw_pad = triton.next_power_of_2(hw)
+    if group_size <= block_c and hw_pad * block_c <= MAX_REGISTER_TILE and design != "two_phase":
+        return _Plan("single_pass", block_c, block_c // group_size, hw_pad, True)
+    block_c = min(block_c, 64)
+    groups_per_block = max(1, block_c // group_size)
+    block_hw = min(hw_pad, max(1, STREAM_TILE // block_c))
+    blocks = triton.cdiv(groups, groups_per_block)
+    if design == "single_pass" or (design == "auto" and n * blocks >= num_sms(device)):
+        return _Plan("single_pass", block_c, groups_per_block, block_hw, False)
+    return _Plan("two_phase", block_c, groups_per_block, block_hw, False)
+
+
+def _as_channels_last(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous(memory_format=torch.channels_last)
+
+
+def _check_inputs(
+    x: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    residual: torch.Tensor | None,
+    out: torch.Tensor | None,
+    design: str,
+) -> None:
+    if x.dim() != 4:
+        raise FastdiffError(f"group_norm_act input must be 4-D [N, C, H, W], got shape {tuple(x.shape)}")
+    channels = x.shape[1]
+    if num_groups < 1 or channels % num_groups != 0:
+        raise FastdiffError(f"num_groups={num_groups} must be >= 1 and divide the {channels} channels")
+    if activation not in ACTIVATIONS:
+        raise FastdiffError(f"unknown activation {activation!r}; expected one of {list(ACTIVATIONS)}")
+    if design not in ("auto", "single_pass", "two_phase"):
+        raise FastdiffError(
+            f"unknown group_norm_act design {design!r}; expected auto, single_pass or two_phase"
+        )
+    for name, tensor, shape in (
+        ("weight", weight, (channels,)),
+        ("bias", bias, (channels,)),
+        ("residual", residual, tuple(x.shape)),
+        ("out", out, tuple(x.shape)),
+    ):
+        if tensor is not None and (tuple(tensor.shape) != shape or tensor.device != x.device):
+            raise FastdiffError(f"{name} must have shape {shape} on {x.device}, got {tuple(tensor.shape)}")
+    if out is not None and (out.dtype != x.dtype or not out.is_contiguous(memory_format=torch.channels_last)):
+        raise FastdiffError(f"out must be a channels-last {x.dtype} tensor")
+
+
+def group_norm_act(
+    x: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+    *,
+    activation: str | None = None,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    design: Design = "auto",
+) -> torch.Tensor:
+    """``activation(group_norm(x) * weight + bias) + residual`` in one (or two) launches, fp32 statistics.
+
+    ``x``: logical ``[N, C, H, W]``, channels-last memory (other layouts are copied first). ``out`` (optional) is
+    a channels-last tensor like ``x``. ``design`` forces a design ("auto" picks by size; tests use the others).
+    """
+    _check_inputs(x, num_groups, weight, bias, activation, residual, out, design)
+    n, channels, h, w = x.shape
+    hw = h * w
+    x = _as_channels_last(x)
+    if residual is not None:
+        residual = _as_channels_last(residual)
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.channels_last)
+    plan = _plan(n, channels, hw, num_groups, x.device, design)
+    group_size = channels // num_groups
+    flags = {
+        "ACT": ACTIVATIONS[activation],
+        "HAS_RES": residual is not None,
+        "HAS_W": weight is not None,
+        "HAS_B": bias is not None,
+    }
+    w_arg = weight if weight is not None else x
+    b_arg = bias if bias is not None else x
+    r_arg = residual if residual is not None else x
+    blocks = triton.cdiv(num_groups, plan.groups_per_block)
+    if plan.design == "single_pass":
+        tile = plan.block_hw * plan.block_c
+        _gn_single_pass_kernel[(n, blocks)](
+            x, out, w_arg, b_arg, r_arg, hw, channels, eps,
+            CG=group_size, GPB=plan.groups_per_block, BLOCK_HW=plan.block_hw, BLOCK_C=plan.block_c,
+            IN_REGISTERS=plan.in_registers, num_warps=max(1, min(8, tile // 512)), **flags,
+        )  # fmt: skip
+        return out
+    target = 2 * num_sms(x.device)
+    split = min(triton.cdiv(hw, plan.block_hw), triton.cdiv(target, n * blocks), MAX_SPLIT)
+    hw_per_split = triton.cdiv(triton.cdiv(hw, split), plan.block_hw) * plan.block_hw
+    split = triton.cdiv(hw, hw_per_split)
+    partials = torch.empty((n, num_groups, split, 3), device=x.device, dtype=torch.float32)
+    _gn_partial_stats_kernel[(n, blocks, split)](
+        x, partials, hw, channels, num_groups, hw_per_split, split,
+        CG=group_size, GPB=plan.groups_per_block, BLOCK_HW=plan.block_hw, BLOCK_C=plan.block_c, num_warps=4,
+    )  # fmt: skip
+    apply_c = min(64, triton.next_power_of_2(channels))
+    apply_hw = max(1, min(triton.next_power_of_2(hw), STREAM_TILE // apply_c))
+    c_blocks = triton.cdiv(channels, apply_c)
+    programs_hw = max(1, min(triton.cdiv(hw, apply_hw), triton.cdiv(4 * num_sms(x.device), n * c_blocks)))
+    hw_per_program = triton.cdiv(triton.cdiv(hw, programs_hw), apply_hw) * apply_hw
+    _gn_apply_kernel[(n, triton.cdiv(hw, hw_per_program), c_blocks)](
+        x, out, w_arg, b_arg, r_arg, partials, hw, channels, num_groups, split, hw_per_program, eps,
+        CG=group_size, BLOCK_HW=apply_hw, BLOCK_C=apply_c, BLOCK_S=triton.next_power_of_2(split),
+        num_warps=4, **flags,
+    )  # fmt: skip
+    return out
+
+
+GN_SHAPES: dict[str, tuple[int, int, int, int, int]] = {
+    "small": (2, 33, 3, 7, 9),
+    "cifar10-b1": (1, 128, 32, 32, 32),
+    "cifar10-b256": (256, 128, 32, 32, 32),
+    "large": (256, 128, 32, 32, 32),
+    "sd15-b2": (2, 320, 32, 64, 64),
+}
+"""size -> (N, C, groups, H, W): a ResnetBlock2D's norm1 + SiLU at the model's largest resolution."""
+
+
+def group_norm_act_example_inputs(
+    size: str, dtype: torch.dtype, device: str | torch.device, seed: int = 0
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """GroupNorm(32) + SiLU of a ResnetBlock2D (small: 33 channels in 3 groups, 7x9) with non-trivial affine."""
+    if size not in GN_SHAPES:
+        raise FastdiffError(f"unknown example size {size!r}; expected one of {', '.join(GN_SHAPES)}")
+    n, channels, groups, h, w = GN_SHAPES[size]
+    gen = torch.Generator().manual_seed(seed)
+    x = channels_last_randn((n, channels, h, w), dtype, device, gen)
+    weight = (1.0 + 0.1 * torch.randn(channels, generator=gen)).to(device=device, dtype=dtype)
+    bias = (0.1 * torch.randn(channels, generator=gen)).to(device=device, dtype=dtype)
+    return (x, groups, weight, bias, 1e-6), {"activation": "silu"}
+
+
+def group_norm_act_cost(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float, float]:
+    """(~10 FLOPs per element: stats, normalise, affine, activation; x + residual read once, y written once)."""
+    x = args[0]
+    weight, bias = args[2], args[3]
+    residual = kwargs.get("residual")
+    moved = sum(t.numel() * t.element_size() for t in (x, x, weight, bias, residual) if t is not None)
+    return 10.0 * x.numel(), float(moved)
+
+
+OP = KernelOp(
+    name="group_norm_act",
+    triton=group_norm_act,
+    ref=group_norm_act_ref,
+    example_inputs=group_norm_act_example_inputs,
+    cost=group_norm_act_cost,
+)
+
+__all__ = ["GN_SHAPES", "OP", "group_norm_act", "group_norm_act_ref"]

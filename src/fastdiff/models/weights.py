@@ -1,0 +1,52 @@
+"""Reading weight files and loading them into a module with one-line errors for every mismatch."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fastdiff.errors import FastdiffError
+
+log = logging.getLogger(__name__)
+
+WEIGHT_NAMES = ("diffusion_pytorch_model.safetensors", "model.safetensors", "diffusion_pytorch_model.bin")
+
+
+def find_weights(root: Path) -> Path:
+    """The weight file in ``root`` (safetensors preferred), or a FastdiffError naming what is missing."""
+    for name in WEIGHT_NAMES:
+        if (root / name).is_file():
+            return root / name
+    raise FastdiffError(f"no weights in {root}: expected one of {', '.join(WEIGHT_NAMES)}")
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Tensors of a .safetensors or a torch .bin file, on the CPU."""
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path), device="cpu")
+        return torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as exc:  # corrupt or truncated file
+        raise FastdiffError(f"cannot read weights {path}: {type(exc).__name__}: {exc}") from exc
+
+
+def load_state_dict_checked(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Copy ``state`` into ``model``; missing/unexpected keys or shape mismatches raise a one-line error."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    if missing:
+        raise FastdiffError(f"{source}: {len(missing)} weights missing, first: {missing[0]}")
+    if unexpected:
+        raise FastdiffError(f"{source}: {len(unexpected)} unexpected weights, first: {unexpected[0]}")
+    for key, value in state.items():
+        if tuple(value.shape) != tuple(own[key].shape):
+            raise FastdiffError(
+                f"{source}: weight {key} has shape {tuple(value.shape)}, model expects {tuple(own[key].shape)}"
+            )
+    model.load_state_dict(state, strict=True)

@@ -1,0 +1,165 @@
+"""``Pipeline``: load a U-Net and a sampler, draw seeded noise, run the sampling loop, return images."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from fastdiff.errors import FastdiffError
+from fastdiff.images import to_pil
+from fastdiff.models import load_unet
+from fastdiff.samplers import ScheduleConfig, Sampler, make_sampler
+from fastdiff.samplers.noise import draw_noise
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+OUTPUT_TYPES = ("pil", "np", "tensor")
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """"auto" -> cuda if available else cpu; asking for cuda without a GPU is an error."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise FastdiffError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise FastdiffError("device cuda was asked for but no CUDA GPU is available (use --device cpu or auto)")
+    if dev.type not in ("cpu", "cuda"):
+        raise FastdiffError(f"unsupported device {device!r}: use auto, cpu, cuda or cuda:N")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """"fp32"/"fp16"/"bf16" (or a torch dtype among those) -> torch dtype."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    raise FastdiffError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+
+
+class Pipeline:
+    """A U-Net plus a sampler. ``pipe(batch_size=4, seeds=[...])`` returns images; see ``__call__``.
+
+    The sampler state stays in fp32 whatever the model dtype; the model sees its own dtype.
+    """
+
+    def __init__(
+        self,
+        unet: nn.Module,
+        schedule: ScheduleConfig,
+        sampler: str = "ddim",
+        steps: int = 100,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.unet = unet
+        self.schedule = schedule
+        self.sampler_name = sampler
+        self.steps = steps
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self._samplers: dict[float, Sampler] = {}
+        self.sampler_for(0.0)  # validates sampler name and step count now, not at the first call
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_preset: str | Path,
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype = "fp32",
+        sampler: str = "ddim",
+        steps: int = 100,
+    ) -> Pipeline:
+        """Load a preset name or a local diffusers/fastdiff model directory."""
+        dev = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype)
+        unet = load_unet(path_or_preset, device=dev, dtype=torch_dtype)
+        schedule = ScheduleConfig.from_diffusers(getattr(unet, "scheduler_config", None))
+        return cls(unet, schedule, sampler=sampler, steps=steps, device=dev, dtype=torch_dtype)
+
+    @property
+    def sample_shape(self) -> tuple[int, int, int]:
+        cfg = self.unet.config
+        size = cfg.sample_size if isinstance(cfg.sample_size, int) else tuple(cfg.sample_size)
+        h, w = (size, size) if isinstance(size, int) else size
+        return (cfg.in_channels, h, w)
+
+    def sampler_for(self, eta: float) -> Sampler:
+        """The sampler for this pipeline's name/steps and ``eta`` (tables built once, then cached)."""
+        if eta not in self._samplers:
+            self._samplers[eta] = make_sampler(
+                self.sampler_name, self.schedule, self.steps, eta=eta, device=self.device
+            )
+        return self._samplers[eta]
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        batch_size: int = 1,
+        seeds: int | Sequence[int] | None = None,
+        latents: torch.Tensor | None = None,
+        eta: float = 0.0,
+        output_type: str = "pil",
+        progress: bool = True,
+    ):
+        """Sample ``batch_size`` images.
+
+        seeds: one int per image, or one int ``s`` meaning ``s, s+1, ...``; default ``0..B-1``. Image b depends on
+        ``seeds[b]`` only (not on the batch size). latents: an optional x_T [B, C, H, W] (step noise still comes
+        from the seeds). output_type: "pil" (list of PIL images), "np" (float32 [B, H, W, C] in [0, 1]) or
+        "tensor" ([B, C, H, W] in [-1, 1], on the pipeline's device).
+        """
+        if output_type not in OUTPUT_TYPES:
+            raise FastdiffError(f"unknown output_type {output_type!r}: use one of {', '.join(OUTPUT_TYPES)}")
+        if batch_size <= 0:
+            raise FastdiffError(f"batch size must be positive, got {batch_size}")
+        if seeds is None:
+            seeds = list(range(batch_size))
+        elif isinstance(seeds, int):
+            seeds = list(range(seeds, seeds + batch_size))
+        else:
+            seeds = [int(s) for s in seeds]
+            if len(seeds) != batch_size:
+                raise FastdiffError(f"got {len(seeds)} seeds for batch size {batch_size}")
+        sampler = self.sampler_for(eta)
+        shape = self.sample_shape
+        x, noise = draw_noise(seeds, shape, sampler.num_steps if sampler.needs_noise else 0, self.device)
+        if latents is not None:
+            if tuple(latents.shape) != (batch_size, *shape):
+                raise FastdiffError(
+                    f"latents have shape {tuple(latents.shape)}, expected {(batch_size, *shape)}"
+                )
+            x = latents.to(device=self.device, dtype=torch.float32)
+        images = sample_loop(self.unet, sampler, x, noise, self.dtype, progress=progress)
+        if output_type == "tensor":
+            return images
+        if output_type == "np":
+            return ((images.float().cpu() + 1) / 2).permute(0, 2, 3, 1).numpy()
+        return to_pil(images)
+
+
+def sample_loop(
+    unet: nn.Module,
+    sampler: Sampler,
+    x: torch.Tensor,
+    noise: torch.Tensor | None,
+    model_dtype: torch.dtype,
+    progress: bool = False,
+) -> torch.Tensor:
+    """The eager reference loop: fp32 sampler state, model in ``model_dtype``; returns x_0 clamped to [-1, 1]."""
+    x0 = None
+    batch = x.shape[0]
+    for i in tqdm(range(sampler.num_steps), desc="sampling", unit="step", disable=not progress, leave=False):
+        t = sampler.timesteps[i].expand(batch)
+        out = unet(x.to(model_dtype), t).float()
+        x, x0 = sampler.step(i, x, out, x0, None if noise is None else noise[i])
+    return x.clamp(-1, 1)

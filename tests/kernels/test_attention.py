@@ -1,0 +1,97 @@
+"""attention (flash-style softmax(q k^T s) v) against the explicit plain-torch ref in float64."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from fastdiff.errors import FastdiffError
+from fastdiff.kernels.attention import OP, attention, attention_ref
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.float16, id="fp16", marks=needs_cuda),
+    pytest.param(torch.bfloat16, id="bf16", marks=needs_cuda),
+]
+# fp32 on the GPU runs both products in tf32 (~3e-4); the probabilities go to the tensor cores in 16 bits.
+TOLERANCE = {torch.float32: 2e-3 if CUDA else 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "output has NaN"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def make_qkv(batch, heads, lq, lk, head_dim, projected, dtype, seed):
+    """Contiguous [B, heads, L, d], or the [B, L, heads, d].transpose(1, 2) view a fused projection gives."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(length: int, scale: float) -> torch.Tensor:
+        if projected:
+            t = scale * torch.randn((batch, length, heads, head_dim), generator=gen)
+            return t.to(device=DEVICE, dtype=dtype).transpose(1, 2)
+        t = scale * torch.randn((batch, heads, length, head_dim), generator=gen)
+        return t.to(device=DEVICE, dtype=dtype)
+
+    return draw(lq, 1.5), draw(lk, 1.5), draw(lk, 1.0)
+
+
+CASES = [
+    pytest.param((1, 2, 7, 7, 8, False, None), id="seq7_d8"),
+    pytest.param((2, 1, 64, 64, 40, True, None), id="seq64_d40_projected"),
+    pytest.param((1, 2, 33, 77, 64, False, None), id="q33_kv77_d64_cross"),
+    pytest.param((5, 1, 7, 77, 40, True, 0.3), id="b5_q7_kv77_d40_scale"),
+    pytest.param((1, 1, 20, 5, 160, False, None), id="q20_kv5_d160"),
+    pytest.param((1, 8, 4096, 4096, 40, True, None), id="sd15_self_seq4096_d40", marks=needs_cuda),
+    pytest.param((2, 8, 1024, 77, 40, True, None), id="sd15_cross_kv77_d40", marks=needs_cuda),
+    pytest.param((2, 8, 1024, 77, 80, True, None), id="cross_kv77_d80", marks=needs_cuda),
+    pytest.param((2, 8, 256, 77, 160, True, None), id="cross_kv77_d160", marks=needs_cuda),
+    pytest.param((8, 1, 256, 256, 256, False, None), id="cifar_seq256_d256", marks=needs_cuda),
+    pytest.param((2, 2, 300, 300, 512, False, None), id="seq300_d512", marks=needs_cuda),
+    pytest.param((3, 4, 1000, 1000, 32, False, None), id="seq1000_d32", marks=needs_cuda),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_attention_matches_ref(case: tuple, dtype: torch.dtype) -> None:
+    batch, heads, lq, lk, head_dim, projected, scale = case
+    q, k, v = make_qkv(
+        batch, heads, lq, lk, head_dim, projected, dtype, zlib.crc32(repr((case, str(dtype))).encode())
+    )
+    out = torch.full((batch, heads, lq, head_dim), float("nan"), device=DEVICE, dtype=dtype)
+    got = attention(q, k, v, scale=scale, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    ref = attention_ref(q.double(), k.double(), v.double(), scale=scale)
+    assert rel_err(got, ref) < TOLERANCE[dtype]
+
+
+def test_large_logits_stay_finite() -> None:
+    """Scores of +-hundreds: the online softmax must subtract the running max (a naive exp overflows)."""
+    q, k, v = make_qkv(1, 1, 24, 70, 16, False, torch.float32, seed=7)
+    got = attention(q * 20, k, v)
+    assert rel_err(got, attention_ref((q * 20).double(), k.double(), v.double())) < TOLERANCE[torch.float32]
+
+
+def test_example_inputs_and_cost() -> None:
+    args, kwargs = OP.example_inputs("small", torch.float32, DEVICE, 0)
+    flops, moved = OP.cost(args, kwargs)
+    q = args[0]
+    assert flops == 4.0 * q.shape[0] * q.shape[1] * q.shape[2] * args[1].shape[2] * q.shape[3]
+    assert moved == 4 * q.numel() * 4
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [((1, 2, 8, 16), (1, 2, 9, 16), (1, 2, 10, 16)), ((1, 2, 8, 16), (1, 3, 9, 16), (1, 3, 9, 16))],
+    ids=["k_v_lengths_differ", "heads_differ"],
+)
+def test_mismatched_shapes_raise(shapes: tuple) -> None:
+    q, k, v = (torch.randn(s) for s in shapes)
+    with pytest.raises(FastdiffError):
+        attention(q, k, v)

@@ -1,0 +1,136 @@
+"""The CLI and the Pipeline end to end on a tiny saved model: outputs, seeds, and one-line errors (exit 2)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from fastdiff.cli import main
+from fastdiff.errors import FastdiffError
+from fastdiff.pipeline import Pipeline
+
+diffusers = pytest.importorskip("diffusers")
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny diffusers UNet2DModel (odd size 12, 1 channel) saved by diffusers itself, with a scheduler config."""
+    torch.manual_seed(0)
+    unet = diffusers.UNet2DModel(
+        sample_size=12,
+        in_channels=1,
+        out_channels=1,
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        norm_num_groups=4,
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+    )
+    root = tmp_path_factory.mktemp("tiny")
+    unet.save_pretrained(root / "unet")
+    diffusers.DDPMScheduler(num_train_timesteps=1000).save_pretrained(root / "scheduler")
+    return root
+
+
+def run_cli(*argv: str) -> int:
+    return main(list(argv))
+
+
+def test_help_explains_every_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        run_cli("sample", "--help")
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--model", "--sampler", "--steps", "--batch", "--seed", "--dtype", "--device", "--out", "--save-dir"):
+        assert flag in text
+    with pytest.raises(SystemExit):
+        run_cli("--help")
+    top = capsys.readouterr().out
+    for command in ("sample", "train", "fid"):
+        assert command in top
+
+
+def test_sample_writes_grid_and_images(tiny_model_dir, tmp_path):
+    out = tmp_path / "grid.png"
+    rc = run_cli(
+        "sample", "--model", str(tiny_model_dir), "--sampler", "ddim", "--steps", "4", "--batch", "3",
+        "--seed", "5", "--device", "cpu", "--out", str(out), "--save-dir", str(tmp_path / "each"), "--no-progress",
+    )  # fmt: skip
+    assert rc == 0 and out.is_file()
+    files = sorted(p.name for p in (tmp_path / "each").iterdir())
+    assert files == ["000005.png", "000006.png", "000007.png"]
+    assert not list(tmp_path.glob(".*.png"))  # no temporary files left
+
+
+@pytest.mark.parametrize("sampler", ["ddpm", "ddim", "dpmsolver++"])
+def test_image_depends_on_its_seed_only(tiny_model_dir, sampler):
+    pipe = Pipeline.from_pretrained(tiny_model_dir, device="cpu", sampler=sampler, steps=5)
+    eta = 0.5 if sampler == "ddim" else 0.0
+    batch = pipe(batch_size=3, seeds=[11, 12, 13], eta=eta, output_type="tensor", progress=False)
+    single = pipe(batch_size=1, seeds=[12], eta=eta, output_type="tensor", progress=False)
+    torch.testing.assert_close(batch[1:2], single, atol=1e-5, rtol=0)
+    assert not torch.allclose(batch[0], batch[1])
+    again = pipe(batch_size=3, seeds=[11, 12, 13], eta=eta, output_type="tensor", progress=False)
+    assert torch.equal(batch, again)
+
+
+def test_output_types(tiny_model_dir):
+    pipe = Pipeline.from_pretrained(tiny_model_dir, device="cpu", steps=2)
+    arr = pipe(batch_size=2, output_type="np", progress=False)
+    assert arr.shape == (2, 12, 12, 1) and arr.dtype == np.float32 and 0 <= arr.min() and arr.max() <= 1
+    pil = pipe(batch_size=2, output_type="pil", progress=False)
+    assert len(pil) == 2 and pil[0].size == (12, 12)
+
+
+def test_latents_override_and_shape_error(tiny_model_dir):
+    pipe = Pipeline.from_pretrained(tiny_model_dir, device="cpu", steps=2)
+    latents = torch.randn(2, 1, 12, 12)
+    a = pipe(batch_size=2, latents=latents, output_type="tensor", progress=False)
+    b = pipe(batch_size=2, latents=latents, seeds=[7, 8], output_type="tensor", progress=False)
+    torch.testing.assert_close(a, b)  # DDIM eta=0: x_T alone fixes the result
+    with pytest.raises(FastdiffError, match="latents have shape"):
+        pipe(batch_size=2, latents=torch.randn(2, 1, 11, 12), progress=False)
+
+
+BAD_INPUTS = [
+    (["--model", "/no/such/model"], "not found"),
+    (["--steps", "0"], "must be positive"),
+    (["--batch", "-2"], "must be positive"),
+    (["--sampler", "euler"], "invalid choice"),
+    (["--dtype", "fp8"], "invalid choice"),
+    (["--device", "tpu"], "device"),
+    (["--model", "no-such-preset"], "unknown model"),
+]
+
+
+@pytest.mark.parametrize(("extra", "message"), BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
+def test_bad_input_exits_2_with_one_line_and_no_file(tiny_model_dir, tmp_path, extra, message):
+    out = tmp_path / "grid.png"
+    argv = ["sample", "--model", str(tiny_model_dir), "--steps", "2", "--batch", "1", "--out", str(out), *extra]
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastdiff.cli", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr
+    err_lines = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(err_lines) == 1 and message in err_lines[0], proc.stderr
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_gpu_is_a_one_line_error(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "grid.png"
+    rc = run_cli("sample", "--model", str(tiny_model_dir), "--device", "cuda", "--out", str(out))
+    assert rc == 2 and not out.exists()
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_directory_without_weights(tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text('{"_class_name": "UNet2DModel"}')
+    rc = run_cli("sample", "--model", str(tmp_path / "m"), "--out", str(tmp_path / "g.png"))
+    assert rc == 2 and "no weights" in capsys.readouterr().err
+    assert not (tmp_path / "g.png").exists()
