@@ -4,14 +4,14 @@
         [--cases cifar10-b1,cifar10-b256,sd15-b2] [--dtype fp16] [--no-compile]
     python benchmarks/kernels.py --markdown benchmarks/results/kernels-h100.json   # JSON -> Markdown table
 
-Per op and case: the median time (``triton.testing.do_bench``, return_mode="median", which warms up and clears L2
-before every timed call; inputs that fit in L2 are also rotated over several sets) of the Triton kernel, the
-torch ref in eager mode, ``torch.compile(ref)`` and, where torch has a fused kernel for the op, that kernel
-(``F.scaled_dot_product_attention`` for attention). Achieved TFLOP/s and GB/s come from the op's ``cost()``
-(useful FLOPs, minimal bytes); the ceilings they are divided by are MEASURED in the same run (a bf16 8192^3
-matmul; a 1 GiB device-to-device copy counting bytes read + written). Every row records the relative error of
-its output against the ref run on fp32 copies of the inputs, and the GPU, driver, library versions, git sha and
-date.
+Per op and case: the median time (``triton.testing.do_bench``, return_mode="median", which warms up and
+clears L2 before every timed call; inputs that fit in L2 are also rotated over several sets) of the Triton
+kernel, the torch ref in eager mode, ``torch.compile(ref)`` and, where torch has a fused kernel for the
+op, that kernel (``F.scaled_dot_product_attention`` for attention). Achieved TFLOP/s and GB/s come from
+the op's ``cost()`` (useful FLOPs, minimal bytes); the ceilings they are divided by are MEASURED in the same
+run (a bf16 8192^3 matmul; a 1 GiB device-to-device copy counting bytes read + written). Every row records
+the relative error of its output against the ref run on fp32 copies of the inputs, and the GPU, driver,
+library versions, git sha and date.
 """
 
 from __future__ import annotations
@@ -63,19 +63,26 @@ def rel_err(result: Any, reference: tuple[torch.Tensor, ...]) -> float:
     return max(errs)
 
 
-def measure_ceilings(bench: Callable[[Callable[[], Any]], float]) -> dict[str, float]:
-    """Measured peaks: bf16 matmul TFLOP/s (8192^3, random data) and copy GB/s (1 GiB, read + write)."""
-    size = 8192
+def _bench_matmul(bench: Callable[[Callable[[], Any]], float], size: int) -> float:
     a = torch.randn((size, size), device="cuda", dtype=torch.bfloat16)
     b = torch.randn((size, size), device="cuda", dtype=torch.bfloat16)
     c = torch.empty_like(a)
-    matmul_ms = bench(lambda: torch.matmul(a, b, out=c))
-    del a, b, c
-    src = torch.randn(2**28, device="cuda")  # 1 GiB of fp32
+    return bench(lambda: torch.matmul(a, b, out=c))
+
+
+def _bench_copy(bench: Callable[[Callable[[], Any]], float], nbytes: int) -> float:
+    src = torch.randn(nbytes // 4, device="cuda")
     dst = torch.empty_like(src)
-    copy_ms = bench(lambda: dst.copy_(src))
-    moved = 2 * src.numel() * src.element_size()
-    del src, dst
+    return bench(lambda: dst.copy_(src))
+
+
+def measure_ceilings(bench: Callable[[Callable[[], Any]], float]) -> dict[str, float]:
+    """Measured peaks: bf16 matmul TFLOP/s (8192^3, random data) and copy GB/s (1 GiB, read + write)."""
+    size = 8192
+    matmul_ms = _bench_matmul(bench, size)
+    copy_bytes = 2**30
+    copy_ms = _bench_copy(bench, copy_bytes)
+    moved = 2 * copy_bytes
     torch.cuda.empty_cache()
     return {
         "matmul_bf16_tflops": 2 * size**3 / (matmul_ms * 1e-3) / 1e12,
@@ -115,7 +122,7 @@ def bench_case(
     device: str = "cuda",
     l2_bytes: int = 0,
 ) -> list[dict[str, Any]]:
-    """Rows (one per implementation) for one op at one case; inputs under ``l2_bytes`` rotate over several sets."""
+    """Rows (one per implementation) for one op at one case; inputs under ``l2_bytes`` rotate over sets."""
     args, kwargs = op.example_inputs(case, dtype, device, 0)
     flops, moved = op.cost(args, kwargs)
     reference = _outputs(op.ref(*[_to_fp32(a) for a in args], **{k: _to_fp32(v) for k, v in kwargs.items()}))

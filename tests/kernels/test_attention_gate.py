@@ -1,4 +1,4 @@
-"""attention_gate (the ConvNeXt U-Net's skip gate in one kernel) against its plain-torch ref and the model module."""
+"""attention_gate (the ConvNeXt U-Net's skip gate) against its plain-torch ref and the model's module."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def test_attention_gate_matches_ref(case: tuple, dtype: torch.dtype) -> None:
 
 
 def test_matches_the_model_module() -> None:
-    """Weights taken from models.convnext_unet.AttentionGate by name: residual_conv -> x, gate_conv -> g, psi."""
+    """Weights from models.convnext_unet.AttentionGate by name: residual_conv -> x, gate_conv -> g, psi."""
     from fastdiff.models.convnext_unet import AttentionGate
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""group_norm_act (GroupNorm + affine + activation + residual, NHWC) against its plain-torch ref in float64."""
+"""group_norm_act (GroupNorm + affine + activation + residual, NHWC) vs its plain-torch ref in float64."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def test_group_norm_act_matches_ref(case: tuple, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("design", ["single_pass", "two_phase"])
 def test_streamed_blocks_match_ref(monkeypatch: pytest.MonkeyPatch, design: str) -> None:
-    """Tiny register / stream budgets force the looped paths: many row tiles, groups wider than a channel block."""
+    """Tiny register / stream budgets force the looped paths: many row tiles, groups wider than a block."""
     monkeypatch.setattr(gn_module, "MAX_REGISTER_TILE", 16)
     monkeypatch.setattr(gn_module, "STREAM_TILE", 64)
     assert run_case(2, 33, 3, 7, 9, "silu", True, design, torch.float32) < 1e-5

@@ -1,4 +1,4 @@
-"""Every REGISTRY op: triton vs ref on its own "small" example inputs (fp32; Triton's interpreter on the CPU)."""
+"""Every REGISTRY op: triton vs ref on its own "small" example inputs (fp32; the interpreter on the CPU)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def as_tuple(result) -> tuple[torch.Tensor, ...]:
 
 
 def poisoned_out(name: str, args: tuple, kwargs: dict):
-    """NaN-filled ``out`` for the call (every op takes ``out=``): channels-last like the activations it writes."""
+    """NaN-filled ``out`` for the call (every op takes ``out=``), channels-last like the activations."""
     probe = as_tuple(REGISTRY[name].ref(*args, **kwargs))
     poisoned = tuple(
         torch.full_like(

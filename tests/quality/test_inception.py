@@ -1,10 +1,15 @@
-"""FID InceptionV3: pytorch-fid state-dict layout, loading rules, one random-weight forward (it is a big net)."""
+"""FID InceptionV3: pytorch-fid state-dict layout, loading rules, one random-weight forward (a big net)."""
 
 import pytest
 import torch
 
 from fastdiff.errors import FastdiffError
-from fastdiff.quality.inception import FIDInceptionV3, inception_features, inception_from_state_dict, load_inception
+from fastdiff.quality.inception import (
+    FIDInceptionV3,
+    inception_features,
+    inception_from_state_dict,
+    load_inception,
+)
 
 # (key, shape) pairs of pt_inception-2015-12-05-6726825d.pth, as torchvision's Inception3 names them
 KNOWN_KEYS = {

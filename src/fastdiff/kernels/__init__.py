@@ -1,9 +1,9 @@
-"""Triton kernels: each module holds ``<op>_ref`` (plain torch, the definition), the kernel, the wrapper ``<op>``
-and ``OP = KernelOp(...)``. ``REGISTRY`` maps op name -> KernelOp for the tests, the benchmarks and the engine.
+"""Triton kernels: each module holds ``<op>_ref`` (plain torch, the definition), the kernel(s), the wrapper
+``<op>`` and ``OP = KernelOp(...)``. ``REGISTRY`` maps op name -> KernelOp (tests, benchmarks, engine).
 
 Conventions: activations are logical ``[N, C, H, W]`` tensors in channels-last memory (NHWC); attention takes
-``[B, heads, L, head_dim]``. On the GPU the kernels run fp16/bf16 with fp32 accumulation and statistics; on the
-CPU they run in fp32 in Triton's interpreter (``TRITON_INTERPRET=1``).
+``[B, heads, L, head_dim]``. On the GPU the kernels run fp16/bf16 with fp32 accumulation and statistics; on
+the CPU they run in fp32 in Triton's interpreter (``TRITON_INTERPRET=1``).
 """
 
 from fastdiff.kernels import (

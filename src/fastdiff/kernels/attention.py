@@ -1,10 +1,10 @@
 """Flash-style fused attention ``softmax(q @ k^T * scale) @ v``: the score matrix never reaches memory.
 
-Layout: ``q`` is ``[B, heads, Lq, head_dim]``, ``k`` and ``v`` are ``[B, heads, Lk, head_dim]`` (Lk may differ from
-Lq: cross-attention); any strides (e.g. the ``[B, L, heads, head_dim].transpose(1, 2)`` view of a projection)
-are read in place, a unit stride on head_dim gives vector loads. The output is a contiguous ``[B, heads, Lq,
-head_dim]`` tensor (or ``out``). Head dims that are not powers of two (40, 80, 160) are padded to the next power
-of two with masked loads; 16..512 work.
+Layout: ``q`` is ``[B, heads, Lq, head_dim]``, ``k`` and ``v`` are ``[B, heads, Lk, head_dim]`` (Lk may
+differ from Lq: cross-attention); any strides (e.g. the ``[B, L, heads, head_dim].transpose(1, 2)`` view of a
+projection) are read in place, a unit stride on head_dim gives vector loads. The output is a contiguous
+``[B, heads, Lq, head_dim]`` tensor (or ``out``, any strides). Head dims that are not powers of two (40, 80,
+160) are padded to the next power of two with masked loads; 1..512 work.
 
 Each program owns BLOCK_M query rows of one (batch, head) and streams K/V in BLOCK_N blocks with the online
 softmax in fp32 (running max and sum, base-2 exponentials); both products run on the tensor cores with fp32
@@ -37,7 +37,7 @@ def attention_ref(
     scale: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Explicit ``softmax(q @ k^T * scale) @ v`` in fp32 (float64 for float64 inputs), cast back to ``q.dtype``.
+    """Explicit ``softmax(q @ k^T * scale) @ v`` in fp32 (float64 for float64 inputs), cast to ``q.dtype``.
 
     ``scale`` defaults to 1/sqrt(head_dim).
     """
@@ -158,7 +158,7 @@ def _attention_kernel(
 def _attention_blocks(
     batch_heads: int, lq: int, block_d: int, device: torch.device
 ) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): 128x64 tiles for head_dim <= 128, smaller for wider heads."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): 128x64 tiles up to head_dim 128, smaller for wider heads."""
     if block_d <= 64:
         block_m, block_n, warps, stages = 128, 64, 4, 3
     elif block_d <= 128:
@@ -181,7 +181,7 @@ def attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Fused ``softmax(q @ k^T * scale) @ v`` for ``[B, heads, L, head_dim]`` tensors (scale default 1/sqrt(d))."""
+    """Fused ``softmax(q @ k^T * scale) @ v`` on ``[B, heads, L, head_dim]`` tensors; scale: 1/sqrt(d)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise FastdiffError(
             f"attention inputs must be 4-D [B, heads, L, head_dim], got {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -191,8 +191,8 @@ def attention(
     lk = k.shape[2]
     if tuple(k.shape) != (batch, heads, lk, head_dim) or tuple(v.shape) != tuple(k.shape):
         raise FastdiffError(
-            f"k and v must be [B={batch}, heads={heads}, Lk, head_dim={head_dim}] alike, got {tuple(k.shape)} "
-            f"and {tuple(v.shape)}"
+            f"k and v must both be [B={batch}, heads={heads}, Lk, head_dim={head_dim}], got "
+            f"{tuple(k.shape)} and {tuple(v.shape)}"
         )
     if not 1 <= head_dim <= 512 or lk < 1:
         raise FastdiffError(

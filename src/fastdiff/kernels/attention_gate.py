@@ -157,11 +157,11 @@ def attention_gate(
     b_x: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x * sigmoid(w_psi . relu(w_g g + b_g + w_x x + b_x) + b_psi)`` per pixel, one launch (see module doc)."""
+    """``x * sigmoid(w_psi . relu(w_g g + b_g + w_x x + b_x) + b_psi)`` per pixel in one launch."""
     if x.dim() != 4 or g.dim() != 4 or g.shape[0] != x.shape[0] or g.shape[2:] != x.shape[2:]:
         raise FastdiffError(
-            f"attention_gate needs x [N, Cx, H, W] and g [N, Cg, H, W] at one resolution, got {tuple(x.shape)} "
-            f"and {tuple(g.shape)}"
+            f"attention_gate needs x [N, Cx, H, W] and g [N, Cg, H, W] at one resolution, got "
+            f"{tuple(x.shape)} and {tuple(g.shape)}"
         )
     n, cx, h, w = x.shape
     cg = g.shape[1]
@@ -214,8 +214,8 @@ GATE_SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
     "large": (256, 64, 64, 32, 32, 32),
     "sd15-b2": (2, 64, 64, 32, 64, 64),
 }
-"""size -> (N, Cx, Cg, inter, H, W): the convnext-cifar10 preset's outermost gate (64 channels, 32x32). SD1.5 has
-no gate: "sd15-b2" stands for the convnext-64 preset's 64x64 gate at batch 2."""
+"""size -> (N, Cx, Cg, inter, H, W): the convnext-cifar10 preset's outermost gate (64 channels, 32x32).
+SD1.5 has no gate: "sd15-b2" stands for the convnext-64 preset's 64x64 gate at batch 2."""
 
 
 def attention_gate_example_inputs(
@@ -239,7 +239,7 @@ def attention_gate_example_inputs(
 
 
 def attention_gate_cost(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float, float]:
-    """(2 * pixels * (Cx + Cg + 1) * inter + pixels * Cx; x, g and the weights read once, out written once)."""
+    """(2 * pixels * (Cx + Cg + 1) * inter + pixels * Cx; x, g, weights read once, out written once)."""
     x, g, w_x = args[0], args[1], args[2]
     pixels = x.shape[0] * x.shape[2] * x.shape[3]
     inter = w_x.shape[0]

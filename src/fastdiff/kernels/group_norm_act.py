@@ -1,8 +1,9 @@
 """GroupNorm over NHWC activations with fused affine, activation and residual add.
 
 Layout: ``x`` is a logical ``[N, C, H, W]`` torch tensor in channels-last memory (NHWC: ``x.is_contiguous(
-memory_format=torch.channels_last)``); a tensor in another layout is copied to channels-last first. The output
-is channels-last. Any group count that divides C works; ``num_groups=1`` is a LayerNorm over C x H x W per sample.
+memory_format=torch.channels_last)``); a tensor in another layout is copied to channels-last first. The
+output is channels-last. Any group count that divides C works; ``num_groups=1`` is a LayerNorm over
+C x H x W per sample.
 
 Order, per element, with fp32 statistics (Chan's parallel merge of per-tile two-pass mean / M2, so no
 sum-of-squares cancellation)::
@@ -14,10 +15,11 @@ sum-of-squares cancellation)::
 Two designs, chosen by size:
 
 * single pass: one program per (sample, block of whole groups). When the block (H*W rows x its channels) fits
-  in registers it is loaded once, reduced and normalised from registers (x read once, y written once); otherwise
-  the program streams it twice (statistics, then apply; the second read mostly hits L2).
+  in registers it is loaded once, reduced and normalised from registers (x read once, y written once);
+  otherwise the program streams it twice (statistics, then apply; the second read mostly hits L2).
 * two phase, for large groups with too few (sample, group) pairs to fill the GPU (batch 1, SD1.5 at 64x64):
-  a split-reduction kernel writes per-split (count, mean, M2) partials, an apply kernel merges them and writes y.
+  a split-reduction kernel writes per-split (count, mean, M2) partials, an apply kernel merges them and
+  writes y.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def _block_group_stats(
     BLOCK_HW: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """Stats of the groups in channels [c_begin, c_begin + span) over rows [hw_start, hw_end), streamed in tiles.
+    """Stats of the groups in channels [c_begin, c_begin + span) over rows [hw_start, hw_end), in tiles.
 
     Returns per-lane (count, mean, M2) of the lane's group; a group wider than BLOCK_C (then span == CG) is
     merged over its channel chunks, so every lane ends with the same values.
@@ -273,7 +275,7 @@ def _gn_apply_kernel(
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
 ):
-    """Phase 2: merge the partials of each channel's group, then normalise a range of rows x BLOCK_C channels."""
+    """Phase 2: merge the partials of each channel's group, then normalise rows x BLOCK_C channels."""
     n = tl.program_id(0)
     hw_start = tl.program_id(1) * HW_PER_PROGRAM
     hw_end = tl.minimum(hw_start + HW_PER_PROGRAM, HW)
@@ -313,7 +315,7 @@ class _Plan:
 
 
 def _channel_block(group_size: int, channels: int) -> int:
-    """Power-of-two lane count holding whole groups with >= 75% of the lanes used (rows of >= 32 B in fp16)."""
+    """Power-of-two lane count holding whole groups with >= 75% of lanes used (rows >= 32 B in fp16)."""
     first = triton.next_power_of_2(max(group_size, min(16, channels)))
     for block in (first, 2 * first, 4 * first):
         if group_size > block or (block // group_size) * group_size >= 0.75 * block:
@@ -387,8 +389,9 @@ def group_norm_act(
 ) -> torch.Tensor:
     """``activation(group_norm(x) * weight + bias) + residual`` in one (or two) launches, fp32 statistics.
 
-    ``x``: logical ``[N, C, H, W]``, channels-last memory (other layouts are copied first). ``out`` (optional) is
-    a channels-last tensor like ``x``. ``design`` forces a design ("auto" picks by size; tests use the others).
+    ``x``: logical ``[N, C, H, W]``, channels-last memory (other layouts are copied first). ``out``
+    (optional) is a channels-last tensor like ``x``. ``design`` forces a design ("auto" picks by size; tests
+    use the others).
     """
     _check_inputs(x, num_groups, weight, bias, activation, residual, out, design)
     n, channels, h, w = x.shape
@@ -453,7 +456,7 @@ GN_SHAPES: dict[str, tuple[int, int, int, int, int]] = {
 def group_norm_act_example_inputs(
     size: str, dtype: torch.dtype, device: str | torch.device, seed: int = 0
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """GroupNorm(32) + SiLU of a ResnetBlock2D (small: 33 channels in 3 groups, 7x9) with non-trivial affine."""
+    """GroupNorm(32) + SiLU of a ResnetBlock2D (small: 33 channels in 3 groups, 7x9), non-trivial affine."""
     if size not in GN_SHAPES:
         raise FastdiffError(f"unknown example size {size!r}; expected one of {', '.join(GN_SHAPES)}")
     n, channels, groups, h, w = GN_SHAPES[size]
@@ -465,7 +468,7 @@ def group_norm_act_example_inputs(
 
 
 def group_norm_act_cost(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float, float]:
-    """(~10 FLOPs per element: stats, normalise, affine, activation; x + residual read once, y written once)."""
+    """(~10 FLOPs per element; x, weight, bias, residual read once, y written once)."""
     x = args[0]
     weight, bias = args[2], args[3]
     residual = kwargs.get("residual")

@@ -2,14 +2,14 @@
 
 With ``(A, B, C, D, E, F) = coefs[i]`` read from the per-step device table ``coefs [N, 6]`` (float32)::
 
-    x0     = A·x + B·model_output          (then clamped to [-clip_range, clip_range] when clip_range is given)
+    x0     = A·x + B·model_output      (then clamped to [-clip_range, clip_range] when clip_range is given)
     x_next = C·x + D·x0 + E·x0_prev + F·noise
 
-``i`` may be a Python int or a 0-d integer device tensor (read by the kernel: no host sync, so a CUDA graph can
-replay the step with a new ``i``). ``x0_prev`` / ``noise`` may be None: their terms are left out at compile
-time and nothing is read. Math is fp32; both outputs have ``x``'s dtype and memory layout. Any layout works:
-the kernel runs over ``x``'s dense storage (contiguous or channels-last), other inputs are copied to that
-layout when their strides differ.
+``i`` may be a Python int or a 0-d integer device tensor (read by the kernel: no host sync, so a CUDA graph
+can replay the step with a new ``i``). ``x0_prev`` / ``noise`` may be None: their terms are left out at
+compile time and nothing is read. Math is fp32; both outputs have ``x``'s dtype and memory layout. Any
+layout works: the kernel runs over ``x``'s dense storage (contiguous or channels-last), other inputs are
+copied to that layout when their strides differ.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def sampler_step_ref(
     *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch definition in fp32 (float64 for float64 x), coefs indexed on the device, cast to ``x.dtype``."""
+    """Plain torch definition in fp32 (float64 for float64 x), coefs indexed on the device; x's dtype out."""
     compute = torch.promote_types(x.dtype, torch.float32)
     a, b, c, d, e, f = coefs[i].to(compute).unbind(-1)
     x32 = x.to(compute)
@@ -179,7 +179,7 @@ SAMPLE_SHAPES: dict[str, tuple[tuple[int, ...], float | None]] = {
     "large": ((256, 3, 32, 32), 1.0),
     "sd15-b2": ((2, 4, 64, 64), None),
 }
-"""size -> (sample shape, clip_range): CIFAR-10 pixels (DDPM/DDIM clip to [-1, 1]), SD1.5 latents (no clip)."""
+"""size -> (sample shape, clip_range): CIFAR-10 pixels (DDPM/DDIM clip to [-1, 1]), SD1.5 latents."""
 
 
 def sampler_step_example_inputs(

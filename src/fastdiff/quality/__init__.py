@@ -1,4 +1,4 @@
-"""Image-quality metrics: Fréchet distances (FD-FMNIST with the bundled classifier, Inception FID) and PSNR."""
+"""Image-quality metrics: Fréchet distances (FD-FMNIST with the bundled classifier, Inception FID), PSNR."""
 
 from fastdiff.quality.classifier import classifier_features, fd_fmnist, load_classifier, train_classifier
 from fastdiff.quality.frechet import feature_stats, frechet_distance, frechet_distance_features

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -66,13 +65,19 @@ class FashionClassifier(nn.Module):
         in_ch = 1
         for out_ch in config.channels:
             for _ in range(config.convs_per_stage):
-                stages += [nn.Conv2d(in_ch, out_ch, 3, padding=1, bias=False), nn.BatchNorm2d(out_ch), nn.ReLU()]
+                stages += [
+                    nn.Conv2d(in_ch, out_ch, 3, padding=1, bias=False),
+                    nn.BatchNorm2d(out_ch),
+                    nn.ReLU(),
+                ]
                 in_ch = out_ch
             stages.append(nn.MaxPool2d(2))
         self.stages = nn.Sequential(*stages)
         side = config.image_size // 2 ** len(config.channels)
         if side < 1:
-            raise FastdiffError(f"image_size {config.image_size} is too small for {len(config.channels)} stages")
+            raise FastdiffError(
+                f"image_size {config.image_size} is too small for {len(config.channels)} stages"
+            )
         self.to_features = nn.Linear(in_ch * side * side, config.feature_dim)
         self.dropout = nn.Dropout(config.dropout)
         self.head = nn.Linear(config.feature_dim, config.num_classes)
@@ -100,7 +105,9 @@ def check_images(images: torch.Tensor, image_size: int) -> None:
 
 
 @torch.no_grad()
-def classifier_features(model: FashionClassifier, images: torch.Tensor, batch_size: int = 500) -> torch.Tensor:
+def classifier_features(
+    model: FashionClassifier, images: torch.Tensor, batch_size: int = 500
+) -> torch.Tensor:
     """Penultimate features float32 [N, feature_dim] on the CPU, computed in batches on the model's device."""
     check_images(images, model.config.image_size)
     device = next(model.parameters()).device
@@ -214,7 +221,7 @@ def fd_fmnist(
     features = classifier_features(model, images, batch_size)
     if features.shape[0] < features.shape[1]:
         log.warning(
-            "FD-FMNIST from %d images < %d feature dims: the covariance is singular and the distance biased high",
+            "FD-FMNIST from %d images < %d feature dims: singular covariance, the distance is biased high",
             features.shape[0],
             features.shape[1],
         )

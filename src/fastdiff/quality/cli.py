@@ -2,7 +2,7 @@
 
 SAMPLES (and a --ref PATH) is a folder of PNG files (gray or RGB, one size) or an ``.npz`` file whose array
 ``images`` (or its only array) is either uint8 in [0, 255] or float in [-1, 1], laid out [N, H, W] (gray),
-[N, H, W, C] or [N, C, H, W] with C = 1 or 3. A --ref ``.npz`` may instead hold precomputed ``mu`` and ``sigma``.
+[N, H, W, C] or [N, C, H, W] with C = 1 or 3. A --ref ``.npz`` may instead hold precomputed ``mu``/``sigma``.
 FD-FMNIST needs 28×28 (padded with black to 32×32, like the training data) or 32×32 images; RGB is turned
 gray with the ITU-R 601 luma weights. The reference statistics are cached in memory, never written to disk.
 """
@@ -66,14 +66,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="fmnist-test",
         help="fmnist-test, fmnist-train, or a PNG folder / .npz of images / .npz with mu and sigma",
     )
-    p.add_argument("--metric", default="fd-fmnist", choices=("fd-fmnist", "inception"), help="feature network")
+    p.add_argument(
+        "--metric", default="fd-fmnist", choices=("fd-fmnist", "inception"), help="feature network"
+    )
     p.add_argument("--inception", type=Path, default=None, help="pt_inception-2015-12-05-6726825d.pth")
     p.add_argument("--classifier", type=Path, default=None, help="classifier folder (default: bundled)")
     p.add_argument("--data", type=Path, default=None, help="Fashion-MNIST idx .gz folder")
     p.add_argument("--batch", type=positive_int, default=None, help="batch size (default 500, inception 50)")
     p.add_argument("--device", default="auto", help="auto (GPU if present, else CPU), cpu, cuda or cuda:N")
-    p.add_argument("--limit", type=positive_int, default=None, help="use only the first N samples and references")
-    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the result as JSON here")
+    p.add_argument(
+        "--limit", type=positive_int, default=None, help="use only the first N samples and references"
+    )
+    p.add_argument(
+        "--json", type=Path, default=None, metavar="OUT", help="also write the result as JSON here"
+    )
     p.set_defaults(func=run_fid)
 
 
@@ -90,7 +96,7 @@ def resolve_device(text: str) -> str:
 
 
 def images_from_array(array: np.ndarray, source: str) -> torch.Tensor:
-    """uint8 [0, 255] or float [-1, 1] array in [N,H,W], [N,H,W,C] or [N,C,H,W] → float32 [N, C, H, W] in [-1, 1]."""
+    """uint8 [0, 255] or float [-1, 1] array, [N,H,W], [N,H,W,C] or [N,C,H,W] → float32 [N,C,H,W], [-1, 1]."""
     if array.ndim == 3:
         array = array[:, None]
     elif array.ndim == 4 and array.shape[-1] in (1, 3):
@@ -213,7 +219,9 @@ def compute_fid(args: argparse.Namespace) -> dict:
                 split, args.data, args.limit, pad_to, args.inception, device, batch
             )
         else:
-            mu_ref, sigma_ref, num_ref = fmnist_reference_stats(split, args.data, args.limit, args.classifier, device)
+            mu_ref, sigma_ref, num_ref = fmnist_reference_stats(
+                split, args.data, args.limit, args.classifier, device
+            )
     else:
         ref_path = Path(args.ref)
         arrays = read_npz(ref_path) if ref_path.suffix == ".npz" and ref_path.is_file() else {}

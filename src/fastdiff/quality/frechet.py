@@ -1,9 +1,9 @@
 """Fréchet distance between two Gaussians fitted to feature sets (the formula behind FID), in float64.
 
 FD = ‖μ1 − μ2‖² + tr(Σ1) + tr(Σ2) − 2·tr((Σ1 Σ2)^½). The trace of the matrix square root is computed as
-Σ sqrt(λ_i) over the eigenvalues λ_i of the symmetric PSD matrix Σ1^½ Σ2 Σ1^½, which has the same eigenvalues as
-Σ1 Σ2. Symmetric eigen-decompositions stay stable for singular covariances (fewer samples than dimensions),
-where a general matrix square root (scipy.linalg.sqrtm) can lose accuracy or return complex noise.
+Σ sqrt(λ_i) over the eigenvalues λ_i of the symmetric PSD matrix Σ1^½ Σ2 Σ1^½, which shares its eigenvalues
+with Σ1 Σ2. Symmetric eigen-decompositions stay stable for singular covariances (fewer samples than
+dimensions), where a general matrix square root (scipy.linalg.sqrtm) may lose accuracy.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def feature_stats(features: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
 
 
 def sqrt_psd(matrix: np.ndarray) -> np.ndarray:
-    """Symmetric square root of a symmetric positive semi-definite matrix (negative round-off eigenvalues → 0)."""
+    """Symmetric square root of a symmetric PSD matrix (negative round-off eigenvalues count as 0)."""
     eigvals, eigvecs = np.linalg.eigh((matrix + matrix.T) / 2)
     return (eigvecs * np.sqrt(np.clip(eigvals, 0.0, None))) @ eigvecs.T
 

@@ -1,4 +1,4 @@
-"""The InceptionV3 of the standard FID (pytorch-fid's FID variant of TF's 2015-12-05 Inception), 2048-d features.
+"""The InceptionV3 of the standard FID (pytorch-fid's variant of TF's 2015-12-05 Inception), 2048-d features.
 
 Written here without torchvision; module names follow torchvision's Inception3 so the state dict of
 ``pt_inception-2015-12-05-6726825d.pth`` loads as it is (its unused 1008-class ``fc`` head is dropped).
@@ -186,7 +186,14 @@ class FIDInceptionV3(nn.Module):
         x = F.max_pool2d(x, kernel_size=3, stride=2)
         for block in (self.Mixed_5b, self.Mixed_5c, self.Mixed_5d, self.Mixed_6a, self.Mixed_6b):
             x = block(x)
-        for block in (self.Mixed_6c, self.Mixed_6d, self.Mixed_6e, self.Mixed_7a, self.Mixed_7b, self.Mixed_7c):
+        for block in (
+            self.Mixed_6c,
+            self.Mixed_6d,
+            self.Mixed_6e,
+            self.Mixed_7a,
+            self.Mixed_7b,
+            self.Mixed_7c,
+        ):
             x = block(x)
         return F.adaptive_avg_pool2d(x, 1).flatten(1)
 

@@ -118,14 +118,26 @@ def make_sampler(
         table = ddpm_table(abar, timesteps, config.prediction_type, config.variance_type)
     elif name == "ddim":
         table = ddim_table(
-            abar, timesteps, config.num_train_timesteps, config.prediction_type, float(eta), config.set_alpha_to_one
+            abar,
+            timesteps,
+            config.num_train_timesteps,
+            config.prediction_type,
+            float(eta),
+            config.set_alpha_to_one,
         )
     else:
         table = dpmsolver_pp_2m_table(abar, timesteps, config.prediction_type)
     if not torch.isfinite(table).all():
         raise FastdiffError(f"{name} coefficients are not finite for {steps} steps of this schedule")
     clip_range = config.clip_sample_range if config.clip_sample and name != "dpmsolver++" else None
-    log.debug("%s: %d steps, timesteps %d..%d, clip %s", name, len(timesteps), timesteps[0], timesteps[-1], clip_range)
+    log.debug(
+        "%s: %d steps, timesteps %d..%d, clip %s",
+        name,
+        len(timesteps),
+        timesteps[0],
+        timesteps[-1],
+        clip_range,
+    )
     return Sampler(
         name,
         torch.from_numpy(timesteps).to(device),

@@ -36,7 +36,7 @@ FASHION_MNIST_CLASSES = (
 
 
 def read_idx_gz(path: Path, ndim: int) -> np.ndarray:
-    """The uint8 array of a gzipped idx file with ``ndim`` dimensions; a bad header or size is a FastdiffError."""
+    """The uint8 array of a gzipped idx file with ``ndim`` dims; a bad header or size is a FastdiffError."""
     if not path.is_file():
         raise FastdiffError(f"Fashion-MNIST file not found: {path}; {INSTALL_HINT}")
     try:
