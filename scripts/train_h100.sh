@@ -15,11 +15,14 @@ EXPORT_DIR=${EXPORT_DIR:-$RUN_DIR/export}
 OUT=${OUT:-$RUN_DIR/out}
 DATA=${DATA:-.data/fashion-mnist}
 DEVICE=${DEVICE:-cuda}
+SAMPLE_DTYPE=${SAMPLE_DTYPE:-fp16}
 MAX_MINUTES=${MAX_MINUTES:-7.5}
 STEPS=${STEPS:-40000}
 BATCH=${BATCH:-256}
 LR=${LR:-5e-4}
 SAMPLE_EVERY=${SAMPLE_EVERY:-2000}
+NUM_SAMPLES=${NUM_SAMPLES:-64}
+SAMPLE_STEPS=${SAMPLE_STEPS:-50}
 read -r -a EXTRA <<<"${EXTRA_ARGS:-}"
 
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
@@ -32,11 +35,13 @@ python3 -m fastdiff.cli train \
     --model fashion-mnist --data "$DATA" --out "$RUN_DIR" --device "$DEVICE" \
     --steps "$STEPS" --max-minutes "$MAX_MINUTES" --batch "$BATCH" --lr "$LR" --warmup 500 \
     --ema-decay 0.9995 --grad-clip 1.0 --weight-decay 0.01 --prediction v_prediction --schedule cosine \
-    --sample-every "$SAMPLE_EVERY" --checkpoint-every 2000 --log-every 50 --no-progress \
+    --sample-every "$SAMPLE_EVERY" --num-samples "$NUM_SAMPLES" --sample-steps "$SAMPLE_STEPS" \
+    --checkpoint-every 2000 --log-every 50 --no-progress \
     --export "$EXPORT_DIR" --export-dtype fp16 "${EXTRA[@]}"
 
-# The exported model must load and sample through the public path (fp16, DDIM 50 steps).
-python3 -m fastdiff.cli sample --model "$EXPORT_DIR" --device "$DEVICE" --dtype fp16 --batch 64 --steps 50 \
+# The exported model must load and sample through the public path (fp16, DDIM 50 steps on the GPU).
+python3 -m fastdiff.cli sample --model "$EXPORT_DIR" --device "$DEVICE" --dtype "$SAMPLE_DTYPE" \
+    --batch "$NUM_SAMPLES" --steps "$SAMPLE_STEPS" \
     --no-progress --out "$OUT/export_samples.png"
 
 cp "$EXPORT_DIR"/* "$OUT/fashion-mnist/"

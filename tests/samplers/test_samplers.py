@@ -2,9 +2,9 @@
 
 Both loops get the same model, x_T and per-step noise. The model is the exact eps (or v) of a Gaussian data
 distribution N(0, 0.6^2) plus a perturbation from a network: a tiny random diffusers ``UNet2DModel`` for a
-representative subset, a cheap random conv for the option sweeps. The exact-denoiser part keeps trajectories O(1)
-(a bare random network drives unclipped samples to |x| ~ 500, where float32 rounding alone exceeds 1e-4), while
-the network part makes the model nonlinear and large enough that clipping is active.
+representative subset, a cheap random conv for the option sweeps. The exact-denoiser part keeps trajectories
+O(1) (a bare random network drives unclipped samples to |x| ~ 500, where float32 rounding alone exceeds 1e-4),
+while the network part makes the model nonlinear and large enough that clipping is active.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from fastdiff.samplers import (
 from fastdiff.samplers.tables import ddpm_table
 
 diffusers = pytest.importorskip("diffusers")
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:diffusers")
 scheduling_ddpm = pytest.importorskip("diffusers.schedulers.scheduling_ddpm")
 
 SAMPLE_SHAPE = (3, 6, 10)
@@ -44,7 +45,7 @@ def one_thread():
 
 
 class CheapNet(torch.nn.Module):
-    """A random 3x3 conv with a timestep-dependent bias and tanh: nonlinear, spatially mixing, microseconds."""
+    """A random 3x3 conv with a timestep-dependent bias and tanh: nonlinear, spatially mixing, cheap."""
 
     def __init__(self, channels: int, seed: int) -> None:
         super().__init__()
@@ -68,8 +69,9 @@ class UNetNet(torch.nn.Module):
 
 
 class GaussianDenoiserPlus(torch.nn.Module):
-    """The exact denoiser for data ~ N(0, DATA_STD^2) with ``scale`` times a network's output added to its x0,
-    returned as eps or v. Perturbing x0 (not eps) keeps x0 O(1) at every noise level, as for a trained model."""
+    """The exact denoiser for data ~ N(0, DATA_STD^2) with ``scale·sigma_t`` times a network's output added
+    to its x0, returned as eps or v. Perturbing x0 (not eps) keeps x0 O(1) at every noise level, and fading
+    the perturbation out at low noise keeps the model contractive there, as a trained model is."""
 
     def __init__(self, net: torch.nn.Module, config: ScheduleConfig, scale: float) -> None:
         super().__init__()
@@ -123,11 +125,15 @@ def diffusers_scheduler(name: str, config: ScheduleConfig):
 
 
 @torch.no_grad()
-def run_ours(sampler: Sampler, model, x_t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+def run_ours(sampler: Sampler, model, x_t: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Our loop; returns the final sample and how many steps clipped some x0 value."""
     x, x0 = x_t.clone(), None
+    clipped_steps = 0
     for i in range(sampler.num_steps):
         x, x0 = sampler.step(i, x, model(x, sampler.timesteps[i]), x0, noise[i])
-    return x
+        if sampler.clip_range is not None:
+            clipped_steps += int((x0.abs() == sampler.clip_range).any())
+    return x, clipped_steps
 
 
 @torch.no_grad()
@@ -159,14 +165,17 @@ def run_diffusers(name, config, steps, eta, model, x_t, noise, monkeypatch) -> t
 def check_against_diffusers(name, config, steps, eta, model, monkeypatch) -> float:
     sampler = make_sampler(name, config, steps, eta=eta)
     x_t, noise = draw_noise(list(SEEDS), SAMPLE_SHAPE, sampler.num_steps, "cpu")
-    ours = run_ours(sampler, model, x_t, noise)
+    ours, clipped_steps = run_ours(sampler, model, x_t, noise)
+    if sampler.clip_range is not None:  # the runs with clipping on really clip
+        assert clipped_steps > 0
     ref, ref_noise_draws = run_diffusers(name, config, steps, eta, model, x_t, noise, monkeypatch)
     if name == "ddpm":
         assert ref_noise_draws == int((sampler.coefs[:, 5] != 0).sum())
     assert torch.isfinite(ref).all()
     diff = (ours - ref).abs().max().item()
     print(
-        f"{name} eta={eta} steps={steps} {config}: max|ours - diffusers| = {diff:.2e}, max|ref| = {ref.abs().max():.2f}"
+        f"{name} eta={eta} steps={steps} {config}: "
+        f"max|ours - diffusers| = {diff:.2e}, max|ref| = {ref.abs().max():.2f}"
     )
     assert diff <= TOLERANCE, diff
     return diff
@@ -205,8 +214,8 @@ def test_unet_ddpm_1000_steps_matches_diffusers(tiny_unet, monkeypatch):
 # ---------------------------------------------------------------- cheap model: option sweeps
 
 # eps-prediction with the cosine schedule is run only where it does not visit t = 999 (leading spacing, < 1000
-# steps): there abar = 2.4e-9, and eps -> x0 in float32 loses ~5e-4 in any implementation (diffusers' float32 run is
-# as far from a float64 run as ours is), so cosine runs that start at t = 999 use v-prediction.
+# steps): there abar = 2.4e-9, and eps -> x0 in float32 loses ~5e-4 in any implementation (diffusers' float32
+# run is as far from a float64 run as ours is), so cosine runs that start at t = 999 use v-prediction.
 SWEEP_CONFIGS = {
     "default": {},
     "scaled-trailing-v-noclip": {
@@ -276,8 +285,9 @@ def test_sweep_1000_steps_matches_diffusers(name, eta, config_name, monkeypatch)
 
 
 def test_ddpm_cosine_1000_steps_tracks_float64(monkeypatch):
-    """Cosine DDPM over all 1000 steps: diffusers' float32 scheduler arithmetic drifts ~6e-4 from a float64 run
-    (its 1 - abar_t/abar_prev loses digits where cosine betas are ~1e-5); the float32 tables stay within 2e-5."""
+    """Cosine DDPM over all 1000 steps: diffusers' float32 scheduler arithmetic drifts ~6e-4 from a float64
+    run (its 1 - abar_t/abar_prev loses digits where cosine betas are ~1e-5); our float32 tables stay within
+    2e-5 of it."""
     config = ScheduleConfig(**SWEEP_CONFIGS["cosine-linspace-v-large-noclip"])
     model = GaussianDenoiserPlus(CheapNet(3, seed=5), config, 0.5)
     sampler = make_sampler("ddpm", config, 1000)
@@ -288,12 +298,13 @@ def test_ddpm_cosine_1000_steps_tracks_float64(monkeypatch):
     model64 = GaussianDenoiserPlus(CheapNet(3, seed=5), config, 0.5).double()
     model64.abar = alphas_cumprod(config)
     x_t, noise = draw_noise(list(SEEDS), SAMPLE_SHAPE, 1000, "cpu")
-    ours = run_ours(sampler, model, x_t, noise)
-    exact = run_ours(sampler64, model64, x_t.double(), noise.double())
+    ours, _ = run_ours(sampler, model, x_t, noise)
+    exact, _ = run_ours(sampler64, model64, x_t.double(), noise.double())
     ref, _ = run_diffusers("ddpm", config, 1000, 0.0, model, x_t, noise, monkeypatch)
     ours_err, ref_err = (ours - exact).abs().max().item(), (ref - exact).abs().max().item()
     print(
-        f"ddpm cosine 1000 steps: max|ours - float64| = {ours_err:.2e}, max|diffusers - float64| = {ref_err:.2e}"
+        f"ddpm cosine 1000 steps: max|ours - float64| = {ours_err:.2e}, "
+        f"max|diffusers - float64| = {ref_err:.2e}"
     )
     assert ours_err <= 2e-5
     assert (ours - ref).abs().max() <= 2e-3

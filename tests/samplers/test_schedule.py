@@ -10,6 +10,7 @@ from fastdiff.errors import FastdiffError
 from fastdiff.samplers import SAMPLERS, ScheduleConfig, alphas_cumprod, inference_timesteps, make_sampler
 
 diffusers = pytest.importorskip("diffusers")
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:diffusers")
 
 SCHEDULES = {
     "linear": {},

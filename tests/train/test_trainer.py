@@ -1,5 +1,5 @@
-"""The trainer on CPU with a tiny ConvNeXt U-Net: the loss falls, resume is bit-exact, max_minutes stops with a
-checkpoint, export round-trips through load_unet and the Pipeline, and bad input gives one-line errors."""
+"""The trainer on CPU with a tiny ConvNeXt U-Net: the loss falls, resume is bit-exact, max_minutes stops with
+a checkpoint, export round-trips through load_unet and the Pipeline, and bad input gives one-line errors."""
 
 from __future__ import annotations
 
@@ -27,6 +27,15 @@ TINY = ConvNeXtUNetConfig(
     attention_heads=1,
     attention_head_dim=8,
 )
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny convolutions gain nothing from threads, and oversubscribed cores make them many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def tiny_config(out_dir: Path, **overrides) -> TrainConfig:
@@ -84,7 +93,12 @@ def test_loss_falls_on_synthetic_images(tmp_path):
 def test_loss_falls_on_fashion_mnist(tmp_path):
     model = ConvNeXtUNetConfig(**{**vars(TINY), "sample_size": 28})  # the 28x28 images, unpadded
     config = tiny_config(
-        tmp_path, model_config=model, data_dir=DEFAULT_DATA_DIR, limit_images=320, max_steps=30, prediction="epsilon"
+        tmp_path,
+        model_config=model,
+        data_dir=DEFAULT_DATA_DIR,
+        limit_images=320,
+        max_steps=30,
+        prediction="epsilon",
     )
     summary = train(config)
     assert summary["step"] == 30
@@ -166,7 +180,13 @@ def test_bad_input_raises_one_line_errors(tmp_path):
     images = squares(32)
     with pytest.raises(FastdiffError, match="dataset-fashion-mnist"):
         train(tiny_config(tmp_path, model_config=None, data_dir=tmp_path / "missing"))
-    for field, value in (("max_steps", 0), ("max_steps", -3), ("batch_size", 0), ("lr", 0.0), ("ema_decay", 1.0)):
+    for field, value in (
+        ("max_steps", 0),
+        ("max_steps", -3),
+        ("batch_size", 0),
+        ("lr", 0.0),
+        ("ema_decay", 1.0),
+    ):
         with pytest.raises(FastdiffError, match=field):
             train(tiny_config(tmp_path, **{field: value}), images)
     with pytest.raises(FastdiffError, match="prediction"):
@@ -192,6 +212,9 @@ def test_cli_help_and_errors(tmp_path, capsys):
         assert flag in text
     assert main(["train", "--steps", "0", "--out", str(tmp_path / "a"), "--device", "cpu"]) == 2
     assert "steps must be positive" in capsys.readouterr().err
-    assert main(["train", "--data", str(tmp_path / "none"), "--out", str(tmp_path / "b"), "--device", "cpu"]) == 2
+    assert (
+        main(["train", "--data", str(tmp_path / "none"), "--out", str(tmp_path / "b"), "--device", "cpu"])
+        == 2
+    )
     err = capsys.readouterr().err
     assert "dataset-fashion-mnist" in err and err.count("\n") == 1

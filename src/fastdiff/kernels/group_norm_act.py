@@ -80,15 +80,29 @@ def _merge_stats(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
 
 
 @triton.jit
-def _channels_to_groups(cnt, ch_mean, ch_m2, local_c, c_mask, CG: tl.constexpr):
-    """Per-channel (row count, mean, M2) -> per-lane stats of the lane's group; masked lanes join group 0."""
-    grp = tl.where(c_mask, local_c // CG, 0)
-    same = (grp[:, None] == grp[None, :]) & c_mask[None, :]
-    k = tl.sum(same.to(tl.float32), axis=1)
-    g_mean = tl.sum(tl.where(same, ch_mean[None, :], 0.0), axis=1) / k
-    dev = ch_mean[None, :] - g_mean[:, None]
-    g_m2 = tl.sum(tl.where(same, ch_m2[None, :] + cnt[None, :] * dev * dev, 0.0), axis=1)
-    return k * cnt, g_mean, g_m2
+def _channels_to_groups(cnt, ch_mean, ch_m2, local_c, c_mask, CG: tl.constexpr, ONE_GROUP: tl.constexpr):
+    """Per-channel (row count, mean, M2) -> per-lane stats of the lane's group; masked lanes join group 0.
+
+    Several groups per block merge through a [BLOCK_C, BLOCK_C] same-group mask (BLOCK_C <= 128 then);
+    a single group is a plain reduction over the valid lanes.
+    """
+    if ONE_GROUP:
+        k = tl.sum(c_mask.to(tl.float32), axis=0)
+        mean1 = tl.sum(tl.where(c_mask, ch_mean, 0.0), axis=0) / k
+        dev1 = ch_mean - mean1
+        m2_1 = tl.sum(tl.where(c_mask, ch_m2 + cnt * dev1 * dev1, 0.0), axis=0)
+        g_n = k * cnt
+        g_mean = tl.zeros_like(ch_mean) + mean1
+        g_m2 = tl.zeros_like(ch_mean) + m2_1
+    else:
+        grp = tl.where(c_mask, local_c // CG, 0)
+        same = (grp[:, None] == grp[None, :]) & c_mask[None, :]
+        k = tl.sum(same.to(tl.float32), axis=1)
+        g_mean = tl.sum(tl.where(same, ch_mean[None, :], 0.0), axis=1) / k
+        dev = ch_mean[None, :] - g_mean[:, None]
+        g_m2 = tl.sum(tl.where(same, ch_m2[None, :] + cnt[None, :] * dev * dev, 0.0), axis=1)
+        g_n = k * cnt
+    return g_n, g_mean, g_m2
 
 
 @triton.jit
@@ -98,25 +112,25 @@ def _block_group_stats(
     hw_start,
     hw_end,
     c_begin,
-    span,
     C,
     CG: tl.constexpr,
+    GPB: tl.constexpr,
     BLOCK_HW: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """Stats of the groups in channels [c_begin, c_begin + span) over rows [hw_start, hw_end), in tiles.
+    """Stats of the GPB groups from channel c_begin (those below C) over rows [hw_start, hw_end), in tiles.
 
-    Returns per-lane (count, mean, M2) of the lane's group; a group wider than BLOCK_C (then span == CG) is
+    Returns per-lane (count, mean, M2) of the lane's group; a group wider than BLOCK_C (then GPB == 1) is
     merged over its channel chunks, so every lane ends with the same values.
     """
     lane = tl.arange(0, BLOCK_C)
     run_n = tl.zeros([BLOCK_C], dtype=tl.float32)
     run_mean = tl.zeros([BLOCK_C], dtype=tl.float32)
     run_m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for cc in range(0, span, BLOCK_C):
+    for cc in range(0, GPB * CG, BLOCK_C):
         local_c = cc + lane
-        c_mask = local_c < span
         offs_c = c_begin + local_c
+        c_mask = (local_c < GPB * CG) & (offs_c < C)
         cnt = tl.zeros([BLOCK_C], dtype=tl.float32)
         ch_mean = tl.zeros([BLOCK_C], dtype=tl.float32)
         ch_m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -129,7 +143,7 @@ def _block_group_stats(
             t_mean = tl.sum(tile, axis=0) / nb
             dev = tl.where(mask, tile - t_mean[None, :], 0.0)
             cnt, ch_mean, ch_m2 = _merge_stats(cnt, ch_mean, ch_m2, nb, t_mean, tl.sum(dev * dev, axis=0))
-        g_n, g_mean, g_m2 = _channels_to_groups(cnt, ch_mean, ch_m2, local_c, c_mask, CG)
+        g_n, g_mean, g_m2 = _channels_to_groups(cnt, ch_mean, ch_m2, local_c, c_mask, CG, GPB == 1)
         run_n, run_mean, run_m2 = _merge_stats(run_n, run_mean, run_m2, g_n, g_mean, g_m2)
     return run_n, run_mean, run_m2
 
@@ -184,14 +198,13 @@ def _gn_single_pass_kernel(
     """One program per (sample, block of GPB whole groups)."""
     n = tl.program_id(0)
     c_begin = tl.program_id(1) * (GPB * CG)
-    span = tl.minimum(GPB * CG, C - c_begin)
     base = n.to(tl.int64) * HW * C
     lane = tl.arange(0, BLOCK_C)
     if IN_REGISTERS:
         # The whole block is one tile: load once, reduce, normalise from registers.
         rows = tl.arange(0, BLOCK_HW)
-        c_mask = lane < span
         offs_c = c_begin + lane
+        c_mask = (lane < GPB * CG) & (offs_c < C)
         mask = (rows < HW)[:, None] & c_mask[None, :]
         offs = base + rows.to(tl.int64)[:, None] * C + offs_c[None, :]
         tile = tl.load(x_ptr + offs, mask=mask, other=0.0)
@@ -199,16 +212,17 @@ def _gn_single_pass_kernel(
         cnt = tl.zeros([BLOCK_C], dtype=tl.float32) + HW
         ch_mean = tl.sum(tile32, axis=0) / cnt
         dev = tl.where(mask, tile32 - ch_mean[None, :], 0.0)
-        g_n, g_mean, g_m2 = _channels_to_groups(cnt, ch_mean, tl.sum(dev * dev, axis=0), lane, c_mask, CG)
+        ch_m2 = tl.sum(dev * dev, axis=0)
+        g_n, g_mean, g_m2 = _channels_to_groups(cnt, ch_mean, ch_m2, lane, c_mask, CG, GPB == 1)
         rstd = tl.math.rsqrt(g_m2 / g_n + eps)
         scale, shift = _scale_shift(w_ptr, b_ptr, offs_c, c_mask, g_mean, rstd, HAS_W, HAS_B)
         _finish_tile(tile, scale, shift, y_ptr, r_ptr, offs, mask, ACT, HAS_RES)
     else:
-        g_n, g_mean, g_m2 = _block_group_stats(x_ptr, base, 0, HW, c_begin, span, C, CG, BLOCK_HW, BLOCK_C)
+        g_n, g_mean, g_m2 = _block_group_stats(x_ptr, base, 0, HW, c_begin, C, CG, GPB, BLOCK_HW, BLOCK_C)
         rstd = tl.math.rsqrt(g_m2 / g_n + eps)
-        for cc in range(0, span, BLOCK_C):
-            c_mask = cc + lane < span
+        for cc in range(0, GPB * CG, BLOCK_C):
             offs_c = c_begin + cc + lane
+            c_mask = (cc + lane < GPB * CG) & (offs_c < C)
             scale, shift = _scale_shift(w_ptr, b_ptr, offs_c, c_mask, g_mean, rstd, HAS_W, HAS_B)
             for h0 in range(0, HW, BLOCK_HW):
                 rows = h0 + tl.arange(0, BLOCK_HW)
@@ -237,15 +251,14 @@ def _gn_partial_stats_kernel(
     block = tl.program_id(1)
     split = tl.program_id(2)
     c_begin = block * (GPB * CG)
-    span = tl.minimum(GPB * CG, C - c_begin)
     hw_start = split * HW_PER_SPLIT
     hw_end = tl.minimum(hw_start + HW_PER_SPLIT, HW)
     base = n.to(tl.int64) * HW * C
     g_n, g_mean, g_m2 = _block_group_stats(
-        x_ptr, base, hw_start, hw_end, c_begin, span, C, CG, BLOCK_HW, BLOCK_C
+        x_ptr, base, hw_start, hw_end, c_begin, C, CG, GPB, BLOCK_HW, BLOCK_C
     )
     lane = tl.arange(0, BLOCK_C)
-    first_of_group = (lane % CG == 0) & (lane < span)
+    first_of_group = (lane % CG == 0) & (lane < GPB * CG) & (c_begin + lane < C)
     slot = part_ptr + ((n * G + block * GPB + lane // CG) * SPLIT + split) * 3
     tl.store(slot, g_n, mask=first_of_group)
     tl.store(slot + 1, g_mean, mask=first_of_group)
@@ -315,10 +328,15 @@ class _Plan:
 
 
 def _channel_block(group_size: int, channels: int) -> int:
-    """Power-of-two lane count holding whole groups with >= 75% of lanes used (rows >= 32 B in fp16)."""
+    """Power-of-two lane count holding whole groups (rows >= 32 B in fp16).
+
+    Several groups share a block (of at most 128 lanes) when that uses >= 75% of the lanes; else one group.
+    """
     first = triton.next_power_of_2(max(group_size, min(16, channels)))
     for block in (first, 2 * first, 4 * first):
-        if group_size > block or (block // group_size) * group_size >= 0.75 * block:
+        if block > 128:
+            break
+        if (block // group_size) * group_size >= 0.75 * block:
             return block
     return first
 
@@ -328,9 +346,9 @@ def _plan(n: int, channels: int, hw: int, groups: int, device: torch.device, des
     block_c = _channel_block(group_size, channels)
     hw_pad = triton.next_power_of_2(hw)
     if group_size <= block_c and hw_pad * block_c <= MAX_REGISTER_TILE and design != "two_phase":
-        return _Plan("single_pass", block_c, block_c // group_size, hw_pad, True)
+        return _Plan("single_pass", block_c, min(groups, block_c // group_size), hw_pad, True)
     block_c = min(block_c, 64)
-    groups_per_block = max(1, block_c // group_size)
+    groups_per_block = max(1, min(groups, block_c // group_size))
     block_hw = min(hw_pad, max(1, STREAM_TILE // block_c))
     blocks = triton.cdiv(groups, groups_per_block)
     if design == "single_pass" or (design == "auto" and n * blocks >= num_sms(device)):

@@ -1,4 +1,4 @@
-"""``Sampler``: one generic device-side step over a per-step coefficient table; ``make_sampler`` builds the table."""
+"""``Sampler``: one generic device-side step over a per-step coefficient table; ``make_sampler`` builds it."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ class Sampler:
     """A sampler as tables: ``timesteps`` [N] int64 (the t fed to the model at step i) and ``coefs`` [N, 6]
     float32 holding (A, B, C, D, E, F) per step, both on the sampler's device.
 
-    ``step`` is pure tensor maths on the device: the step index only selects a table row, nothing reads a tensor
-    back to the host, so a whole sampling loop can be captured in one CUDA graph.
+    ``step`` is pure tensor maths on the device: the step index only selects a table row and nothing reads a
+    tensor back to the host, so a whole sampling loop can be captured in one CUDA graph.
     """
 
     def __init__(
@@ -35,8 +35,8 @@ class Sampler:
         # Which steps have a nonzero E / F: fixed when the table is built, read on the host (no sync in step).
         self._uses_x0_prev = tuple(bool(v) for v in (coefs[:, 4] != 0).tolist())
         self._uses_noise = tuple(bool(v) for v in (coefs[:, 5] != 0).tolist())
+        # Whether any step adds noise (False for ddim with eta=0 and for dpmsolver++).
         self.needs_noise = any(self._uses_noise)
-        """Whether any step adds noise (False for ddim with eta=0 and for dpmsolver++)."""
 
     def __repr__(self) -> str:
         return (
@@ -59,8 +59,8 @@ class Sampler:
         """Step i: returns (x_next, x0). Pass this step's x0 as ``x0_prev`` to step i + 1, and ``noise[i]``.
 
         x0 = A·x + B·model_output, clamped to [-clip_range, clip_range] when clipping is on;
-        x_next = C·x + D·x0 + E·x0_prev + F·noise. The E and F terms are left out at steps whose coefficient is 0,
-        so ``x0_prev`` may be None at step 0 and ``noise`` may be None when ``needs_noise`` is False.
+        x_next = C·x + D·x0 + E·x0_prev + F·noise. The E and F terms are left out at steps whose coefficient
+        is 0, so ``x0_prev`` may be None at step 0 and ``noise`` may be None when ``needs_noise`` is False.
         """
         a, b, c, d, e, f = self.coefs[i].unbind()
         x0 = a * x + b * model_output
@@ -94,9 +94,10 @@ def make_sampler(
     - ddpm: ``variance_type``, ``clip_sample``/``clip_sample_range``. Ignores ``set_alpha_to_one`` (the step
       after the last timestep is always the clean image, abar = 1), as DDPMScheduler does.
     - ddim: ``eta`` (0 = deterministic DDIM, 1 = DDPM-like variance), ``set_alpha_to_one``, clipping; when
-      clipping, eps is re-derived from the clipped x0 (DDIMScheduler.step's ``use_clipped_model_output=True``).
-    - dpmsolver++: never clips (DPMSolverMultistepScheduler has no ``clip_sample``; its ``thresholding`` is off
-      by default), so ``clip_sample`` is ignored. Needs strictly decreasing timesteps: with "leading" or
+      clipping, eps is re-derived from the clipped x0 (DDIMScheduler.step with
+      ``use_clipped_model_output=True``).
+    - dpmsolver++: never clips (DPMSolverMultistepScheduler has no ``clip_sample``; its ``thresholding`` is
+      off by default), so ``clip_sample`` is ignored. Needs strictly decreasing timesteps: with "leading" or
       "linspace" spacing, steps = num_train_timesteps repeats timesteps (use "trailing").
     """
     if name not in SAMPLERS:

@@ -1,4 +1,4 @@
-"""The training noise schedule (betas -> alpha-bar) and the inference timesteps, as diffusers' schedulers define them.
+"""The training noise schedule (betas -> alpha-bar) and inference timesteps, as diffusers defines them.
 
 ``ScheduleConfig`` uses the field names and defaults of diffusers' ``DDPMScheduler`` config, so a model's
 ``scheduler_config.json`` loads with :meth:`ScheduleConfig.from_diffusers`.
@@ -29,7 +29,7 @@ COSINE_MAX_BETA = 0.999
 """diffusers' ``betas_for_alpha_bar`` caps each cosine-schedule beta here (Nichol & Dhariwal 2021, eq. 17)."""
 
 _UNSUPPORTED_DIFFUSERS_KEYS = ("trained_betas", "thresholding", "rescale_betas_zero_snr")
-"""diffusers config keys that change the schedule in ways not implemented here: only their no-op values load."""
+"""diffusers config keys that change the schedule in ways not implemented here: only no-op values pass."""
 
 
 @dataclass
@@ -79,11 +79,12 @@ class ScheduleConfig:
 
     @classmethod
     def from_diffusers(cls, d: Mapping[str, Any] | None) -> ScheduleConfig:
-        """Config from a diffusers scheduler config dict (any of DDPM/DDIM/DPMSolverMultistep); None -> defaults.
+        """Config from a diffusers scheduler config dict (DDPM, DDIM or DPMSolverMultistep); None -> defaults.
 
-        Keys this class does not have (``_class_name``, ``solver_order``, ...) are ignored, except those that would
-        change the schedule (``trained_betas``, ``thresholding``, ``rescale_betas_zero_snr``), which must hold
-        their no-op values. ``variance_type: null`` (DPMSolverMultistepScheduler's default) means the default.
+        Keys this class does not have (``_class_name``, ``solver_order``, ...) are ignored, except those
+        that would change the schedule (``trained_betas``, ``thresholding``, ``rescale_betas_zero_snr``),
+        which must hold their no-op values. ``variance_type: null`` (DPMSolverMultistepScheduler's default)
+        means the default.
         """
         if d is None:
             return cls()
@@ -116,9 +117,9 @@ def _is_number(value: object) -> bool:
 def alphas_cumprod(config: ScheduleConfig) -> torch.Tensor:
     """alpha-bar_t = prod_{s<=t} (1 - beta_s) for t = 0..T-1, float64 [T].
 
-    The betas and their cumulative product are computed in float32 exactly as diffusers does (so a model trained
-    with diffusers' schedule sees the same noise levels, bit for bit), then widened to float64 for the sampler
-    tables.
+    The betas and their cumulative product are computed in float32 exactly as diffusers does (so a model
+    trained with diffusers' schedule sees the same noise levels, bit for bit), then widened to float64 for the
+    sampler tables.
     """
     steps = config.num_train_timesteps
     if config.beta_schedule == "linear":  # Ho et al. 2020, Sec. 4
@@ -141,14 +142,15 @@ def alphas_cumprod(config: ScheduleConfig) -> torch.Tensor:
 
 
 def inference_timesteps(config: ScheduleConfig, steps: int, solver_grid: bool = False) -> np.ndarray:
-    """The ``steps`` training timesteps the model is evaluated at, descending, int64 (diffusers' ``set_timesteps``).
+    """The ``steps`` timesteps the model is evaluated at, descending, int64 (diffusers' ``set_timesteps``).
 
-    ``solver_grid=False`` is DDPMScheduler/DDIMScheduler's spacing of ``steps`` points. ``solver_grid=True`` is
-    DPMSolverMultistepScheduler's: ``leading`` and ``linspace`` place ``steps + 1`` points and drop the last (the
-    solver ends at sigma = 0 instead); ``trailing`` is the same for both.
+    ``solver_grid=False`` is DDPMScheduler/DDIMScheduler's spacing of ``steps`` points. ``solver_grid=True``
+    is DPMSolverMultistepScheduler's: ``leading`` and ``linspace`` place ``steps + 1`` points and drop the
+    last (the solver ends at sigma = 0 instead); ``trailing`` is the same for both.
 
-    For ``trailing`` with some step counts (61, 103, ...) diffusers' float ``np.arange`` yields one extra point
-    that becomes timestep -1; it is dropped here, so those counts give ``steps`` timesteps, not ``steps + 1``.
+    For ``trailing`` with some step counts (61, 103, ...) diffusers' float ``np.arange`` yields one extra
+    point that becomes timestep -1; it is dropped here, so those counts give ``steps`` timesteps, not
+    ``steps + 1``.
     """
     train_steps = config.num_train_timesteps
     points = steps + 1 if solver_grid else steps
@@ -162,7 +164,7 @@ def inference_timesteps(config: ScheduleConfig, steps: int, solver_grid: bool = 
     timesteps = timesteps.astype(np.int64)
     if timesteps.min() < 0 or timesteps.max() >= train_steps:
         raise FastdiffError(
-            f"{steps} steps with timestep_spacing={config.timestep_spacing} and steps_offset={config.steps_offset}"
-            f" give timesteps outside 0..{train_steps - 1}"
+            f"{steps} steps with timestep_spacing={config.timestep_spacing} and "
+            f"steps_offset={config.steps_offset} give timesteps outside 0..{train_steps - 1}"
         )
     return timesteps

@@ -6,8 +6,8 @@ Every sampler step is, for step index i (see ``Sampler.step``)::
     x_next = C[i]·x + D[i]·x0 + E[i]·x0_prev + F[i]·noise_i
 
 Notation: abar_t = alphas_cumprod[t]; the forward process is x_t = alpha_t·x0 + sigma_t·eps with
-alpha_t = sqrt(abar_t), sigma_t = sqrt(1 - abar_t) (Ho et al. 2020, eq. 4). Each table matches the corresponding
-diffusers scheduler step for step, including its choice of the "previous" timestep.
+alpha_t = sqrt(abar_t), sigma_t = sqrt(1 - abar_t) (Ho et al. 2020, eq. 4). Each table matches the
+corresponding diffusers scheduler step for step, including its choice of the "previous" timestep.
 """
 
 from __future__ import annotations
@@ -46,12 +46,13 @@ def ddpm_table(
        abar_prev = 1 (the clean image). The step's own alpha is abar_t / abar_prev, so skipped timesteps fold
        into one step (DDPMScheduler.previous_timestep).
     2. x0 from the model output (eq. 4 inverted; ``x0_coefficients``).
-    3. Posterior mean, eq. 7: mu = sqrt(abar_prev)·beta/(1-abar_t)·x0 + sqrt(alpha)·(1-abar_prev)/(1-abar_t)·x_t,
-       with beta = 1 - alpha. With x0 from step 2 and no clipping this is eq. 11.
-    4. Noise scale F = sqrt(variance): "fixed_small" is the posterior variance beta-tilde of eq. 7 (clamped at
-       1e-20 as diffusers does), "fixed_large" is beta (Sec. 3.2: sigma^2 = beta_t). Like Algorithm 2 (z = 0 at
-       the last step) F is 0 where t = 0; diffusers adds noise wherever t > 0, so a last step at t > 0 (trailing
-       spacing, steps_offset) keeps its noise, as there.
+    3. Posterior mean, eq. 7: mu = sqrt(abar_prev)·beta/(1-abar_t)·x0
+       + sqrt(alpha)·(1-abar_prev)/(1-abar_t)·x_t, with beta = 1 - alpha. With x0 from step 2 and no clipping
+       this is eq. 11.
+    4. Noise scale F = sqrt(variance): "fixed_small" is the posterior variance beta-tilde of eq. 7 (clamped
+       at 1e-20 as diffusers does), "fixed_large" is beta (Sec. 3.2: sigma^2 = beta_t). Like Algorithm 2
+       (z = 0 at the last step) F is 0 where t = 0; diffusers adds noise wherever t > 0, so a last step at
+       t > 0 (trailing spacing, steps_offset) keeps its noise, as there.
     """
     table = torch.zeros(len(timesteps), len(COLUMNS), dtype=torch.float64)
     for i, t in enumerate(timesteps.tolist()):
@@ -86,8 +87,8 @@ def ddim_table(
 ) -> torch.Tensor:
     """The generalized (non-Markovian) DDIM step (Song et al. 2021), float64 [N, 6].
 
-    1. The step's previous timestep is t - train_steps // N, whatever the spacing (as DDIMScheduler.step does);
-       below 0, abar_prev = 1 if ``set_alpha_to_one`` else abar_0.
+    1. The step's previous timestep is t - train_steps // N, whatever the spacing (as DDIMScheduler.step
+       does); below 0, abar_prev = 1 if ``set_alpha_to_one`` else abar_0.
     2. x0 from the model output (``x0_coefficients``).
     3. sigma_t = eta·sqrt((1 - abar_prev)/(1 - abar_t))·sqrt(1 - abar_t/abar_prev) (eq. 16).
     4. eq. 12: x_prev = sqrt(abar_prev)·x0 + sqrt(1 - abar_prev - sigma_t^2)·eps + sigma_t·z, where eps is
@@ -125,11 +126,11 @@ def dpmsolver_pp_2m_table(abar: torch.Tensor, timesteps: np.ndarray, prediction_
     diffusers' DPMSolverMultistepScheduler defaults: solver_order 2, solver_type "midpoint",
     lower_order_final True, final_sigmas_type "zero", euler_at_final False.
 
-    1. Grid: s_i = timesteps[i] for i < N with alpha_i = sqrt(abar), sigma_i = sqrt(1 - abar), and a final point
-       s_N with sigma_N = 0, alpha_N = 1 (final_sigmas_type "zero"). lambda_i = log(alpha_i / sigma_i), and
-       h_i = lambda_{i+1} - lambda_i must be > 0 (strictly decreasing timesteps).
+    1. Grid: s_i = timesteps[i] for i < N with alpha_i = sqrt(abar), sigma_i = sqrt(1 - abar), and a final
+       point s_N with sigma_N = 0, alpha_N = 1 (final_sigmas_type "zero"). lambda_i = log(alpha_i / sigma_i),
+       and h_i = lambda_{i+1} - lambda_i must be > 0 (strictly decreasing timesteps).
     2. x0_i = x_theta(x_i, s_i) from the model output (``x0_coefficients``).
-    3. First-order step (DPM-Solver++(1), Lu et al. eq. 9 = DDIM): x_{i+1} = (sigma_{i+1}/sigma_i)·x_i
+    3. First-order step (DPM-Solver++(1), Lu et al. Sec. 4.1; = DDIM): x_{i+1} = (sigma_{i+1}/sigma_i)·x_i
        + alpha_{i+1}·(1 - e^{-h_i})·x0_i. Used at step 0 (no history) and at the last step (diffusers always
        lowers the order there when final_sigmas_type is "zero"); with sigma_N = 0 the last step is x_N = x0.
     4. Second-order multistep step (Alg. 2): r_i = h_{i-1}/h_i, D_i = (1 + 1/(2r_i))·x0_i - 1/(2r_i)·x0_{i-1},

@@ -48,6 +48,8 @@ LOSS_LOG_NAME = "loss.jsonl"
 LOSS_CURVE_NAME = "loss.png"
 SUMMARY_NAME = "summary.json"
 SAMPLES_DIR = "samples"
+REPORT_SECONDS = 30.0
+"""Seconds between progress lines in the log (the tqdm bar updates every step)."""
 
 RESUME_KEYS = (
     "model_config",
@@ -172,6 +174,12 @@ def load_training_images(config: TrainConfig, model_config: ConvNeXtUNetConfig) 
     return images
 
 
+def publish(tmp: str, path: Path) -> None:
+    """Rename a finished temporary file onto ``path``, readable by all (mkstemp files start as 0600)."""
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to a temporary file next to ``path`` and rename it into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -179,7 +187,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.replace(tmp, path)
+        publish(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -192,7 +200,7 @@ def save_checkpoint_atomic(state: dict, path: Path) -> None:
     os.close(fd)
     try:
         torch.save(state, tmp)
-        os.replace(tmp, path)
+        publish(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -220,10 +228,10 @@ def plot_loss_curve(records: list[dict], path: Path) -> Path | None:
         return None
     steps = [r["step"] for r in records]
     losses = [r["loss"] for r in records]
-    smoothed, avg = [], losses[0]
-    for value in losses:
+    smoothed, avg = [], 0.0
+    for k, value in enumerate(losses, start=1):
         avg = 0.9 * avg + 0.1 * value
-        smoothed.append(avg)
+        smoothed.append(avg / (1 - 0.9**k))  # bias-corrected: no drag towards the first value
     fig = Figure(figsize=(7, 4), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -240,7 +248,7 @@ def plot_loss_curve(records: list[dict], path: Path) -> Path | None:
     os.close(fd)
     try:
         fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
+        publish(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -473,7 +481,7 @@ class Trainer:
         order = self.epoch_order() if self.step < cfg.max_steps else None
         loss_sum = torch.zeros((), device=self.device)
         interval_steps, interval_start = 0, time.perf_counter()
-        loop_start = interval_start
+        loop_start = last_report = interval_start
         bar = tqdm(
             total=cfg.max_steps, initial=self.step, unit="step", desc="training", disable=not cfg.progress
         )
@@ -509,17 +517,19 @@ class Trainer:
                     loss_log.write(json.dumps(record) + "\n")
                     loss_log.flush()
                     bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
+                    if now - last_report >= REPORT_SECONDS or last:
+                        log.info(
+                            "step %d (epoch %d): loss %.4f, %.0f img/s",
+                            self.step,
+                            self.epoch,
+                            record["loss"],
+                            record["images_per_s"],
+                        )
+                        last_report = now
                     loss_sum.zero_()
                     interval_steps, interval_start = 0, now
                 if cfg.sample_every and (self.step % cfg.sample_every == 0 or last):
-                    path = self.sample_grid()
-                    log.info(
-                        "step %d: loss %.4f, %.0f img/s, samples %s",
-                        self.step,
-                        self.records[-1]["loss"],
-                        self.records[-1]["images_per_s"],
-                        path,
-                    )
+                    log.info("step %d: sample grid %s", self.step, self.sample_grid())
                 if self.step % cfg.checkpoint_every == 0 or last:
                     self.train_seconds += time.perf_counter() - loop_start
                     loop_start = time.perf_counter()

@@ -1,0 +1,101 @@
+"""FD-FMNIST of the shipped model for several samplers, next to the train-vs-test floor.
+
+    PYTHONPATH=src python benchmarks/fd_fmnist.py --model fashion-mnist --n 10000 --device cuda \
+        --data .data/fashion-mnist --out benchmarks/results/fd-fmnist-<gpu>.json --grid samples.png
+
+Images b = 0..n-1 use seed b, for every sampler. Writes the JSON (with env) and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from fastdiff.bench.env import environment
+from fastdiff.images import make_grid, save_png_atomic, to_pil
+from fastdiff.pipeline import Pipeline
+from fastdiff.quality.classifier import fd_fmnist, load_classifier
+from fastdiff.train.data import load_fashion_mnist
+
+log = logging.getLogger("fd_fmnist")
+CONFIGS = "ddpm:1000,ddim:100,ddim:20,dpmsolver++:20,dpmsolver++:10"
+
+
+def generate(pipe: Pipeline, n: int, batch: int) -> torch.Tensor:
+    chunks = []
+    for start in range(0, n, batch):
+        size = min(batch, n - start)
+        chunks.append(pipe(batch_size=size, seeds=start, output_type="tensor", progress=False).float().cpu())
+    return torch.cat(chunks)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="fashion-mnist")
+    p.add_argument("--n", type=int, default=10000)
+    p.add_argument("--batch", type=int, default=2500)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="fp16")
+    p.add_argument("--data", type=Path, default=None)
+    p.add_argument("--configs", default=CONFIGS, help="sampler:steps,...")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--grid", type=Path, default=None, help="PNG grid of the first 64 images of each config")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    if device == "auto":
+        device = "cpu"
+    load_classifier(None, device)
+    train, _ = load_fashion_mnist("train", args.data)
+    perm = torch.randperm(train.shape[0], generator=torch.Generator().manual_seed(0))[: args.n]
+    floor = fd_fmnist(train[perm], "test", data_dir=args.data, device=device)
+    log.info("floor: FD(train %d vs test) = %.3f", args.n, floor)
+    rows = []
+    for spec in args.configs.split(","):
+        sampler, steps = spec.split(":")
+        pipe = Pipeline.from_pretrained(
+            args.model, device=device, dtype=args.dtype, sampler=sampler, steps=int(steps)
+        )
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        images = generate(pipe, args.n, args.batch)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        fd = fd_fmnist(images, "test", data_dir=args.data, device=device)
+        rows.append({"sampler": sampler, "steps": int(steps), "fd_fmnist": fd, "seconds": seconds})
+        log.info("%s %s steps: FD-FMNIST %.3f (%.1f s for %d images)", sampler, steps, fd, seconds, args.n)
+        if args.grid is not None:
+            grid = make_grid(to_pil(images[:64]), nrow=8)
+            save_png_atomic(grid, args.grid.with_name(f"{args.grid.stem}-{sampler}{steps}.png"))
+    result = {
+        "schema": "fastdiff.fd_fmnist/1",
+        "env": environment(),
+        "config": {
+            "model": args.model,
+            "n": args.n,
+            "dtype": args.dtype,
+            "batch": args.batch,
+            "seeds": f"0..{args.n - 1}",
+        },
+        "floor_train_vs_test": floor,
+        "results": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"| sampler | steps | FD-FMNIST ({args.n} samples vs test) | seconds ({args.dtype}, eager) |")
+    print("| --- | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['sampler']} | {r['steps']} | {r['fd_fmnist']:.2f} | {r['seconds']:.1f} |")
+    print(f"| train set (floor) | — | {floor:.2f} | — |")
+
+
+if __name__ == "__main__":
+    main()

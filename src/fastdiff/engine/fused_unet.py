@@ -1,0 +1,518 @@
+"""A DDPMUNet forward rewritten onto fused kernels, over planned NHWC buffers.
+
+Built once per (model, batch, resolution, dtype) from a loaded :class:`~fastdiff.models.ddpm_unet.DDPMUNet`:
+
+* every activation is a logical ``[B, C, H, W]`` channels-last tensor viewing one arena laid out by
+  :func:`fastdiff.engine.plan.plan_memory` (buffers reused when lifetimes allow);
+* zero-copy concat: the up path's ``cat([h, skip])`` is one buffer; producers that can write a strided output
+  (convolutions) write straight into their channel slice. A part whose producer cannot (a norm, the upsample)
+  or that a GroupNorm also reads (the kernel needs dense rows) is copied into its slice instead; the layer table
+  says which;
+* GroupNorm + SiLU -> ``group_norm_act``; conv + bias (+ time embedding) (+ residual, x 1/output_scale_factor)
+  -> one ``conv2d`` launch with its fused epilogue, or cuDNN (``F.conv2d``) + one torch op for the epilogue,
+  chosen per layer by timing both on the GPU (``conv_impl="auto"``); attention -> one 1x1 conv for q, k and v,
+  the flash ``attention`` kernel (or torch SDPA, timed likewise), one 1x1 conv for the output projection with
+  bias + residual + rescale in its epilogue;
+* DDPM's asymmetric downsample padding (pad right/bottom by one, stride 2) is a 4x4 stride-2 pad-1 conv whose
+  first tap row and column are zero, so it needs no pad copy;
+* the time embedding depends only on the timestep: for a sampler's timesteps, the MLP and every resnet's
+  ``time_emb_proj`` (+ its conv1 bias) are evaluated once in fp32 into a table ``[N, sum(C)]``; a step selects
+  its row on the device (one ``index_select``) and each conv1 epilogue reads its slice (batch stride 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastdiff.engine.plan import BufferSpec, MemoryPlan, plan_memory
+from fastdiff.engine.weights import WeightStreamer
+from fastdiff.errors import FastdiffError
+from fastdiff.kernels.attention import attention
+from fastdiff.kernels.conv2d import conv2d, pack_conv_weight
+from fastdiff.kernels.group_norm_act import group_norm_act
+from fastdiff.models.ddpm_unet import Attention, DDPMUNet, ResnetBlock2D, timestep_embedding
+
+log = logging.getLogger(__name__)
+
+CONV_IMPLS = ("auto", "triton", "cudnn")
+ATTENTION_IMPLS = ("auto", "triton", "sdpa")
+GN_READS_STRIDED = False
+"""group_norm_act reads dense NHWC rows only: a value a GroupNorm reads cannot live in a concat slice."""
+
+
+@dataclass(eq=False)
+class Value:
+    """One activation: logical ``[B, C, H, W]``; a channel slice of ``concat`` when that is set."""
+
+    name: str
+    shape: tuple[int, int, int, int]
+    producer: str = ""
+    concat: Value | None = None
+    channel_offset: int = 0
+    read_by: list[str] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Op:
+    """One fused launch (or two, for the cuDNN path). ``weights`` are fp32 source tensors by role."""
+
+    name: str
+    kind: str
+    inputs: list[Value]
+    output: Value
+    params: dict
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    impl: str = ""
+    why: str = ""
+    times_us: dict[str, float] = field(default_factory=dict)
+
+
+class FusedDDPMUNet:
+    """The fused forward of one DDPMUNet at one (batch, resolution, dtype, device).
+
+    ``bind_timesteps(timesteps)`` returns the step model ``(x_in, step_index) -> model output`` that
+    :class:`fastdiff.engine.graph.SamplingLoop` runs; ``forward(x_in, t)`` is the plain call (tests).
+    """
+
+    def __init__(
+        self,
+        model: DDPMUNet,
+        batch: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        conv_impl: str = "auto",
+        attention_impl: str = "auto",
+        streamer: WeightStreamer | None = None,
+    ) -> None:
+        if not isinstance(model, DDPMUNet):
+            raise FastdiffError(f"the fused engine supports DDPMUNet, got {type(model).__name__}")
+        if conv_impl not in CONV_IMPLS or attention_impl not in ATTENTION_IMPLS:
+            raise FastdiffError(
+                f"conv_impl must be one of {CONV_IMPLS} and attention_impl one of {ATTENTION_IMPLS}, "
+                f"got {conv_impl!r}, {attention_impl!r}"
+            )
+        self.device = torch.device(device)
+        self.dtype, self.batch = dtype, batch
+        self.cfg = cfg = model.config
+        size = cfg.sample_size if cfg.sample_size is not None else 32
+        self.height, self.width = (size, size) if isinstance(size, int) else tuple(size)
+        self.conv_impl, self.attention_impl = conv_impl, attention_impl
+        self.values: list[Value] = []
+        self.ops: list[Op] = []
+        self._temb_channels = 0
+        self._temb_proj: list[tuple[torch.Tensor, torch.Tensor]] = []  # (weight, bias + conv1 bias) per resnet
+        with torch.no_grad():
+            self._trace(model)
+            self._time_mlp = [
+                t.detach().to(self.device, torch.float32)
+                for t in (
+                    model.time_embedding.linear_1.weight, model.time_embedding.linear_1.bias,
+                    model.time_embedding.linear_2.weight, model.time_embedding.linear_2.bias,
+                )
+            ]  # fmt: skip
+            self._proj_w = torch.cat([w for w, _ in self._temb_proj]).to(self.device, torch.float32)
+            self._proj_b = torch.cat([b for _, b in self._temb_proj]).to(self.device, torch.float32)
+        self.temb_row = torch.zeros((1, self._temb_channels), dtype=dtype, device=self.device)
+        self.plan = self._plan()
+        self.arena = torch.empty(self.plan.peak_bytes, dtype=torch.uint8, device=self.device)
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.streamer = streamer or WeightStreamer(self.device)
+        self._device_weights: dict[str, dict[str, torch.Tensor]] = {}
+        for op in self.ops:  # weights queued module by module on the copy stream
+            self._device_weights[op.name] = self.streamer.submit(op.name, self._host_weights(op))
+        self._x_in: torch.Tensor | None = None
+        self._calls: list[Callable[[], None]] = []
+        self._waits_pending = True
+
+    # ----------------------------------------------------------------------------------------------- trace
+    def _value(self, name: str, channels: int, h: int, w: int) -> Value:
+        value = Value(name, (self.batch, channels, h, w))
+        self.values.append(value)
+        return value
+
+    def _op(self, name: str, kind: str, inputs: list[Value], output: Value, params: dict, weights=None) -> Value:
+        op = Op(name, kind, [v for v in inputs if v is not None], output, params, weights or {})
+        for v in op.inputs:
+            v.read_by.append(kind)
+        output.producer = kind
+        self.ops.append(op)
+        return output
+
+    def _conv(
+        self, name: str, conv: nn.Conv2d, x: Value, *, temb: int | None = None, residual: Value | None = None,
+        scale: float | None = None, downsample_pad0: bool = False,
+    ) -> Value:  # fmt: skip
+        weight, bias = conv.weight.detach().float(), conv.bias.detach().float()
+        stride, padding = conv.stride[0], conv.padding[0]
+        if downsample_pad0:  # pad (0, 1, 0, 1) then 3x3/s2/p0 == 4x4/s2/p1 with a zero first row and column
+            weight = F.pad(weight, (1, 0, 1, 0))
+            padding = 1
+        ksize = weight.shape[-1]
+        _, _, h, w = x.shape
+        ho = (h + 2 * padding - ksize) // stride + 1
+        wo = (w + 2 * padding - ksize) // stride + 1
+        out = self._value(name, weight.shape[0], ho, wo)
+        weights = {"weight": weight}
+        if temb is None:
+            weights["bias"] = bias
+        params = dict(stride=stride, padding=padding, temb=temb, scale=scale)
+        return self._op(name, "conv", [x, residual], out, params, weights)
+
+    def _group_norm(self, name: str, norm: nn.GroupNorm, x: Value, act: str | None) -> Value:
+        if x.concat is not None and not GN_READS_STRIDED:
+            raise FastdiffError(f"internal: {x.name} is a concat slice read by a GroupNorm")
+        out = self._value(name, x.shape[1], x.shape[2], x.shape[3])
+        weights = {"weight": norm.weight.detach().float(), "bias": norm.bias.detach().float()}
+        return self._op(name, "group_norm", [x], out, dict(groups=norm.num_groups, eps=norm.eps, act=act), weights)
+
+    def _resnet(self, name: str, block: ResnetBlock2D, x: Value) -> Value:
+        offset = self._temb_channels
+        channels = block.conv1.out_channels
+        self._temb_channels += channels
+        self._temb_proj.append(
+            (block.time_emb_proj.weight.detach().float(),
+             (block.time_emb_proj.bias + block.conv1.bias).detach().float())
+        )  # fmt: skip
+        a = self._group_norm(f"{name}.norm1", block.norm1, x, "silu")
+        h = self._conv(f"{name}.conv1", block.conv1, a, temb=offset)
+        c = self._group_norm(f"{name}.norm2", block.norm2, h, "silu")
+        skip = x if block.conv_shortcut is None else self._conv(f"{name}.conv_shortcut", block.conv_shortcut, x)
+        scale = None if block.output_scale_factor == 1.0 else 1.0 / block.output_scale_factor
+        return self._conv(f"{name}.conv2", block.conv2, c, residual=skip, scale=scale)
+
+    def _attention(self, name: str, attn: Attention, x: Value) -> Value:
+        _, channels, h, w = x.shape
+        inner = attn.heads * attn.head_dim
+        normed = self._group_norm(f"{name}.group_norm", attn.group_norm, x, None)
+        qkv_conv = nn.Conv2d(channels, 3 * inner, 1)
+        qkv_conv.weight = nn.Parameter(
+            torch.cat([attn.to_q.weight, attn.to_k.weight, attn.to_v.weight]).detach()[:, :, None, None]
+        )
+        qkv_conv.bias = nn.Parameter(torch.cat([attn.to_q.bias, attn.to_k.bias, attn.to_v.bias]).detach())
+        qkv = self._conv(f"{name}.to_qkv", qkv_conv, normed)
+        core = self._value(f"{name}.core", inner, h, w)
+        self._op(f"{name}.core", "attention", [qkv], core, dict(heads=attn.heads, head_dim=attn.head_dim))
+        out_conv = nn.Conv2d(inner, channels, 1)
+        out_conv.weight = nn.Parameter(attn.to_out[0].weight.detach()[:, :, None, None])
+        out_conv.bias = nn.Parameter(attn.to_out[0].bias.detach())
+        scale = None if attn.rescale_output_factor == 1.0 else 1.0 / attn.rescale_output_factor
+        return self._conv(f"{name}.to_out", out_conv, core, residual=x, scale=scale)
+
+    def _concat(self, name: str, parts: list[Value]) -> Value:
+        _, _, h, w = parts[0].shape
+        cat = self._value(name, sum(p.shape[1] for p in parts), h, w)
+        offset = 0
+        for part in parts:
+            aliasable = (
+                part.concat is None
+                and part.producer == "conv"
+                and (GN_READS_STRIDED or "group_norm" not in part.read_by)
+            )
+            if aliasable:
+                part.concat, part.channel_offset = cat, offset
+            else:
+                dst = Value(f"{name}[{offset}:{offset + part.shape[1]}]", part.shape, concat=cat)
+                dst.channel_offset = offset
+                self.values.append(dst)
+                self._op(f"{dst.name}.copy", "copy", [part], dst, {})
+            offset += part.shape[1]
+        return cat
+
+    def _trace(self, model: DDPMUNet) -> None:
+        cfg = model.config
+        x = Value("x_in", (self.batch, cfg.in_channels, self.height, self.width), producer="external")
+        self.x_in_value = x
+        if cfg.center_input_sample:
+            centred = self._value("center_input", cfg.in_channels, self.height, self.width)
+            x = self._op("center_input", "center", [x], centred, {})
+        h = self._conv("conv_in", model.conv_in, x)
+        skips = [h]
+        for i, block in enumerate(model.down_blocks):
+            for j, resnet in enumerate(block.resnets):
+                h = self._resnet(f"down_blocks.{i}.resnets.{j}", resnet, h)
+                if block.attentions is not None:
+                    h = self._attention(f"down_blocks.{i}.attentions.{j}", block.attentions[j], h)
+                skips.append(h)
+            if block.downsamplers is not None:
+                down = block.downsamplers[0]
+                h = self._conv(
+                    f"down_blocks.{i}.downsamplers.0.conv", down.conv, h, downsample_pad0=down.padding == 0
+                )
+                skips.append(h)
+        if model.mid_block is not None:
+            mid = model.mid_block
+            h = self._resnet("mid_block.resnets.0", mid.resnets[0], h)
+            if mid.attentions is not None:
+                h = self._attention("mid_block.attentions.0", mid.attentions[0], h)
+            h = self._resnet("mid_block.resnets.1", mid.resnets[1], h)
+        for i, block in enumerate(model.up_blocks):
+            for j, resnet in enumerate(block.resnets):
+                cat = self._concat(f"up_blocks.{i}.cat.{j}", [h, skips.pop()])
+                h = self._resnet(f"up_blocks.{i}.resnets.{j}", resnet, cat)
+                if block.attentions is not None:
+                    h = self._attention(f"up_blocks.{i}.attentions.{j}", block.attentions[j], h)
+            if block.upsamplers is not None:
+                _, c, hh, ww = h.shape
+                up = self._op(f"up_blocks.{i}.upsample", "upsample", [h], self._value(f"up_blocks.{i}.up", c, 2 * hh, 2 * ww), {})
+                h = self._conv(f"up_blocks.{i}.upsamplers.0.conv", block.upsamplers[0].conv, up)
+        h = self._group_norm("conv_norm_out", model.conv_norm_out, h, "silu")
+        self.out_value = self._conv("conv_out", model.conv_out, h)
+
+    # ------------------------------------------------------------------------------------------------ plan
+    def _plan(self) -> MemoryPlan:
+        first: dict[str, int] = {}
+        last: dict[str, int] = {}
+
+        def root(v: Value) -> Value:
+            while v.concat is not None:
+                v = v.concat
+            return v
+
+        for index, op in enumerate(self.ops):
+            for v in [*op.inputs, op.output]:
+                r = root(v)
+                if r.producer == "external":
+                    continue
+                first.setdefault(r.name, index)
+                last[r.name] = index
+        last[self.out_value.name] = len(self.ops)  # read by the sampler step after the forward
+        roots = {root(v).name: root(v) for v in self.values if root(v).producer != "external"}
+        specs = [
+            BufferSpec(name, math.prod(v.shape) * self.dtype.itemsize, first[name], last[name])
+            for name, v in roots.items()
+            if name in first
+        ]
+        return plan_memory(specs)
+
+    def _tensor(self, v: Value) -> torch.Tensor:
+        if v.name in self.tensors:
+            return self.tensors[v.name]
+        if v.producer == "external":
+            if self._x_in is None:
+                raise FastdiffError("internal: input not bound")
+            return self._x_in
+        if v.concat is not None:
+            parent = self._tensor(v.concat)
+            t = parent[:, v.channel_offset : v.channel_offset + v.shape[1]]
+        else:
+            t = self.plan.tensor(self.arena, v.name, v.shape, self.dtype)
+        self.tensors[v.name] = t
+        return t
+
+    # --------------------------------------------------------------------------------------------- weights
+    def _host_weights(self, op: Op) -> dict[str, torch.Tensor]:
+        """The device-layout weights of ``op`` in the engine dtype, packed on the host."""
+        out: dict[str, torch.Tensor] = {}
+        if op.kind == "conv":
+            weight = op.weights["weight"]
+            if self.conv_impl in ("auto", "triton"):
+                out["packed"] = pack_conv_weight(weight).to(self.dtype)
+            if self.conv_impl in ("auto", "cudnn"):
+                out["weight"] = weight.to(self.dtype).contiguous(memory_format=torch.channels_last)
+            if "bias" in op.weights:
+                out["bias"] = op.weights["bias"].to(self.dtype)
+        elif op.kind == "group_norm":
+            out = {k: v.to(self.dtype) for k, v in op.weights.items()}
+        return out
+
+    # ----------------------------------------------------------------------------------------------- calls
+    def _conv_call(self, op: Op, impl: str) -> Callable[[], None]:
+        x, out = self._tensor(op.inputs[0]), self._tensor(op.output)
+        residual = self._tensor(op.inputs[1]) if len(op.inputs) > 1 else None
+        w = self._device_weights[op.name]
+        bias = w.get("bias")
+        p = op.params
+        temb = None
+        if p["temb"] is not None:
+            channels = op.output.shape[1]
+            temb = self.temb_row[:, p["temb"] : p["temb"] + channels].expand(self.batch, channels)
+        stride, padding, scale = p["stride"], p["padding"], p["scale"]
+        if impl == "triton":
+            packed = w["packed"]
+            return lambda: conv2d(
+                x, packed, bias, stride=stride, padding=padding, time_emb=temb, residual=residual,
+                out_scale=scale, out=out,
+            )  # fmt: skip
+        weight = w["weight"]
+        addends = [a for a in (None if temb is None else temb[:, :, None, None], residual) if a is not None]
+
+        def cudnn_conv() -> None:
+            y = F.conv2d(x, weight, bias, stride=stride, padding=padding)
+            if len(addends) == 2:
+                y += addends[0]
+            if addends:
+                torch.add(y, addends[-1], out=out)
+            else:
+                out.copy_(y)
+            if scale is not None:
+                out.mul_(scale)
+
+        return cudnn_conv
+
+    def _attention_call(self, op: Op, impl: str) -> Callable[[], None]:
+        qkv, core = self._tensor(op.inputs[0]), self._tensor(op.output)
+        heads, head_dim = op.params["heads"], op.params["head_dim"]
+        b, _, h, w = core.shape
+        tokens = qkv.permute(0, 2, 3, 1).reshape(b, h * w, 3, heads, head_dim)  # a view: qkv is dense NHWC
+        q, k, v = (tokens[:, :, i].transpose(1, 2) for i in range(3))
+        o = core.permute(0, 2, 3, 1).view(b, h * w, heads, head_dim).transpose(1, 2)
+        if impl == "triton":
+            return lambda: attention(q, k, v, out=o)
+        return lambda: o.copy_(F.scaled_dot_product_attention(q, k, v))
+
+    def _call(self, op: Op, impl: str) -> Callable[[], None]:
+        if op.kind == "conv":
+            return self._conv_call(op, impl)
+        if op.kind == "attention":
+            return self._attention_call(op, impl)
+        x, out = self._tensor(op.inputs[0]), self._tensor(op.output)
+        if op.kind == "group_norm":
+            w, p = self._device_weights[op.name], op.params
+            return lambda: group_norm_act(x, p["groups"], w["weight"], w["bias"], p["eps"], activation=p["act"], out=out)
+        if op.kind == "copy":
+            return lambda: out.copy_(x)
+        if op.kind == "center":
+            return lambda: torch.add(x, x, out=out).sub_(1.0)
+        if op.kind == "upsample":
+            b, c, h, w = x.shape
+            src = x.permute(0, 2, 3, 1)[:, :, None, :, None, :].expand(b, h, 2, w, 2, c)
+            dst = out.permute(0, 2, 3, 1).view(b, h, 2, w, 2, c)
+            return lambda: dst.copy_(src)
+        raise FastdiffError(f"internal: unknown op kind {op.kind}")
+
+    def _default_impl(self, op: Op) -> str:
+        if op.kind == "conv":
+            return "cudnn" if self.conv_impl == "cudnn" else "triton"
+        if op.kind == "attention":
+            return "sdpa" if self.attention_impl == "sdpa" else "triton"
+        return {"group_norm": "triton", "copy": "torch", "center": "torch", "upsample": "torch"}[op.kind]
+
+    def _bind(self, x_in: torch.Tensor) -> None:
+        if tuple(x_in.shape) != self.x_in_value.shape or x_in.dtype != self.dtype:
+            raise FastdiffError(
+                f"input {tuple(x_in.shape)} {x_in.dtype} does not match the prepared "
+                f"{self.x_in_value.shape} {self.dtype}"
+            )
+        self._x_in = x_in
+        self.tensors = {}
+        for op in self.ops:
+            if not op.impl:
+                op.impl = self._default_impl(op)
+                op.why = op.why or f"{self.conv_impl if op.kind == 'conv' else self.attention_impl} setting"
+        self._calls = [self._call(op, op.impl) for op in self.ops]
+
+    # ------------------------------------------------------------------------------------------- forward
+    def time_table(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """[N, sum(C)] per-step conv1 addends (time_emb_proj(silu(temb(t))) + conv1 bias), fp32 -> dtype."""
+        cfg = self.cfg
+        w1, b1, w2, b2 = self._time_mlp
+        emb = timestep_embedding(timesteps.to(self.device), cfg.block_out_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
+        temb = F.linear(F.silu(F.linear(emb, w1, b1)), w2, b2)
+        return F.linear(F.silu(temb), self._proj_w, self._proj_b).to(self.dtype)
+
+    def run_ops(self) -> None:
+        """All ops, in order (the first call waits on each module's streamed weights, module by module)."""
+        if self._waits_pending:
+            for op, call in zip(self.ops, self._calls, strict=True):
+                self.streamer.wait(op.name)
+                call()
+            self._waits_pending = False
+            return
+        for call in self._calls:
+            call()
+
+    def forward_from_row(self, x_in: torch.Tensor) -> torch.Tensor:
+        """The model output for ``x_in`` with the time embedding already in ``temb_row``."""
+        if self._x_in is None or x_in.data_ptr() != self._x_in.data_ptr():
+            self._bind(x_in)
+        self.run_ops()
+        return self._tensor(self.out_value)
+
+    @torch.no_grad()
+    def forward(self, x_in: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Model output for ``x_in`` (channels-last, engine dtype) at one timestep ``t`` (shared by the batch)."""
+        self.temb_row.copy_(self.time_table(t.reshape(-1)[:1]))
+        return self.forward_from_row(x_in)
+
+    def bind_timesteps(self, timesteps: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The step model for a sampler's timesteps: (x_in, step index [1] on the device) -> model output."""
+        table = self.time_table(timesteps)
+
+        def step(x_in: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+            torch.index_select(table, 0, index, out=self.temb_row)
+            return self.forward_from_row(x_in)
+
+        return step
+
+    # -------------------------------------------------------------------------------------------- choice
+    def autotune(self, x_in: torch.Tensor, reps: int = 20) -> None:
+        """On CUDA, time each conv / attention op with both implementations (CUDA graph of ``reps`` launches,
+        so launch overhead does not count) and keep the faster; records the times and the reason per op."""
+        if self.device.type != "cuda":
+            return
+        self._bind(x_in)
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        self.arena.view(self.dtype)[: self.arena.numel() // self.dtype.itemsize].normal_(generator=gen)
+        self.temb_row.normal_(generator=gen)
+        for op in self.ops:
+            if op.kind == "conv" and self.conv_impl == "auto":
+                candidates = ("triton", "cudnn")
+            elif op.kind == "attention" and self.attention_impl == "auto":
+                candidates = ("triton", "sdpa")
+            else:
+                continue
+            for impl in candidates:
+                op.times_us[impl] = _time_call_us(self._call(op, impl), reps)
+            op.impl = min(op.times_us, key=op.times_us.get)
+            op.why = "timed: " + ", ".join(f"{k} {v:.1f} us" for k, v in op.times_us.items())
+        self._bind(x_in)
+        self.drop_unused_weights()
+
+    def drop_unused_weights(self) -> None:
+        """Free the conv weight layout the chosen implementation does not read."""
+        for op in self.ops:
+            if op.kind == "conv" and op.impl:
+                self._device_weights[op.name].pop("weight" if op.impl == "triton" else "packed", None)
+
+    def layer_table(self) -> list[dict]:
+        """One row per op: name, kind, output shape, implementation, why, times, where its output lives."""
+        rows = []
+        for op in self.ops:
+            out = op.output
+            where = f"slice [{out.channel_offset}:] of {out.concat.name}" if out.concat is not None else "own buffer"
+            rows.append(dict(name=op.name, kind=op.kind, shape=list(out.shape), impl=op.impl, why=op.why,
+                             times_us=op.times_us, output=where))  # fmt: skip
+        return rows
+
+    @property
+    def num_launches(self) -> int:
+        """Kernel launches per forward (cuDNN convs count two or three), plus the time-row select."""
+        extra = {"cudnn": 2, "sdpa": 2}
+        return 1 + sum(extra.get(op.impl, 1) for op in self.ops)
+
+
+def _time_call_us(call: Callable[[], None], reps: int) -> float:
+    """Median microseconds per ``call()`` from replays of a CUDA graph of ``reps`` calls."""
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            call()
+    graph.replay()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    return sorted(times)[len(times) // 2]
