@@ -59,9 +59,7 @@ def main() -> None:
     rows = []
     for spec in args.configs.split(","):
         sampler, steps = spec.split(":")
-        pipe = Pipeline.from_pretrained(
-            args.model, device=device, dtype=args.dtype, sampler=sampler, steps=int(steps)
-        )
+        pipe = Pipeline.from_pretrained(args.model, device=device, dtype=args.dtype, sampler=sampler, steps=int(steps))
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()

@@ -45,7 +45,17 @@ def test_help_explains_every_flag(capsys):
         run_cli("sample", "--help")
     assert exc.value.code == 0
     text = capsys.readouterr().out
-    for flag in ("--model", "--sampler", "--steps", "--batch", "--seed", "--dtype", "--device", "--out", "--save-dir"):
+    for flag in (
+        "--model",
+        "--sampler",
+        "--steps",
+        "--batch",
+        "--seed",
+        "--dtype",
+        "--device",
+        "--out",
+        "--save-dir",
+    ):
         assert flag in text
     with pytest.raises(SystemExit):
         run_cli("--help")
@@ -110,10 +120,19 @@ BAD_INPUTS = [
 @pytest.mark.parametrize(("extra", "message"), BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
 def test_bad_input_exits_2_with_one_line_and_no_file(tiny_model_dir, tmp_path, extra, message):
     out = tmp_path / "grid.png"
-    argv = ["sample", "--model", str(tiny_model_dir), "--steps", "2", "--batch", "1", "--out", str(out), *extra]
-    proc = subprocess.run(
-        [sys.executable, "-m", "fastdiff.cli", *argv], capture_output=True, text=True, timeout=120
-    )
+    argv = [
+        "sample",
+        "--model",
+        str(tiny_model_dir),
+        "--steps",
+        "2",
+        "--batch",
+        "1",
+        "--out",
+        str(out),
+        *extra,
+    ]
+    proc = subprocess.run([sys.executable, "-m", "fastdiff.cli", *argv], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     err_lines = [line for line in proc.stderr.splitlines() if "error" in line]
     assert len(err_lines) == 1 and message in err_lines[0], proc.stderr

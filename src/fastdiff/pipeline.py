@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from fastdiff.errors import FastdiffError
 from fastdiff.images import to_pil
 from fastdiff.models import load_unet
-from fastdiff.samplers import ScheduleConfig, Sampler, make_sampler
+from fastdiff.samplers import Sampler, ScheduleConfig, make_sampler
 from fastdiff.samplers.noise import draw_noise
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ OUTPUT_TYPES = ("pil", "np", "tensor")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """"auto" -> cuda if available else cpu; asking for cuda without a GPU is an error."""
+    """ "auto" -> cuda if available else cpu; asking for cuda without a GPU is an error."""
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -38,7 +38,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """"fp32"/"fp16"/"bf16" (or a torch dtype among those) -> torch dtype."""
+    """ "fp32"/"fp16"/"bf16" (or a torch dtype among those) -> torch dtype."""
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
     if dtype in DTYPES:
@@ -135,9 +135,7 @@ class Pipeline:
         x, noise = draw_noise(seeds, shape, sampler.num_steps if sampler.needs_noise else 0, self.device)
         if latents is not None:
             if tuple(latents.shape) != (batch_size, *shape):
-                raise FastdiffError(
-                    f"latents have shape {tuple(latents.shape)}, expected {(batch_size, *shape)}"
-                )
+                raise FastdiffError(f"latents have shape {tuple(latents.shape)}, expected {(batch_size, *shape)}")
             x = latents.to(device=self.device, dtype=torch.float32)
         images = sample_loop(self.unet, sampler, x, noise, self.dtype, progress=progress)
         if output_type == "tensor":

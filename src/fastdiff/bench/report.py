@@ -22,7 +22,8 @@ def markdown_table(result: dict) -> str:
     lines = [
         head,
         "",
-        "| system | dtype | ms/step | s/image | images/s | ready (s) | peak MiB | J/image | W | PSNR dB | max abs diff |",
+        "| system | dtype | ms/step | s/image | images/s | ready (s) | peak MiB | J/image | W | PSNR dB "
+        "| max abs diff |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in result["results"]:

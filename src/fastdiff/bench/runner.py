@@ -189,8 +189,13 @@ def run_bench(cfg: BenchConfig) -> dict:
     return {
         "schema": SCHEMA,
         "env": environment(),
-        "config": {**asdict(cfg), "model_class": model_class, "random_weights": random_weights,
-                   "timed_steps": timed, "idle_watts": idle_w},  # fmt: skip
+        "config": {
+            **asdict(cfg),
+            "model_class": model_class,
+            "random_weights": random_weights,
+            "timed_steps": timed,
+            "idle_watts": idle_w,
+        },  # fmt: skip
         "results": [asdict(r) for r in rows],
     }
 

@@ -122,6 +122,8 @@ class DiffusersSystem(System):
         sched = self.scheduler(sampler)
         sched.set_timesteps(sampler.num_steps, device=self.device)  # resets multistep state
         x = x.to(self.dtype)
-        for i, t in enumerate(sched.timesteps[:num_steps]):
-            x = sched.step(self.unet(x, t).sample, t, x).prev_sample
+        for t in sched.timesteps[:num_steps]:
+            # DDIM: re-derive eps from the clipped x0, as fastdiff's DDIM does (same algorithm, fair comparison).
+            kwargs = {"use_clipped_model_output": True} if sampler.name == "ddim" else {}
+            x = sched.step(self.unet(x, t).sample, t, x, **kwargs).prev_sample
         return x.float()

@@ -107,7 +107,9 @@ class FusedDDPMUNet:
         self.values: list[Value] = []
         self.ops: list[Op] = []
         self._temb_channels = 0
-        self._temb_proj: list[tuple[torch.Tensor, torch.Tensor]] = []  # (weight, bias + conv1 bias) per resnet
+        self._temb_proj: list[
+            tuple[torch.Tensor, torch.Tensor]
+        ] = []  # (weight, bias + conv1 bias) per resnet
         with torch.no_grad():
             self._trace(model)
             self._time_mlp = [
@@ -137,7 +139,9 @@ class FusedDDPMUNet:
         self.values.append(value)
         return value
 
-    def _op(self, name: str, kind: str, inputs: list[Value], output: Value, params: dict, weights=None) -> Value:
+    def _op(
+        self, name: str, kind: str, inputs: list[Value], output: Value, params: dict, weights=None
+    ) -> Value:
         op = Op(name, kind, [v for v in inputs if v is not None], output, params, weights or {})
         for v in op.inputs:
             v.read_by.append(kind)
@@ -170,7 +174,9 @@ class FusedDDPMUNet:
             raise FastdiffError(f"internal: {x.name} is a concat slice read by a GroupNorm")
         out = self._value(name, x.shape[1], x.shape[2], x.shape[3])
         weights = {"weight": norm.weight.detach().float(), "bias": norm.bias.detach().float()}
-        return self._op(name, "group_norm", [x], out, dict(groups=norm.num_groups, eps=norm.eps, act=act), weights)
+        return self._op(
+            name, "group_norm", [x], out, dict(groups=norm.num_groups, eps=norm.eps, act=act), weights
+        )
 
     def _resnet(self, name: str, block: ResnetBlock2D, x: Value) -> Value:
         offset = self._temb_channels
@@ -183,7 +189,9 @@ class FusedDDPMUNet:
         a = self._group_norm(f"{name}.norm1", block.norm1, x, "silu")
         h = self._conv(f"{name}.conv1", block.conv1, a, temb=offset)
         c = self._group_norm(f"{name}.norm2", block.norm2, h, "silu")
-        skip = x if block.conv_shortcut is None else self._conv(f"{name}.conv_shortcut", block.conv_shortcut, x)
+        skip = (
+            x if block.conv_shortcut is None else self._conv(f"{name}.conv_shortcut", block.conv_shortcut, x)
+        )
         scale = None if block.output_scale_factor == 1.0 else 1.0 / block.output_scale_factor
         return self._conv(f"{name}.conv2", block.conv2, c, residual=skip, scale=scale)
 
@@ -260,7 +268,13 @@ class FusedDDPMUNet:
                     h = self._attention(f"up_blocks.{i}.attentions.{j}", block.attentions[j], h)
             if block.upsamplers is not None:
                 _, c, hh, ww = h.shape
-                up = self._op(f"up_blocks.{i}.upsample", "upsample", [h], self._value(f"up_blocks.{i}.up", c, 2 * hh, 2 * ww), {})
+                up = self._op(
+                    f"up_blocks.{i}.upsample",
+                    "upsample",
+                    [h],
+                    self._value(f"up_blocks.{i}.up", c, 2 * hh, 2 * ww),
+                    {},
+                )
                 h = self._conv(f"up_blocks.{i}.upsamplers.0.conv", block.upsamplers[0].conv, up)
         h = self._group_norm("conv_norm_out", model.conv_norm_out, h, "silu")
         self.out_value = self._conv("conv_out", model.conv_out, h)
@@ -375,7 +389,9 @@ class FusedDDPMUNet:
         x, out = self._tensor(op.inputs[0]), self._tensor(op.output)
         if op.kind == "group_norm":
             w, p = self._device_weights[op.name], op.params
-            return lambda: group_norm_act(x, p["groups"], w["weight"], w["bias"], p["eps"], activation=p["act"], out=out)
+            return lambda: group_norm_act(
+                x, p["groups"], w["weight"], w["bias"], p["eps"], activation=p["act"], out=out
+            )
         if op.kind == "copy":
             return lambda: out.copy_(x)
         if op.kind == "center":
@@ -413,7 +429,9 @@ class FusedDDPMUNet:
         """[N, sum(C)] per-step conv1 addends (time_emb_proj(silu(temb(t))) + conv1 bias), fp32 -> dtype."""
         cfg = self.cfg
         w1, b1, w2, b2 = self._time_mlp
-        emb = timestep_embedding(timesteps.to(self.device), cfg.block_out_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
+        emb = timestep_embedding(
+            timesteps.to(self.device), cfg.block_out_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift
+        )
         temb = F.linear(F.silu(F.linear(emb, w1, b1)), w2, b2)
         return F.linear(F.silu(temb), self._proj_w, self._proj_b).to(self.dtype)
 
@@ -486,7 +504,11 @@ class FusedDDPMUNet:
         rows = []
         for op in self.ops:
             out = op.output
-            where = f"slice [{out.channel_offset}:] of {out.concat.name}" if out.concat is not None else "own buffer"
+            where = (
+                f"slice [{out.channel_offset}:] of {out.concat.name}"
+                if out.concat is not None
+                else "own buffer"
+            )
             rows.append(dict(name=op.name, kind=op.kind, shape=list(out.shape), impl=op.impl, why=op.why,
                              times_us=op.times_us, output=where))  # fmt: skip
         return rows

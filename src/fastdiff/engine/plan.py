@@ -56,7 +56,9 @@ class MemoryPlan:
         n, c, h, w = shape
         nbytes = n * c * h * w * dtype.itemsize
         if nbytes > self.specs[name].nbytes:
-            raise FastdiffError(f"buffer {name}: shape {shape} needs {nbytes} bytes, planned {self.specs[name].nbytes}")
+            raise FastdiffError(
+                f"buffer {name}: shape {shape} needs {nbytes} bytes, planned {self.specs[name].nbytes}"
+            )
         start = self.offsets[name]
         flat = arena[start : start + nbytes].view(dtype)
         return flat.view(n, h, w, c).permute(0, 3, 1, 2)
@@ -73,7 +75,9 @@ def plan_memory(specs: list[BufferSpec], alignment: int = ALIGNMENT) -> MemoryPl
         if spec.name in by_name:
             raise FastdiffError(f"buffer {spec.name!r} planned twice")
         if spec.nbytes < 0 or spec.first > spec.last:
-            raise FastdiffError(f"buffer {spec.name!r}: bad size {spec.nbytes} or lifetime {spec.first}..{spec.last}")
+            raise FastdiffError(
+                f"buffer {spec.name!r}: bad size {spec.nbytes} or lifetime {spec.first}..{spec.last}"
+            )
         by_name[spec.name] = spec
     placed: list[tuple[int, int, BufferSpec]] = []  # (offset, aligned size, spec)
     offsets: dict[str, int] = {}
@@ -103,6 +107,4 @@ def max_live_bytes(specs: list[BufferSpec], alignment: int = ALIGNMENT) -> int:
     if not specs:
         return 0
     events = sorted({s.first for s in specs})
-    return max(
-        sum(_aligned(s.nbytes, alignment) for s in specs if s.first <= t <= s.last) for t in events
-    )
+    return max(sum(_aligned(s.nbytes, alignment) for s in specs if s.first <= t <= s.last) for t in events)

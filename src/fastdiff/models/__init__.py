@@ -10,7 +10,12 @@ import torch
 from torch import nn
 
 from fastdiff.errors import FastdiffError
-from fastdiff.models.convnext_unet import CONVNEXT_PRESETS, ConvNeXtUNet, ConvNeXtUNetConfig, convnext_unet_from_dir
+from fastdiff.models.convnext_unet import (
+    CONVNEXT_PRESETS,
+    ConvNeXtUNet,
+    ConvNeXtUNetConfig,
+    convnext_unet_from_dir,
+)
 from fastdiff.models.ddpm_unet import DDPM_PRESETS, DDPMUNet, DDPMUNetConfig, ddpm_unet_from_dir
 
 log = logging.getLogger(__name__)

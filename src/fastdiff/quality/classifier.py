@@ -153,11 +153,12 @@ def augment(images: torch.Tensor, generator: torch.Generator, max_shift: int = 2
 
 def save_classifier(model: FashionClassifier, out_dir: Path, training: dict) -> None:
     """Write config.json (config + training record) and model.safetensors (fp32) into ``out_dir``."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(out_dir / "model.safetensors"))
+    # serialised in memory and written as a plain file: save_file would create it readable by its owner only
+    (out_dir / "model.safetensors").write_bytes(save(state))
     config = dataclasses.asdict(model.config)
     config["channels"] = list(config["channels"])
     (out_dir / "config.json").write_text(json.dumps({**config, **training}, indent=2) + "\n")

@@ -90,6 +90,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--device", default=defaults.device, help="auto (GPU if present, else CPU), cpu, cuda or cuda:N"
     )
     p.add_argument("--no-bf16", action="store_true", help="train in fp32 on CUDA (default: bf16 autocast)")
+    p.add_argument(
+        "--no-channels-last", action="store_true", help="keep NCHW tensors on CUDA (default: channels_last)"
+    )
     p.add_argument("--compile", action="store_true", help="torch.compile the model (compile time counts)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument(
@@ -132,6 +135,7 @@ def run_train(args: argparse.Namespace) -> int:
         out_dir=args.out,
         device=args.device,
         bf16=not args.no_bf16,
+        channels_last=not args.no_channels_last,
         compile=args.compile,
         progress=not args.no_progress,
     )
