@@ -5,7 +5,8 @@
 #   bash scripts/train_h100.sh            (from the repository root; carry .data/fashion-mnist)
 #
 # Needs the Fashion-MNIST idx .gz files in .data/fashion-mnist/. Training stops cleanly after MAX_MINUTES with a
-# checkpoint in RUN_DIR; a later call that still finds RUN_DIR (warm machine, or the folder carried) resumes it.
+# checkpoint in RUN_DIR; a later call that still finds RUN_DIR resumes it (a warm machine only: the ~80 MB
+# checkpoint is too big to carry or to come back through $OUT).
 # Every setting below can be overridden from the environment, e.g. for a CPU dry run:
 #   DEVICE=cpu SAMPLE_DTYPE=fp32 DATA=/usr/share/datasets/fashion-mnist RUN_DIR=/tmp/dry MAX_MINUTES=0.3 \
 #   BATCH=8 SAMPLE_EVERY=5 NUM_SAMPLES=4 SAMPLE_STEPS=3 bash scripts/train_h100.sh

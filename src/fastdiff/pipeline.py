@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 OUTPUT_TYPES = ("pil", "np", "tensor")
+BACKENDS = ("engine", "eager")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -50,6 +51,8 @@ class Pipeline:
     """A U-Net plus a sampler. ``pipe(batch_size=4, seeds=[...])`` returns images; see ``__call__``.
 
     The sampler state stays in fp32 whatever the model dtype; the model sees its own dtype.
+    ``backend``: "engine" (fused kernels + CUDA graphs, ``fastdiff.engine``; the default on CUDA) or "eager"
+    (the plain PyTorch loop; the default elsewhere).
     """
 
     def __init__(
@@ -60,6 +63,7 @@ class Pipeline:
         steps: int = 100,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        backend: str | None = None,
     ) -> None:
         self.unet = unet
         self.schedule = schedule
@@ -68,6 +72,12 @@ class Pipeline:
         self.device = torch.device(device)
         self.dtype = dtype
         self._samplers: dict[float, Sampler] = {}
+        if backend is None:
+            backend = "engine" if self.device.type == "cuda" else "eager"
+        if backend not in BACKENDS:
+            raise FastdiffError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+        self.backend = backend
+        self._engine = None
         self.sampler_for(0.0)  # validates sampler name and step count now, not at the first call
 
     @classmethod
@@ -78,13 +88,14 @@ class Pipeline:
         dtype: str | torch.dtype = "fp32",
         sampler: str = "ddim",
         steps: int = 100,
+        backend: str | None = None,
     ) -> Pipeline:
         """Load a preset name or a local diffusers/fastdiff model directory."""
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype)
         unet = load_unet(path_or_preset, device=dev, dtype=torch_dtype)
         schedule = ScheduleConfig.from_diffusers(getattr(unet, "scheduler_config", None))
-        return cls(unet, schedule, sampler=sampler, steps=steps, device=dev, dtype=torch_dtype)
+        return cls(unet, schedule, sampler=sampler, steps=steps, device=dev, dtype=torch_dtype, backend=backend)
 
     @property
     def sample_shape(self) -> tuple[int, int, int]:
@@ -92,6 +103,15 @@ class Pipeline:
         size = cfg.sample_size if isinstance(cfg.sample_size, int) else tuple(cfg.sample_size)
         h, w = (size, size) if isinstance(size, int) else size
         return (cfg.in_channels, h, w)
+
+    @property
+    def engine(self):
+        """The pipeline's ``fastdiff.engine.Engine`` (created on first use; backend "engine" only)."""
+        if self._engine is None:
+            from fastdiff.engine import Engine
+
+            self._engine = Engine(self.device)
+        return self._engine
 
     def sampler_for(self, eta: float) -> Sampler:
         """The sampler for this pipeline's name/steps and ``eta`` (tables built once, then cached)."""
@@ -137,7 +157,10 @@ class Pipeline:
             if tuple(latents.shape) != (batch_size, *shape):
                 raise FastdiffError(f"latents have shape {tuple(latents.shape)}, expected {(batch_size, *shape)}")
             x = latents.to(device=self.device, dtype=torch.float32)
-        images = sample_loop(self.unet, sampler, x, noise, self.dtype, progress=progress)
+        if self.backend == "engine":
+            images = self.engine.sample(self.unet, sampler, x, noise, self.dtype).clamp(-1, 1)
+        else:
+            images = sample_loop(self.unet, sampler, x, noise, self.dtype, progress=progress)
         if output_type == "tensor":
             return images
         if output_type == "np":

@@ -129,16 +129,12 @@ def test_bundled_weights_are_small_and_recorded():
     assert (BUNDLED_CLASSIFIER_DIR / "model.safetensors").stat().st_size < 2 * 1024 * 1024
 
 
-@pytest.mark.skipif(
-    not (HAVE_BUNDLED and HAVE_FMNIST), reason="needs the bundled classifier and Fashion-MNIST"
-)
+@pytest.mark.skipif(not (HAVE_BUNDLED and HAVE_FMNIST), reason="needs the bundled classifier and Fashion-MNIST")
 def test_bundled_classifier_accuracy_and_fd_of_test_split():
     model = load_classifier()
     x, y = load_fashion_mnist("test")
     accuracy = classifier_accuracy(model, x, y)
-    assert accuracy == pytest.approx(
-        json.loads((BUNDLED_CLASSIFIER_DIR / "config.json").read_text())["test_accuracy"]
-    )
+    assert accuracy == pytest.approx(json.loads((BUNDLED_CLASSIFIER_DIR / "config.json").read_text())["test_accuracy"])
     # the first 1000 test images against the first 1000 test images: identical sets give 0
     assert fd_fmnist(x[:1000], "test", limit=1000) < 1e-6
     # and a different half of the test split is close, but not identical

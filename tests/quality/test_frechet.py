@@ -54,9 +54,7 @@ def test_feature_stats_match_numpy():
     f = rng.standard_normal((37, 5)) * 3 + 1
     mu, sigma = feature_stats(torch.from_numpy(f).float())
     np.testing.assert_allclose(mu, f.astype(np.float32).astype(np.float64).mean(0), rtol=1e-12)
-    np.testing.assert_allclose(
-        sigma, np.cov(f.astype(np.float32).astype(np.float64), rowvar=False), rtol=1e-10
-    )
+    np.testing.assert_allclose(sigma, np.cov(f.astype(np.float32).astype(np.float64), rowvar=False), rtol=1e-10)
 
 
 def test_same_features_give_zero():
@@ -87,9 +85,7 @@ def test_torch_and_numpy_inputs_agree():
     rng = np.random.default_rng(2)
     a = correlated_features(rng, 100, 12)
     b = correlated_features(rng, 90, 12, shift=0.2)
-    assert frechet_distance_features(torch.from_numpy(a), torch.from_numpy(b)) == frechet_distance_features(
-        a, b
-    )
+    assert frechet_distance_features(torch.from_numpy(a), torch.from_numpy(b)) == frechet_distance_features(a, b)
 
 
 def test_bad_inputs():

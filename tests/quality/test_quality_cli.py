@@ -178,9 +178,7 @@ def test_inception_needs_weights(tmp_path):
         args.func(args)
 
 
-@pytest.mark.skipif(
-    not (HAVE_FMNIST and HAVE_BUNDLED), reason="needs Fashion-MNIST and the bundled classifier"
-)
+@pytest.mark.skipif(not (HAVE_FMNIST and HAVE_BUNDLED), reason="needs Fashion-MNIST and the bundled classifier")
 def test_real_test_split_with_limit(tmp_path, capsys):
     test_x, _ = load_fashion_mnist("test", pad_to=28)
     same = ((test_x[:300, 0] + 1) * 127.5).round().to(torch.uint8).numpy()

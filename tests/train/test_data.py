@@ -54,9 +54,7 @@ def test_pad_to_28_keeps_size_and_odd_pad_centres(tmp_path, tiny_images):
 
 
 def test_missing_file_names_file_and_install_hint(tmp_path):
-    with pytest.raises(
-        FastdiffError, match=r"t10k-images-idx3-ubyte\.gz.*apt-get install dataset-fashion-mnist"
-    ):
+    with pytest.raises(FastdiffError, match=r"t10k-images-idx3-ubyte\.gz.*apt-get install dataset-fashion-mnist"):
         load_fashion_mnist("test", tmp_path)
 
 
@@ -112,9 +110,7 @@ def test_real_test_split():
     assert torch.bincount(y).tolist() == [1000] * 10
 
 
-@pytest.mark.skipif(
-    not (DEFAULT_DATA_DIR / "train-images-idx3-ubyte.gz").is_file(), reason="no Fashion-MNIST"
-)
+@pytest.mark.skipif(not (DEFAULT_DATA_DIR / "train-images-idx3-ubyte.gz").is_file(), reason="no Fashion-MNIST")
 def test_real_train_split():
     x, y = load_fashion_mnist("train")
     assert x.shape == (60000, 1, 32, 32) and y.shape == (60000,)

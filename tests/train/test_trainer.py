@@ -212,9 +212,6 @@ def test_cli_help_and_errors(tmp_path, capsys):
         assert flag in text
     assert main(["train", "--steps", "0", "--out", str(tmp_path / "a"), "--device", "cpu"]) == 2
     assert "steps must be positive" in capsys.readouterr().err
-    assert (
-        main(["train", "--data", str(tmp_path / "none"), "--out", str(tmp_path / "b"), "--device", "cpu"])
-        == 2
-    )
+    assert main(["train", "--data", str(tmp_path / "none"), "--out", str(tmp_path / "b"), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "dataset-fashion-mnist" in err and err.count("\n") == 1

@@ -109,7 +109,7 @@ def build_system(name: str, cfg: BenchConfig, device: torch.device, warmup_x: to
     if kind == "engine":
         from fastdiff.engine import EngineSystem
 
-        return EngineSystem(make_model, dtype, device)
+        return EngineSystem(make_model, dtype, device, warmup_x)
     raise FastdiffError(f"unknown bench system {name!r}: choose from {', '.join(ALL_SYSTEMS)}")
 
 

@@ -1,1 +1,181 @@
-"""fastdiff.engine."""
+"""fastdiff.engine: fused U-Net forward over a planned arena, whole sampling loop as replayed CUDA graphs.
+
+``Engine.prepare(model, sampler, batch, dtype)`` builds (once per (batch, dtype)) the step model and (once per
+sampler) the sampling loop; ``Engine.run(x_T, noise)`` returns x_0 (fp32, unclamped). DDPMUNet models run on
+:class:`~fastdiff.engine.fused_unet.FusedUNet`; other models (ConvNeXtUNet) run their own eager forward in
+the engine dtype with channels-last memory, still inside the captured loop (``unet_impl="eager"`` forces that
+for DDPMUNet too).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from fastdiff.bench.systems import System
+from fastdiff.engine.fused_unet import FusedUNet
+from fastdiff.engine.graph import SamplingLoop, StepModel, channels_last_empty
+from fastdiff.engine.weights import WeightStreamer, normalize_device
+from fastdiff.errors import FastdiffError
+from fastdiff.models.ddpm_unet import DDPMUNet
+from fastdiff.samplers import Sampler
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STEPS_PER_GRAPH = 50
+"""Steps per captured graph (see graph.py); the GPU check script measures capture time and ms/step per K."""
+
+__all__ = ["DEFAULT_STEPS_PER_GRAPH", "EagerStepModel", "Engine", "EngineSystem", "FusedUNet", "SamplingLoop"]
+
+
+class EagerStepModel:
+    """A model's own forward in the engine dtype, channels-last, with t selected on the device per step."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+        self.model = copy.deepcopy(model).to(device=device, dtype=dtype, memory_format=torch.channels_last).eval()
+
+    def bind_timesteps(self, timesteps: torch.Tensor) -> StepModel:
+        def step(x_in: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+            return self.model(x_in, timesteps.index_select(0, index))
+
+        return step
+
+
+def sample_shape_of(model: nn.Module, batch: int) -> tuple[int, int, int, int]:
+    """[B, C, H, W] of the model's samples."""
+    cfg = model.config
+    size = cfg.sample_size
+    h, w = (size, size) if isinstance(size, int) else tuple(size)
+    return (batch, cfg.in_channels, h, w)
+
+
+class Engine:
+    """Prepared step models and sampling loops, cached per (batch, dtype) and per sampler."""
+
+    def __init__(
+        self,
+        device: torch.device | str = "cuda",
+        unet_impl: str = "fused",
+        conv_impl: str = "auto",
+        attention_impl: str = "auto",
+        steps_per_graph: int | None = DEFAULT_STEPS_PER_GRAPH,
+        use_graphs: bool = True,
+    ) -> None:
+        self.device = normalize_device(device)
+        if self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise FastdiffError("the engine needs a CUDA GPU (or TRITON_INTERPRET=1 for its CPU test mode)")
+        if unet_impl not in ("fused", "eager"):
+            raise FastdiffError(f"unet_impl must be 'fused' or 'eager', got {unet_impl!r}")
+        self.unet_impl, self.conv_impl, self.attention_impl = unet_impl, conv_impl, attention_impl
+        self.steps_per_graph, self.use_graphs = steps_per_graph, use_graphs
+        self.step_models: dict[tuple, FusedUNet | EagerStepModel] = {}
+        self.loops: dict[tuple, tuple[Sampler, SamplingLoop]] = {}
+        self.current: SamplingLoop | None = None
+        self.timings: dict[str, float] = {}
+
+    def step_model(self, model: nn.Module, batch: int, dtype: torch.dtype) -> FusedUNet | EagerStepModel:
+        """The (cached) step model for ``model`` at (batch, dtype); the first build streams the weights."""
+        key = (id(model), batch, dtype)
+        if key not in self.step_models:
+            t0 = time.perf_counter()
+            if isinstance(model, DDPMUNet) and self.unet_impl == "fused":
+                fused = FusedUNet(
+                    model, batch, dtype, self.device, self.conv_impl, self.attention_impl,
+                    WeightStreamer(self.device),
+                )  # fmt: skip
+                x_in = channels_last_empty(sample_shape_of(model, batch), dtype, self.device).normal_()
+                fused.forward(x_in, torch.zeros(1, dtype=torch.int64, device=self.device))  # early-start forward
+                fused.streamer.wait_all()
+                self._sync()
+                self.timings["first_forward_s"] = time.perf_counter() - t0
+                fused.autotune(x_in)
+                step: FusedUNet | EagerStepModel = fused
+            else:
+                step = EagerStepModel(model, dtype, self.device)
+            self._sync()
+            self.timings["build_s"] = time.perf_counter() - t0
+            self.step_models[key] = step
+        return self.step_models[key]
+
+    def prepare(self, model: nn.Module, sampler: Sampler, batch: int, dtype: torch.dtype) -> SamplingLoop:
+        """Build (or fetch) everything to sample ``batch`` images with ``sampler``; captures the first graph."""
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise FastdiffError(f"engine dtype must be fp16, bf16 or fp32, got {dtype}")
+        cfg = model.config
+        if getattr(cfg, "out_channels", cfg.in_channels) != cfg.in_channels:
+            raise FastdiffError(
+                f"the model predicts {cfg.out_channels} channels for {cfg.in_channels}-channel samples: "
+                "learned-variance outputs are not supported"
+            )
+        sampler = sampler if sampler.coefs.device == self.device else sampler.to(self.device)
+        key = (id(model), batch, dtype, id(sampler))
+        if key not in self.loops:
+            step = self.step_model(model, batch, dtype)
+            t0 = time.perf_counter()
+            loop = SamplingLoop(
+                step.bind_timesteps(sampler.timesteps), sampler, sample_shape_of(model, batch), dtype,
+                self.device, self.steps_per_graph, self.use_graphs,
+            )  # fmt: skip
+            if loop.use_graphs:
+                loop.x.normal_()
+                loop.x0.zero_()
+                loop.counter.zero_()
+                if loop.noise_nhwc is not None:
+                    loop.noise_nhwc.normal_()
+                loop.capture(loop.steps_per_graph)
+            self.timings["loop_s"] = time.perf_counter() - t0
+            self.loops[key] = (sampler, loop)  # the sampler is kept so its id stays unique
+        self.current = self.loops[key][1]
+        return self.current
+
+    def run(self, x_t: torch.Tensor, noise: torch.Tensor | None, num_steps: int | None = None) -> torch.Tensor:
+        """x after the prepared sampler's steps (default all) from x_T; fp32 [B, C, H, W], unclamped."""
+        if self.current is None:
+            raise FastdiffError("Engine.run before Engine.prepare")
+        return self.current.run(x_t.to(self.device), None if noise is None else noise.to(self.device), num_steps)
+
+    def sample(
+        self, model: nn.Module, sampler: Sampler, x_t: torch.Tensor, noise: torch.Tensor | None, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """prepare + run in one call."""
+        self.prepare(model, sampler, x_t.shape[0], dtype)
+        return self.run(x_t, noise)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+class EngineSystem(System):
+    """The engine for ``fastdiff bench``: prepare() loads the model and, given a warm-up batch, builds the
+    fused forward for its batch size (plan, weights, kernels, per-layer choice); the first run with a sampler
+    captures that sampler's graph."""
+
+    def __init__(
+        self,
+        make_model: Callable[[], nn.Module],
+        dtype: torch.dtype,
+        device: torch.device,
+        warmup_batch: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(dtype)
+        self.make_model, self.device, self.warmup_batch = make_model, torch.device(device), warmup_batch
+        self.name = "engine"
+        self.notes = f"fused kernels + planned buffers + CUDA graphs of {DEFAULT_STEPS_PER_GRAPH} steps"
+
+    def prepare(self) -> None:
+        self.model = self.make_model().eval()
+        self.engine = Engine(self.device)
+        if self.warmup_batch is not None:
+            self.engine.step_model(self.model, self.warmup_batch.shape[0], self.dtype)
+
+    @torch.no_grad()
+    def run(self, x, noise, sampler, num_steps):
+        self.engine.prepare(self.model, sampler, x.shape[0], self.dtype)
+        return self.engine.run(x, noise, num_steps)

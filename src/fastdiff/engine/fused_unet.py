@@ -1,6 +1,7 @@
-"""A DDPMUNet forward rewritten onto fused kernels, over planned NHWC buffers.
+"""A U-Net forward (DDPMUNet or ConvNeXtUNet) rewritten onto fused kernels, over planned NHWC buffers.
 
-Built once per (model, batch, resolution, dtype) from a loaded :class:`~fastdiff.models.ddpm_unet.DDPMUNet`:
+Built once per (model, batch, resolution, dtype) from a loaded :class:`~fastdiff.models.ddpm_unet.DDPMUNet` or
+:class:`~fastdiff.models.convnext_unet.ConvNeXtUNet`:
 
 * every activation is a logical ``[B, C, H, W]`` channels-last tensor viewing one arena laid out by
   :func:`fastdiff.engine.plan.plan_memory` (buffers reused when lifetimes allow);
@@ -13,15 +14,20 @@ Built once per (model, batch, resolution, dtype) from a loaded :class:`~fastdiff
   chosen per layer by timing both on the GPU (``conv_impl="auto"``); attention -> one 1x1 conv for q, k and v,
   the flash ``attention`` kernel (or torch SDPA, timed likewise), one 1x1 conv for the output projection with
   bias + residual + rescale in its epilogue;
+* ConvNeXt blocks: depthwise 7x7 + time embedding -> ``depthwise_conv2d`` (or cuDNN, timed), GroupNorm(1) ->
+  ``group_norm_act``, conv1 + bias + GELU and conv2 + bias + residual -> ``conv2d`` epilogues; the attention
+  gate on each skip -> ``attention_gate`` (its output is copied into the concat: the kernel writes dense rows);
 * DDPM's asymmetric downsample padding (pad right/bottom by one, stride 2) is a 4x4 stride-2 pad-1 conv whose
   first tap row and column are zero, so it needs no pad copy;
-* the time embedding depends only on the timestep: for a sampler's timesteps, the MLP and every resnet's
-  ``time_emb_proj`` (+ its conv1 bias) are evaluated once in fp32 into a table ``[N, sum(C)]``; a step selects
-  its row on the device (one ``index_select``) and each conv1 epilogue reads its slice (batch stride 0).
+* the time embedding depends only on the timestep: for a sampler's timesteps, the MLP and every block's
+  projection (+ the bias of the conv it is added to) are evaluated once in fp32 into a table ``[N, sum(C)]``;
+  a step selects its row on the device (one ``index_select``) and each epilogue reads its slice (batch
+  stride 0).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Callable
@@ -32,11 +38,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdiff.engine.plan import BufferSpec, MemoryPlan, plan_memory
-from fastdiff.engine.weights import WeightStreamer
+from fastdiff.engine.weights import WeightStreamer, normalize_device
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.attention import attention
-from fastdiff.kernels.conv2d import conv2d, pack_conv_weight
+from fastdiff.kernels.attention_gate import attention_gate
+from fastdiff.kernels.conv2d import activation_ref, conv2d, pack_conv_weight
+from fastdiff.kernels.depthwise_conv2d import depthwise_conv2d, pack_depthwise_weight
 from fastdiff.kernels.group_norm_act import group_norm_act
+from fastdiff.models import convnext_unet
+from fastdiff.models.convnext_unet import AttentionGate, ConvNeXtBlock, ConvNeXtUNet, SelfAttention
 from fastdiff.models.ddpm_unet import Attention, DDPMUNet, ResnetBlock2D, timestep_embedding
 
 log = logging.getLogger(__name__)
@@ -45,6 +55,8 @@ CONV_IMPLS = ("auto", "triton", "cudnn")
 ATTENTION_IMPLS = ("auto", "triton", "sdpa")
 GN_READS_STRIDED = False
 """group_norm_act reads dense NHWC rows only: a value a GroupNorm reads cannot live in a concat slice."""
+DENSE_READERS = frozenset({"gate"} | (set() if GN_READS_STRIDED else {"group_norm"}))
+"""Op kinds whose kernels copy a strided (concat-slice) input: such inputs are copied into the concat instead."""
 
 
 @dataclass(eq=False)
@@ -74,8 +86,8 @@ class Op:
     times_us: dict[str, float] = field(default_factory=dict)
 
 
-class FusedDDPMUNet:
-    """The fused forward of one DDPMUNet at one (batch, resolution, dtype, device).
+class FusedUNet:
+    """The fused forward of one DDPMUNet or ConvNeXtUNet at one (batch, resolution, dtype, device).
 
     ``bind_timesteps(timesteps)`` returns the step model ``(x_in, step_index) -> model output`` that
     :class:`fastdiff.engine.graph.SamplingLoop` runs; ``forward(x_in, t)`` is the plain call (tests).
@@ -83,7 +95,7 @@ class FusedDDPMUNet:
 
     def __init__(
         self,
-        model: DDPMUNet,
+        model: DDPMUNet | ConvNeXtUNet,
         batch: int,
         dtype: torch.dtype,
         device: torch.device | str,
@@ -91,14 +103,14 @@ class FusedDDPMUNet:
         attention_impl: str = "auto",
         streamer: WeightStreamer | None = None,
     ) -> None:
-        if not isinstance(model, DDPMUNet):
-            raise FastdiffError(f"the fused engine supports DDPMUNet, got {type(model).__name__}")
+        if not isinstance(model, DDPMUNet | ConvNeXtUNet):
+            raise FastdiffError(f"the fused engine supports DDPMUNet and ConvNeXtUNet, got {type(model).__name__}")
         if conv_impl not in CONV_IMPLS or attention_impl not in ATTENTION_IMPLS:
             raise FastdiffError(
                 f"conv_impl must be one of {CONV_IMPLS} and attention_impl one of {ATTENTION_IMPLS}, "
                 f"got {conv_impl!r}, {attention_impl!r}"
             )
-        self.device = torch.device(device)
+        self.device = normalize_device(device)
         self.dtype, self.batch = dtype, batch
         self.cfg = cfg = model.config
         size = cfg.sample_size if cfg.sample_size is not None else 32
@@ -107,18 +119,15 @@ class FusedDDPMUNet:
         self.values: list[Value] = []
         self.ops: list[Op] = []
         self._temb_channels = 0
-        self._temb_proj: list[
-            tuple[torch.Tensor, torch.Tensor]
-        ] = []  # (weight, bias + conv1 bias) per resnet
+        self._temb_proj: list[tuple[torch.Tensor, torch.Tensor]] = []  # (weight, bias + conv bias) per block
         with torch.no_grad():
-            self._trace(model)
-            self._time_mlp = [
-                t.detach().to(self.device, torch.float32)
-                for t in (
-                    model.time_embedding.linear_1.weight, model.time_embedding.linear_1.bias,
-                    model.time_embedding.linear_2.weight, model.time_embedding.linear_2.bias,
-                )
-            ]  # fmt: skip
+            if isinstance(model, DDPMUNet):
+                self._trace_ddpm(model)
+                mlp, self._time_act = model.time_embedding, "silu"
+            else:
+                self._trace_convnext(model)
+                mlp, self._time_act = model.time_mlp, "gelu"
+            self._time_mlp = copy.deepcopy(mlp).to(self.device, torch.float32)
             self._proj_w = torch.cat([w for w, _ in self._temb_proj]).to(self.device, torch.float32)
             self._proj_b = torch.cat([b for _, b in self._temb_proj]).to(self.device, torch.float32)
         self.temb_row = torch.zeros((1, self._temb_channels), dtype=dtype, device=self.device)
@@ -129,6 +138,7 @@ class FusedDDPMUNet:
         self._device_weights: dict[str, dict[str, torch.Tensor]] = {}
         for op in self.ops:  # weights queued module by module on the copy stream
             self._device_weights[op.name] = self.streamer.submit(op.name, self._host_weights(op))
+            op.weights = {}  # the fp32 source copies are no longer needed
         self._x_in: torch.Tensor | None = None
         self._calls: list[Callable[[], None]] = []
         self._waits_pending = True
@@ -139,9 +149,7 @@ class FusedDDPMUNet:
         self.values.append(value)
         return value
 
-    def _op(
-        self, name: str, kind: str, inputs: list[Value], output: Value, params: dict, weights=None
-    ) -> Value:
+    def _op(self, name: str, kind: str, inputs: list[Value], output: Value, params: dict, weights=None) -> Value:
         op = Op(name, kind, [v for v in inputs if v is not None], output, params, weights or {})
         for v in op.inputs:
             v.read_by.append(kind)
@@ -149,11 +157,19 @@ class FusedDDPMUNet:
         self.ops.append(op)
         return output
 
+    def _add_temb(self, proj: nn.Linear, conv_bias: torch.Tensor) -> int:
+        """Register a block's time projection (its conv's bias folded in); returns its column offset."""
+        offset = self._temb_channels
+        self._temb_channels += proj.out_features
+        self._temb_proj.append((proj.weight.detach().float(), (proj.bias + conv_bias).detach().float()))
+        return offset
+
     def _conv(
         self, name: str, conv: nn.Conv2d, x: Value, *, temb: int | None = None, residual: Value | None = None,
-        scale: float | None = None, downsample_pad0: bool = False,
+        act: str | None = None, scale: float | None = None, downsample_pad0: bool = False,
     ) -> Value:  # fmt: skip
-        weight, bias = conv.weight.detach().float(), conv.bias.detach().float()
+        weight = conv.weight.detach().float()
+        bias = None if conv.bias is None else conv.bias.detach().float()
         stride, padding = conv.stride[0], conv.padding[0]
         if downsample_pad0:  # pad (0, 1, 0, 1) then 3x3/s2/p0 == 4x4/s2/p1 with a zero first row and column
             weight = F.pad(weight, (1, 0, 1, 0))
@@ -164,9 +180,9 @@ class FusedDDPMUNet:
         wo = (w + 2 * padding - ksize) // stride + 1
         out = self._value(name, weight.shape[0], ho, wo)
         weights = {"weight": weight}
-        if temb is None:
+        if temb is None and bias is not None:
             weights["bias"] = bias
-        params = dict(stride=stride, padding=padding, temb=temb, scale=scale)
+        params = dict(stride=stride, padding=padding, temb=temb, act=act, scale=scale)
         return self._op(name, "conv", [x, residual], out, params, weights)
 
     def _group_norm(self, name: str, norm: nn.GroupNorm, x: Value, act: str | None) -> Value:
@@ -174,29 +190,20 @@ class FusedDDPMUNet:
             raise FastdiffError(f"internal: {x.name} is a concat slice read by a GroupNorm")
         out = self._value(name, x.shape[1], x.shape[2], x.shape[3])
         weights = {"weight": norm.weight.detach().float(), "bias": norm.bias.detach().float()}
-        return self._op(
-            name, "group_norm", [x], out, dict(groups=norm.num_groups, eps=norm.eps, act=act), weights
-        )
+        return self._op(name, "group_norm", [x], out, dict(groups=norm.num_groups, eps=norm.eps, act=act), weights)
 
     def _resnet(self, name: str, block: ResnetBlock2D, x: Value) -> Value:
-        offset = self._temb_channels
-        channels = block.conv1.out_channels
-        self._temb_channels += channels
-        self._temb_proj.append(
-            (block.time_emb_proj.weight.detach().float(),
-             (block.time_emb_proj.bias + block.conv1.bias).detach().float())
-        )  # fmt: skip
+        offset = self._add_temb(block.time_emb_proj, block.conv1.bias)
         a = self._group_norm(f"{name}.norm1", block.norm1, x, "silu")
         h = self._conv(f"{name}.conv1", block.conv1, a, temb=offset)
         c = self._group_norm(f"{name}.norm2", block.norm2, h, "silu")
-        skip = (
-            x if block.conv_shortcut is None else self._conv(f"{name}.conv_shortcut", block.conv_shortcut, x)
-        )
+        skip = x if block.conv_shortcut is None else self._conv(f"{name}.conv_shortcut", block.conv_shortcut, x)
         scale = None if block.output_scale_factor == 1.0 else 1.0 / block.output_scale_factor
         return self._conv(f"{name}.conv2", block.conv2, c, residual=skip, scale=scale)
 
     def _attention(self, name: str, attn: Attention, x: Value) -> Value:
-        _, channels, h, w = x.shape
+        """diffusers-style attention: q, k, v Linears fused into one 1x1 conv."""
+        _, channels, _, _ = x.shape
         inner = attn.heads * attn.head_dim
         normed = self._group_norm(f"{name}.group_norm", attn.group_norm, x, None)
         qkv_conv = nn.Conv2d(channels, 3 * inner, 1)
@@ -204,13 +211,21 @@ class FusedDDPMUNet:
             torch.cat([attn.to_q.weight, attn.to_k.weight, attn.to_v.weight]).detach()[:, :, None, None]
         )
         qkv_conv.bias = nn.Parameter(torch.cat([attn.to_q.bias, attn.to_k.bias, attn.to_v.bias]).detach())
-        qkv = self._conv(f"{name}.to_qkv", qkv_conv, normed)
-        core = self._value(f"{name}.core", inner, h, w)
-        self._op(f"{name}.core", "attention", [qkv], core, dict(heads=attn.heads, head_dim=attn.head_dim))
         out_conv = nn.Conv2d(inner, channels, 1)
         out_conv.weight = nn.Parameter(attn.to_out[0].weight.detach()[:, :, None, None])
         out_conv.bias = nn.Parameter(attn.to_out[0].bias.detach())
         scale = None if attn.rescale_output_factor == 1.0 else 1.0 / attn.rescale_output_factor
+        return self._attention_core(name, normed, x, qkv_conv, out_conv, attn.heads, attn.head_dim, scale)
+
+    def _attention_core(
+        self, name: str, normed: Value, x: Value, qkv_conv: nn.Conv2d, out_conv: nn.Conv2d, heads: int,
+        head_dim: int, scale: float | None,
+    ) -> Value:  # fmt: skip
+        """qkv 1x1 conv (channels ordered q|k|v, head, dim) -> flash attention -> out 1x1 conv + residual x."""
+        _, _, h, w = x.shape
+        qkv = self._conv(f"{name}.to_qkv", qkv_conv, normed)
+        core = self._value(f"{name}.core", heads * head_dim, h, w)
+        self._op(f"{name}.core", "attention", [qkv], core, dict(heads=heads, head_dim=head_dim))
         return self._conv(f"{name}.to_out", out_conv, core, residual=x, scale=scale)
 
     def _concat(self, name: str, parts: list[Value]) -> Value:
@@ -218,11 +233,7 @@ class FusedDDPMUNet:
         cat = self._value(name, sum(p.shape[1] for p in parts), h, w)
         offset = 0
         for part in parts:
-            aliasable = (
-                part.concat is None
-                and part.producer == "conv"
-                and (GN_READS_STRIDED or "group_norm" not in part.read_by)
-            )
+            aliasable = part.concat is None and part.producer == "conv" and not DENSE_READERS & set(part.read_by)
             if aliasable:
                 part.concat, part.channel_offset = cat, offset
             else:
@@ -233,7 +244,7 @@ class FusedDDPMUNet:
             offset += part.shape[1]
         return cat
 
-    def _trace(self, model: DDPMUNet) -> None:
+    def _trace_ddpm(self, model: DDPMUNet) -> None:
         cfg = model.config
         x = Value("x_in", (self.batch, cfg.in_channels, self.height, self.width), producer="external")
         self.x_in_value = x
@@ -250,9 +261,7 @@ class FusedDDPMUNet:
                 skips.append(h)
             if block.downsamplers is not None:
                 down = block.downsamplers[0]
-                h = self._conv(
-                    f"down_blocks.{i}.downsamplers.0.conv", down.conv, h, downsample_pad0=down.padding == 0
-                )
+                h = self._conv(f"down_blocks.{i}.downsamplers.0.conv", down.conv, h, downsample_pad0=down.padding == 0)
                 skips.append(h)
         if model.mid_block is not None:
             mid = model.mid_block
@@ -267,17 +276,64 @@ class FusedDDPMUNet:
                 if block.attentions is not None:
                     h = self._attention(f"up_blocks.{i}.attentions.{j}", block.attentions[j], h)
             if block.upsamplers is not None:
-                _, c, hh, ww = h.shape
-                up = self._op(
-                    f"up_blocks.{i}.upsample",
-                    "upsample",
-                    [h],
-                    self._value(f"up_blocks.{i}.up", c, 2 * hh, 2 * ww),
-                    {},
-                )
-                h = self._conv(f"up_blocks.{i}.upsamplers.0.conv", block.upsamplers[0].conv, up)
+                h = self._upsample_conv(f"up_blocks.{i}.upsamplers.0", block.upsamplers[0].conv, h)
         h = self._group_norm("conv_norm_out", model.conv_norm_out, h, "silu")
         self.out_value = self._conv("conv_out", model.conv_out, h)
+
+    def _convnext_block(self, name: str, block: ConvNeXtBlock, x: Value) -> Value:
+        offset = self._add_temb(block.time_proj, block.depthwise.bias)
+        _, channels, h, w = x.shape
+        dw = self._value(f"{name}.depthwise", channels, h, w)
+        weights = {"weight": block.depthwise.weight.detach().float()}
+        self._op(f"{name}.depthwise", "depthwise", [x], dw, dict(temb=offset), weights)
+        a = self._group_norm(f"{name}.norm1", block.norm1, dw, None)
+        b = self._conv(f"{name}.conv1", block.conv1, a, act="gelu")
+        c = self._group_norm(f"{name}.norm2", block.norm2, b, None)
+        res = x if isinstance(block.res_conv, nn.Identity) else self._conv(f"{name}.res_conv", block.res_conv, x)
+        return self._conv(f"{name}.conv2", block.conv2, c, residual=res)
+
+    def _self_attention(self, name: str, attn: SelfAttention, x: Value) -> Value:
+        normed = self._group_norm(f"{name}.norm", attn.norm, x, None)
+        return self._attention_core(name, normed, x, attn.to_qkv, attn.to_out, attn.heads, attn.head_dim, None)
+
+    def _gate(self, name: str, gate: AttentionGate, skip: Value, g: Value) -> Value:
+        out = self._value(name, *skip.shape[1:])
+        weights = {
+            "w_x": gate.residual_conv.weight, "b_x": gate.residual_conv.bias, "w_g": gate.gate_conv.weight,
+            "b_g": gate.gate_conv.bias, "w_psi": gate.psi.weight, "b_psi": gate.psi.bias,
+        }  # fmt: skip
+        return self._op(name, "gate", [skip, g], out, {}, {k: v.detach().float() for k, v in weights.items()})
+
+    def _trace_convnext(self, model: ConvNeXtUNet) -> None:
+        cfg = model.config
+        x = Value("x_in", (self.batch, cfg.in_channels, self.height, self.width), producer="external")
+        self.x_in_value = x
+        h = self._conv("init_conv", model.init_conv, x)
+        skips = []
+        for i, level in enumerate(model.downs):
+            h = self._convnext_block(f"downs.{i}.block1", level["block1"], h)
+            h = self._convnext_block(f"downs.{i}.block2", level["block2"], h)
+            skips.append(h)
+            if "downsample" in level:
+                h = self._conv(f"downs.{i}.downsample", level["downsample"], h)
+        h = self._convnext_block("mid_block1", model.mid_block1, h)
+        if model.mid_attn is not None:
+            h = self._self_attention("mid_attn", model.mid_attn, h)
+        h = self._convnext_block("mid_block2", model.mid_block2, h)
+        for i, level in enumerate(model.ups):
+            skip = self._gate(f"ups.{i}.gate", level["gate"], skips.pop(), h)
+            cat = self._concat(f"ups.{i}.cat", [h, skip])
+            h = self._convnext_block(f"ups.{i}.block1", level["block1"], cat)
+            h = self._convnext_block(f"ups.{i}.block2", level["block2"], h)
+            if "upsample" in level:
+                h = self._upsample_conv(f"ups.{i}", level["upsample"], h)
+        h = self._convnext_block("final_block", model.final_block, h)
+        self.out_value = self._conv("final_conv", model.final_conv, h)
+
+    def _upsample_conv(self, name: str, conv: nn.Conv2d, h: Value) -> Value:
+        _, c, hh, ww = h.shape
+        up = self._op(f"{name}.upsample", "upsample", [h], self._value(f"{name}.up", c, 2 * hh, 2 * ww), {})
+        return self._conv(f"{name}.conv", conv, up)
 
     # ------------------------------------------------------------------------------------------------ plan
     def _plan(self) -> MemoryPlan:
@@ -332,8 +388,14 @@ class FusedDDPMUNet:
                 out["weight"] = weight.to(self.dtype).contiguous(memory_format=torch.channels_last)
             if "bias" in op.weights:
                 out["bias"] = op.weights["bias"].to(self.dtype)
-        elif op.kind == "group_norm":
-            out = {k: v.to(self.dtype) for k, v in op.weights.items()}
+        elif op.kind == "depthwise":
+            weight = op.weights["weight"]
+            if self.conv_impl in ("auto", "triton"):
+                out["packed"] = pack_depthwise_weight(weight).to(self.dtype)
+            if self.conv_impl in ("auto", "cudnn"):
+                out["weight"] = weight.to(self.dtype).contiguous(memory_format=torch.channels_last)
+        elif op.kind in ("group_norm", "gate"):
+            out = {k: v.to(self.dtype) for k, v in op.weights.items() if v is not None}
         return out
 
     # ----------------------------------------------------------------------------------------------- calls
@@ -347,28 +409,42 @@ class FusedDDPMUNet:
         if p["temb"] is not None:
             channels = op.output.shape[1]
             temb = self.temb_row[:, p["temb"] : p["temb"] + channels].expand(self.batch, channels)
-        stride, padding, scale = p["stride"], p["padding"], p["scale"]
+        stride, padding, act, scale = p["stride"], p["padding"], p["act"], p["scale"]
         if impl == "triton":
             packed = w["packed"]
             return lambda: conv2d(
                 x, packed, bias, stride=stride, padding=padding, time_emb=temb, residual=residual,
-                out_scale=scale, out=out,
+                activation=act, out_scale=scale, out=out,
             )  # fmt: skip
         weight = w["weight"]
-        addends = [a for a in (None if temb is None else temb[:, :, None, None], residual) if a is not None]
+        temb4 = None if temb is None else temb[:, :, None, None]
 
-        def cudnn_conv() -> None:
+        def cudnn_conv() -> None:  # cuDNN conv (+ bias), then the epilogue in as few torch ops as the flags allow
             y = F.conv2d(x, weight, bias, stride=stride, padding=padding)
-            if len(addends) == 2:
-                y += addends[0]
-            if addends:
-                torch.add(y, addends[-1], out=out)
+            if temb4 is not None:
+                y += temb4
+            if act is not None:
+                y = activation_ref(y, act)
+            if residual is not None:
+                torch.add(y, residual, out=out)
             else:
                 out.copy_(y)
             if scale is not None:
                 out.mul_(scale)
 
         return cudnn_conv
+
+    def _depthwise_call(self, op: Op, impl: str) -> Callable[[], None]:
+        x, out = self._tensor(op.inputs[0]), self._tensor(op.output)
+        channels = op.output.shape[1]
+        offset = op.params["temb"]
+        temb = self.temb_row[:, offset : offset + channels].expand(self.batch, channels)
+        w = self._device_weights[op.name]
+        if impl == "triton":
+            packed = w["packed"]
+            return lambda: depthwise_conv2d(x, packed, None, time_emb=temb, out=out)
+        weight, temb4 = w["weight"], temb[:, :, None, None]
+        return lambda: torch.add(F.conv2d(x, weight, None, padding=3, groups=channels), temb4, out=out)
 
     def _attention_call(self, op: Op, impl: str) -> Callable[[], None]:
         qkv, core = self._tensor(op.inputs[0]), self._tensor(op.output)
@@ -386,7 +462,14 @@ class FusedDDPMUNet:
             return self._conv_call(op, impl)
         if op.kind == "attention":
             return self._attention_call(op, impl)
+        if op.kind == "depthwise":
+            return self._depthwise_call(op, impl)
         x, out = self._tensor(op.inputs[0]), self._tensor(op.output)
+        if op.kind == "gate":
+            g, w = self._tensor(op.inputs[1]), self._device_weights[op.name]
+            return lambda: attention_gate(
+                x, g, w["w_x"], w["w_g"], w.get("b_g"), w["w_psi"], w.get("b_psi"), b_x=w.get("b_x"), out=out
+            )
         if op.kind == "group_norm":
             w, p = self._device_weights[op.name], op.params
             return lambda: group_norm_act(
@@ -404,11 +487,22 @@ class FusedDDPMUNet:
         raise FastdiffError(f"internal: unknown op kind {op.kind}")
 
     def _default_impl(self, op: Op) -> str:
-        if op.kind == "conv":
+        if op.kind in ("conv", "depthwise"):
             return "cudnn" if self.conv_impl == "cudnn" else "triton"
         if op.kind == "attention":
             return "sdpa" if self.attention_impl == "sdpa" else "triton"
-        return {"group_norm": "triton", "copy": "torch", "center": "torch", "upsample": "torch"}[op.kind]
+        return {"group_norm": "triton", "gate": "triton", "copy": "torch", "center": "torch", "upsample": "torch"}[
+            op.kind
+        ]
+
+    def _default_why(self, op: Op) -> str:
+        if op.kind in ("conv", "depthwise"):
+            return f"conv_impl={self.conv_impl}" + (" (not timed off CUDA)" if self.conv_impl == "auto" else "")
+        if op.kind == "attention":
+            return f"attention_impl={self.attention_impl}" + (
+                " (not timed off CUDA)" if self.attention_impl == "auto" else ""
+            )
+        return "single implementation"
 
     def _bind(self, x_in: torch.Tensor) -> None:
         if tuple(x_in.shape) != self.x_in_value.shape or x_in.dtype != self.dtype:
@@ -421,19 +515,20 @@ class FusedDDPMUNet:
         for op in self.ops:
             if not op.impl:
                 op.impl = self._default_impl(op)
-                op.why = op.why or f"{self.conv_impl if op.kind == 'conv' else self.attention_impl} setting"
+                op.why = op.why or self._default_why(op)
         self._calls = [self._call(op, op.impl) for op in self.ops]
 
     # ------------------------------------------------------------------------------------------- forward
     def time_table(self, timesteps: torch.Tensor) -> torch.Tensor:
-        """[N, sum(C)] per-step conv1 addends (time_emb_proj(silu(temb(t))) + conv1 bias), fp32 -> dtype."""
-        cfg = self.cfg
-        w1, b1, w2, b2 = self._time_mlp
-        emb = timestep_embedding(
-            timesteps.to(self.device), cfg.block_out_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift
-        )
-        temb = F.linear(F.silu(F.linear(emb, w1, b1)), w2, b2)
-        return F.linear(F.silu(temb), self._proj_w, self._proj_b).to(self.dtype)
+        """[N, sum(C)] per-step epilogue addends (projection(act(MLP(sinusoid(t)))) + conv bias), fp32 -> dtype."""
+        t = timesteps.to(self.device)
+        if self._time_act == "silu":
+            cfg = self.cfg
+            emb = timestep_embedding(t, cfg.block_out_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
+        else:
+            emb = convnext_unet.timestep_embedding(t, self.cfg.base_dim)
+        temb = activation_ref(self._time_mlp(emb), self._time_act)
+        return F.linear(temb, self._proj_w, self._proj_b).to(self.dtype)
 
     def run_ops(self) -> None:
         """All ops, in order (the first call waits on each module's streamed weights, module by module)."""
@@ -480,7 +575,7 @@ class FusedDDPMUNet:
         self.arena.view(self.dtype)[: self.arena.numel() // self.dtype.itemsize].normal_(generator=gen)
         self.temb_row.normal_(generator=gen)
         for op in self.ops:
-            if op.kind == "conv" and self.conv_impl == "auto":
+            if op.kind in ("conv", "depthwise") and self.conv_impl == "auto":
                 candidates = ("triton", "cudnn")
             elif op.kind == "attention" and self.attention_impl == "auto":
                 candidates = ("triton", "sdpa")
@@ -496,7 +591,7 @@ class FusedDDPMUNet:
     def drop_unused_weights(self) -> None:
         """Free the conv weight layout the chosen implementation does not read."""
         for op in self.ops:
-            if op.kind == "conv" and op.impl:
+            if op.kind in ("conv", "depthwise") and op.impl:
                 self._device_weights[op.name].pop("weight" if op.impl == "triton" else "packed", None)
 
     def layer_table(self) -> list[dict]:
@@ -504,34 +599,36 @@ class FusedDDPMUNet:
         rows = []
         for op in self.ops:
             out = op.output
-            where = (
-                f"slice [{out.channel_offset}:] of {out.concat.name}"
-                if out.concat is not None
-                else "own buffer"
-            )
+            where = f"slice [{out.channel_offset}:] of {out.concat.name}" if out.concat is not None else "own buffer"
             rows.append(dict(name=op.name, kind=op.kind, shape=list(out.shape), impl=op.impl, why=op.why,
                              times_us=op.times_us, output=where))  # fmt: skip
         return rows
 
     @property
     def num_launches(self) -> int:
-        """Kernel launches per forward (cuDNN convs count two or three), plus the time-row select."""
+        """Kernel launches per forward (a cuDNN conv or SDPA counts two: its epilogue / copy is a second op;
+        three with a time embedding or activation), plus the time-row select."""
         extra = {"cudnn": 2, "sdpa": 2}
         return 1 + sum(extra.get(op.impl, 1) for op in self.ops)
 
 
 def _time_call_us(call: Callable[[], None], reps: int) -> float:
-    """Median microseconds per ``call()`` from replays of a CUDA graph of ``reps`` calls."""
+    """Median microseconds per ``call()`` from replays of a CUDA graph of up to ``reps`` calls (fewer for slow
+    ops: the graph holds about 2 ms of work), so launch overhead does not count."""
     call()
-    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    call()
+    end.record()
+    end.synchronize()
+    reps = max(1, min(reps, int(2.0 / max(start.elapsed_time(end), 1e-3))))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(reps):
             call()
     graph.replay()
     times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
         start.record()
         graph.replay()
         end.record()

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from fastdiff.engine.weights import normalize_device
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.sampler_step import sampler_step
 from fastdiff.samplers import Sampler
@@ -53,6 +54,7 @@ class SamplingLoop:
         steps_per_graph: int | None = None,
         use_graphs: bool = True,
     ) -> None:
+        device = normalize_device(device)
         if sampler.coefs.device != device:
             raise FastdiffError(f"sampler tables are on {sampler.coefs.device}, the engine runs on {device}")
         self.step_model = step_model
@@ -69,9 +71,7 @@ class SamplingLoop:
         self.counter = torch.zeros(1, dtype=torch.int64, device=device)
         # Noise of step i at noise_nhwc[i]: [N, B, H, W, C] so every slice is laid out like x (channels-last).
         self.noise_nhwc = (
-            torch.empty((n_steps, b, h, w, c), dtype=torch.float32, device=device)
-            if sampler.needs_noise
-            else None
+            torch.zeros((n_steps, b, h, w, c), dtype=torch.float32, device=device) if sampler.needs_noise else None
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_seconds: dict[int, float] = {}
@@ -144,9 +144,7 @@ class SamplingLoop:
             self.capture(rest).replay()
 
     @torch.no_grad()
-    def run(
-        self, x_t: torch.Tensor, noise: torch.Tensor | None, num_steps: int | None = None
-    ) -> torch.Tensor:
+    def run(self, x_t: torch.Tensor, noise: torch.Tensor | None, num_steps: int | None = None) -> torch.Tensor:
         """x after ``num_steps`` (default: all) steps from x_T, fp32 [B, C, H, W] (a fresh tensor)."""
         num_steps = self.sampler.num_steps if num_steps is None else num_steps
         if not 0 <= num_steps <= self.sampler.num_steps:

@@ -56,9 +56,7 @@ class MemoryPlan:
         n, c, h, w = shape
         nbytes = n * c * h * w * dtype.itemsize
         if nbytes > self.specs[name].nbytes:
-            raise FastdiffError(
-                f"buffer {name}: shape {shape} needs {nbytes} bytes, planned {self.specs[name].nbytes}"
-            )
+            raise FastdiffError(f"buffer {name}: shape {shape} needs {nbytes} bytes, planned {self.specs[name].nbytes}")
         start = self.offsets[name]
         flat = arena[start : start + nbytes].view(dtype)
         return flat.view(n, h, w, c).permute(0, 3, 1, 2)
@@ -75,9 +73,7 @@ def plan_memory(specs: list[BufferSpec], alignment: int = ALIGNMENT) -> MemoryPl
         if spec.name in by_name:
             raise FastdiffError(f"buffer {spec.name!r} planned twice")
         if spec.nbytes < 0 or spec.first > spec.last:
-            raise FastdiffError(
-                f"buffer {spec.name!r}: bad size {spec.nbytes} or lifetime {spec.first}..{spec.last}"
-            )
+            raise FastdiffError(f"buffer {spec.name!r}: bad size {spec.nbytes} or lifetime {spec.first}..{spec.last}")
         by_name[spec.name] = spec
     placed: list[tuple[int, int, BufferSpec]] = []  # (offset, aligned size, spec)
     offsets: dict[str, int] = {}
@@ -85,9 +81,7 @@ def plan_memory(specs: list[BufferSpec], alignment: int = ALIGNMENT) -> MemoryPl
     for spec in sorted(specs, key=lambda s: (-s.nbytes, s.first, s.name)):
         size = _aligned(spec.nbytes, alignment)
         conflicts = sorted(
-            (off, off + sz)
-            for off, sz, other in placed
-            if other.first <= spec.last and spec.first <= other.last
+            (off, off + sz) for off, sz, other in placed if other.first <= spec.last and spec.first <= other.last
         )
         offset = 0
         for start, end in conflicts:  # first gap (in address order) wide enough

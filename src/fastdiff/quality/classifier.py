@@ -75,9 +75,7 @@ class FashionClassifier(nn.Module):
         self.stages = nn.Sequential(*stages)
         side = config.image_size // 2 ** len(config.channels)
         if side < 1:
-            raise FastdiffError(
-                f"image_size {config.image_size} is too small for {len(config.channels)} stages"
-            )
+            raise FastdiffError(f"image_size {config.image_size} is too small for {len(config.channels)} stages")
         self.to_features = nn.Linear(in_ch * side * side, config.feature_dim)
         self.dropout = nn.Dropout(config.dropout)
         self.head = nn.Linear(config.feature_dim, config.num_classes)
@@ -105,9 +103,7 @@ def check_images(images: torch.Tensor, image_size: int) -> None:
 
 
 @torch.no_grad()
-def classifier_features(
-    model: FashionClassifier, images: torch.Tensor, batch_size: int = 500
-) -> torch.Tensor:
+def classifier_features(model: FashionClassifier, images: torch.Tensor, batch_size: int = 500) -> torch.Tensor:
     """Penultimate features float32 [N, feature_dim] on the CPU, computed in batches on the model's device."""
     check_images(images, model.config.image_size)
     device = next(model.parameters()).device

@@ -58,28 +58,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "SAMPLES: a folder of PNGs, or an .npz whose 'images' array is uint8 [0, 255] or float [-1, 1] in "
         "layout [N,H,W], [N,H,W,C] or [N,C,H,W]. fd-fmnist uses the bundled Fashion-MNIST classifier's "
         "128-d features and needs 28x28 or 32x32 images; inception uses the standard FID InceptionV3.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("samples", type=Path, metavar="SAMPLES", help="folder of PNGs or .npz of images")
     p.add_argument(
         "--ref",
         default="fmnist-test",
-        help="fmnist-test, fmnist-train, or a PNG folder / .npz of images / .npz with mu and sigma",
+        help="fmnist-test (default), fmnist-train, or a PNG folder / .npz of images / .npz with mu and sigma",
     )
     p.add_argument(
-        "--metric", default="fd-fmnist", choices=("fd-fmnist", "inception"), help="feature network"
+        "--metric",
+        default="fd-fmnist",
+        choices=("fd-fmnist", "inception"),
+        help="feature network (default: fd-fmnist)",
     )
-    p.add_argument("--inception", type=Path, default=None, help="pt_inception-2015-12-05-6726825d.pth")
-    p.add_argument("--classifier", type=Path, default=None, help="classifier folder (default: bundled)")
-    p.add_argument("--data", type=Path, default=None, help="Fashion-MNIST idx .gz folder")
-    p.add_argument("--batch", type=positive_int, default=None, help="batch size (default 500, inception 50)")
-    p.add_argument("--device", default="auto", help="auto (GPU if present, else CPU), cpu, cuda or cuda:N")
+    p.add_argument("--inception", type=Path, default=None, metavar="PATH", help="pt_inception-2015-12-05-6726825d.pth")
+    p.add_argument("--classifier", type=Path, default=None, metavar="DIR", help="default: the bundled one")
+    p.add_argument("--data", type=Path, default=None, metavar="DIR", help="Fashion-MNIST idx .gz folder")
+    p.add_argument("--batch", type=positive_int, default=None, metavar="N", help="default 500, inception 50")
+    p.add_argument("--device", default="auto", help="auto (default: GPU if present, else CPU), cpu, cuda or cuda:N")
     p.add_argument(
-        "--limit", type=positive_int, default=None, help="use only the first N samples and references"
+        "--limit", type=positive_int, default=None, metavar="N", help="use the first N samples and references"
     )
-    p.add_argument(
-        "--json", type=Path, default=None, metavar="OUT", help="also write the result as JSON here"
-    )
+    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the result as JSON here")
     p.set_defaults(func=run_fid)
 
 
@@ -219,9 +219,7 @@ def compute_fid(args: argparse.Namespace) -> dict:
                 split, args.data, args.limit, pad_to, args.inception, device, batch
             )
         else:
-            mu_ref, sigma_ref, num_ref = fmnist_reference_stats(
-                split, args.data, args.limit, args.classifier, device
-            )
+            mu_ref, sigma_ref, num_ref = fmnist_reference_stats(split, args.data, args.limit, args.classifier, device)
     else:
         ref_path = Path(args.ref)
         arrays = read_npz(ref_path) if ref_path.suffix == ".npz" and ref_path.is_file() else {}

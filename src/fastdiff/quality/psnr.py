@@ -9,9 +9,7 @@ from fastdiff.errors import FastdiffError
 
 def check_pair(a: torch.Tensor, b: torch.Tensor) -> None:
     if a.shape != b.shape:
-        raise FastdiffError(
-            f"paired images must have the same shape, got {tuple(a.shape)} and {tuple(b.shape)}"
-        )
+        raise FastdiffError(f"paired images must have the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.dim() < 2:
         raise FastdiffError(f"images must be batched [N, ...], got shape {tuple(a.shape)}")
 

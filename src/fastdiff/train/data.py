@@ -61,9 +61,7 @@ def read_idx_gz(path: Path, ndim: int) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
 
 
-def load_fashion_mnist(
-    split: str, data_dir: Path | None = None, pad_to: int = 32
-) -> tuple[torch.Tensor, torch.Tensor]:
+def load_fashion_mnist(split: str, data_dir: Path | None = None, pad_to: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """Images float32 [N, 1, pad_to, pad_to] in [-1, 1] (zero padding becomes -1) and labels int64 [N].
 
     ``split`` is "train" (60000 images) or "test" (10000). ``data_dir`` defaults to DEFAULT_DATA_DIR.
@@ -75,9 +73,7 @@ def load_fashion_mnist(
     images = read_idx_gz(root / f"{prefix}-images-idx3-ubyte.gz", ndim=3)
     labels = read_idx_gz(root / f"{prefix}-labels-idx1-ubyte.gz", ndim=1)
     if images.shape[0] != labels.shape[0]:
-        raise FastdiffError(
-            f"{root}: {split} split has {images.shape[0]} images but {labels.shape[0]} labels"
-        )
+        raise FastdiffError(f"{root}: {split} split has {images.shape[0]} images but {labels.shape[0]} labels")
     n, h, w = images.shape
     if pad_to < h or pad_to < w:
         raise FastdiffError(f"pad_to={pad_to} is smaller than the {h}x{w} images")

@@ -133,8 +133,7 @@ def resolve_model_config(config: TrainConfig) -> ConvNeXtUNetConfig:
         return config.model_config
     if config.model not in CONVNEXT_PRESETS:
         raise FastdiffError(
-            f"unknown model preset {config.model!r} for training: "
-            f"use one of {', '.join(sorted(CONVNEXT_PRESETS))}"
+            f"unknown model preset {config.model!r} for training: use one of {', '.join(sorted(CONVNEXT_PRESETS))}"
         )
     return CONVNEXT_PRESETS[config.model]
 
@@ -277,9 +276,7 @@ class Trainer:
         self.schedule = ScheduleConfig.from_diffusers(self.scheduler_config)
         self.on_cuda = self.device.type == "cuda"
         self.use_bf16 = config.bf16 and self.on_cuda
-        self.memory_format = (
-            torch.channels_last if config.channels_last and self.on_cuda else torch.contiguous_format
-        )
+        self.memory_format = torch.channels_last if config.channels_last and self.on_cuda else torch.contiguous_format
         if self.on_cuda:
             torch.backends.cudnn.benchmark = True
 
@@ -293,13 +290,9 @@ class Trainer:
             self.model_config.sample_size,
         )
         if images.ndim != 4 or tuple(images.shape[1:]) != expected:
-            raise FastdiffError(
-                f"training images have shape {tuple(images.shape)}, the model needs [N, *{expected}]"
-            )
+            raise FastdiffError(f"training images have shape {tuple(images.shape)}, the model needs [N, *{expected}]")
         if images.shape[0] < config.batch_size:
-            raise FastdiffError(
-                f"batch size {config.batch_size} is larger than the {images.shape[0]} training images"
-            )
+            raise FastdiffError(f"batch size {config.batch_size} is larger than the {images.shape[0]} training images")
         self.images = images.to(self.device, torch.float32).contiguous(memory_format=self.memory_format)
         self.num_images = images.shape[0]
         self.steps_per_epoch = self.num_images // config.batch_size
@@ -377,8 +370,7 @@ class Trainer:
                 )
         if ckpt["num_images"] != self.num_images:
             raise FastdiffError(
-                f"{self.checkpoint_path} was trained on {ckpt['num_images']} images, "
-                f"this data has {self.num_images}"
+                f"{self.checkpoint_path} was trained on {ckpt['num_images']} images, this data has {self.num_images}"
             )
         self.model.load_state_dict(ckpt["model"])
         self.ema.load_state_dict(ckpt["ema"])
@@ -417,9 +409,7 @@ class Trainer:
         x_t = (a * x0 + s * noise).contiguous(memory_format=self.memory_format)
         target = noise if cfg.prediction == "epsilon" else a * noise - s * x0
         for group in self.optimizer.param_groups:
-            group["lr"] = (
-                cfg.lr * min(1.0, (self.step + 1) / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
-            )
+            group["lr"] = cfg.lr * min(1.0, (self.step + 1) / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
             out = self.forward(x_t, t)
         loss = F.mse_loss(out.float(), target)
@@ -462,9 +452,7 @@ class Trainer:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.resume()
         # Lines written after the checkpoint belong to steps that will be redone: rewrite the log from it.
-        write_atomic(
-            self.out_dir / LOSS_LOG_NAME, "".join(json.dumps(r) + "\n" for r in self.records).encode()
-        )
+        write_atomic(self.out_dir / LOSS_LOG_NAME, "".join(json.dumps(r) + "\n" for r in self.records).encode())
         start_step = self.step
         stopped = "max_steps"
         log.info(
@@ -481,10 +469,8 @@ class Trainer:
         order = self.epoch_order() if self.step < cfg.max_steps else None
         loss_sum = torch.zeros((), device=self.device)
         interval_steps, interval_start = 0, time.perf_counter()
-        loop_start = last_report = interval_start
-        bar = tqdm(
-            total=cfg.max_steps, initial=self.step, unit="step", desc="training", disable=not cfg.progress
-        )
+        loop_start = last_report = run_start = interval_start
+        bar = tqdm(total=cfg.max_steps, initial=self.step, unit="step", desc="training", disable=not cfg.progress)
         self.model.train()
         with bar, (self.out_dir / LOSS_LOG_NAME).open("a") as loss_log:
             while self.step < cfg.max_steps:
@@ -534,12 +520,15 @@ class Trainer:
                     self.train_seconds += time.perf_counter() - loop_start
                     loop_start = time.perf_counter()
                     self.save_checkpoint()
+                if interval_steps == 0:  # keep sampling and checkpoint time out of the next img/s figure
+                    interval_start = time.perf_counter()
                 if out_of_time and self.step < cfg.max_steps:
                     stopped = "max_minutes"
                     break
+        loop_seconds = time.perf_counter() - run_start
         seconds = time.perf_counter() - start
         curve = plot_loss_curve(self.records, self.out_dir / LOSS_CURVE_NAME)
-        summary = self.summary(stopped, start_step, seconds, curve)
+        summary = self.summary(stopped, start_step, seconds, loop_seconds, curve)
         write_atomic(self.out_dir / SUMMARY_NAME, (json.dumps(summary, indent=2) + "\n").encode())
         log.info(
             "stopped at step %d (%s) after %.1f s: loss %s, %s img/s",
@@ -551,7 +540,8 @@ class Trainer:
         )
         return summary
 
-    def summary(self, stopped: str, start_step: int, seconds: float, curve: Path | None) -> dict:
+    def summary(self, stopped: str, start_step: int, seconds: float, loop_seconds: float, curve: Path | None) -> dict:
+        """What ``run`` returns: where training stands, this run's speed (training loop, sampling included)."""
         recent = self.records[-10:]
         trained = self.step - start_step
         return {
@@ -562,7 +552,7 @@ class Trainer:
             "resumed_from": self.resumed_from,
             "steps_this_run": trained,
             "seconds_this_run": round(seconds, 3),
-            "images_per_s": round(trained * self.config.batch_size / seconds, 1) if trained else None,
+            "images_per_s": round(trained * self.config.batch_size / loop_seconds, 1) if trained else None,
             "train_seconds_total": round(self.train_seconds, 3),
             "final_loss": round(sum(r["loss"] for r in recent) / len(recent), 6) if recent else None,
             "params": self.num_params,
@@ -587,9 +577,7 @@ def export_model(out_dir: Path, dest_dir: Path, dtype: torch.dtype = torch.float
     """Write the EMA weights of ``out_dir/checkpoint.pt`` as a model directory (config.json, safetensors,
     scheduler_config.json) that ``fastdiff.models.load_unet(dest_dir)`` loads."""
     ckpt = load_checkpoint(Path(out_dir) / CHECKPOINT_NAME)
-    model = ConvNeXtUNet(
-        config_from_dict(ckpt["settings"]["model_config"], str(Path(out_dir) / CHECKPOINT_NAME))
-    )
+    model = ConvNeXtUNet(config_from_dict(ckpt["settings"]["model_config"], str(Path(out_dir) / CHECKPOINT_NAME)))
     model.load_state_dict(ckpt["ema"])
     dest_dir = Path(dest_dir)
     save_convnext_unet(model.eval(), dest_dir, scheduler_config=ckpt["scheduler_config"], dtype=dtype)

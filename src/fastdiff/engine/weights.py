@@ -1,0 +1,131 @@
+"""Streamed weight upload: pinned host copies, one copy stream, one event per module, per-module waits.
+
+``submit(module, host_tensors)`` allocates the device tensors, queues their host->device copies on the copy
+stream (from pinned memory, so they run asynchronously) and records that module's event. The first forward
+calls ``wait(module)`` right before each module's compute: the compute stream then waits only for that
+module's own weights, so the first layers run while later layers' weights are still in flight (early start).
+On the CPU, copies are synchronous and waits are no-ops.
+
+The stream and event calls go through a small backend object so the ordering is testable without a GPU
+(:class:`RecordingBackend`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def normalize_device(device: torch.device | str) -> torch.device:
+    """``device`` with an explicit index for CUDA ("cuda" -> "cuda:<current>"), so it compares equal to
+    tensors' devices."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+class CudaBackend:
+    """Copies on a dedicated CUDA stream; events recorded there; waits on the current stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+
+    def record(self) -> Any:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def wait(self, event: Any) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        pinned = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=True)
+        return pinned.copy_(t)  # same strides: a channels-last weight stays channels-last
+
+
+class SyncBackend:
+    """CPU (or no streams): plain copies; nothing to wait for."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def record(self) -> Any:
+        return None
+
+    def wait(self, event: Any) -> None:
+        return None
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+class RecordingBackend(SyncBackend):
+    """Logs ("copy", tag) / ("record", n) / ("wait", n) in call order: for ordering tests."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, Any]] = []
+        self._events = 0
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        super().copy(dst, src)
+        self.log.append(("copy", src.data_ptr()))
+
+    def record(self) -> Any:
+        self._events += 1
+        self.log.append(("record", self._events))
+        return self._events
+
+    def wait(self, event: Any) -> None:
+        self.log.append(("wait", event))
+
+
+class WeightStreamer:
+    """Per-module host->device weight upload with one event per module (see the module docstring)."""
+
+    def __init__(self, device: torch.device | str, backend: Any | None = None) -> None:
+        self.device = normalize_device(device)
+        if backend is None:
+            backend = CudaBackend(self.device) if self.device.type == "cuda" else SyncBackend()
+        self.backend = backend
+        self.events: dict[str, Any] = {}
+        self.order: list[str] = []
+        self.bytes = 0
+        self.started = time.perf_counter()
+
+    def submit(self, module: str, host_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Device tensors for ``module`` (filled asynchronously) and the module's event recorded after them."""
+        out = {}
+        for role, host in host_tensors.items():
+            if host.device.type == "cuda":  # already on the GPU (e.g. a Pipeline's model): nothing to stream
+                out[role] = host.clone()
+                continue
+            pinned = self.backend.pin(host)
+            dev = torch.empty_like(pinned, device=self.device)  # same strides (channels-last stays)
+            self.backend.copy(dev, pinned)
+            self.bytes += pinned.numel() * pinned.element_size()
+            out[role] = dev
+        self.events[module] = self.backend.record()
+        self.order.append(module)
+        return out
+
+    def wait(self, module: str) -> None:
+        """Make the current stream wait for ``module``'s weights (once; later calls are free)."""
+        event = self.events.pop(module, None)
+        if event is not None:
+            self.backend.wait(event)
+
+    def wait_all(self) -> None:
+        """Make the current stream wait for every module still pending."""
+        for module in list(self.events):
+            self.wait(module)

@@ -1,0 +1,97 @@
+"""Sampling loop: engine (fused or eager step model, device step counter) vs the reference loop; on CUDA, graph
+replay vs the engine's own eager run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastdiff.engine import EagerStepModel, Engine
+from fastdiff.engine.graph import SamplingLoop
+from fastdiff.errors import FastdiffError
+from fastdiff.pipeline import sample_loop
+from fastdiff.samplers import ScheduleConfig, make_sampler
+from fastdiff.samplers.noise import draw_noise
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOL = 1e-4 if DEVICE.type == "cpu" else 1e-2  # fp32; tf32 convolutions on the GPU
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    return float((out - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize(
+    ("sampler_name", "unet_impl"),
+    [("ddpm", "fused"), ("dpmsolver++", "eager"), ("ddim", "eager")],
+)
+def test_engine_loop_matches_reference(tiny_model, sampler_name, unet_impl):
+    """Noise (ddpm), x0_prev (dpmsolver++) and clipping (ddpm/ddim) all go through the device counter."""
+    model = tiny_model("attn_pad0", 11).to(DEVICE)
+    steps = 3
+    sampler = make_sampler(sampler_name, ScheduleConfig(timestep_spacing="trailing"), steps, device=DEVICE)
+    b = 2
+    shape = (model.config.in_channels, *model.config.sample_size)
+    x_t, noise = draw_noise([4, 9], shape, steps if sampler.needs_noise else 0, DEVICE)
+    engine = Engine(DEVICE, unet_impl=unet_impl, conv_impl="triton", attention_impl="triton", use_graphs=False)
+    engine.prepare(model, sampler, b, torch.float32)
+    out = engine.run(x_t, noise)
+    with torch.no_grad():
+        ref = sample_loop(model, sampler, x_t.clone(), noise, torch.float32)
+    assert torch.isfinite(out).all()
+    assert rel_err(out.clamp(-1, 1), ref) < TOL
+    partial = engine.run(x_t, noise, num_steps=1)  # a prefix of the loop restarts from x_T
+    with torch.no_grad():
+        first, _ = sampler.step(0, x_t, model(x_t, sampler.timesteps[0].expand(b)), None,
+                                None if noise is None else noise[0])  # fmt: skip
+    assert rel_err(partial, first) < TOL
+    with pytest.raises(FastdiffError, match="num_steps"):
+        engine.run(x_t, noise, num_steps=steps + 1)
+
+
+def test_engine_needs_cuda_or_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(FastdiffError, match="CUDA"):
+        Engine("cpu")
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_graph_replay_equals_eager(tiny_model, dtype):
+    """The captured chunks (K = 4 over 10 steps: replays of 4, 4 and a 2-step graph) == the same kernels eagerly."""
+    model = tiny_model("attn_pad0", 5).to(DEVICE)
+    sampler = make_sampler("ddpm", ScheduleConfig(), 10, device=DEVICE)
+    shape = (model.config.in_channels, *model.config.sample_size)
+    x_t, noise = draw_noise(range(3), shape, 10, DEVICE)
+    graphs = Engine(DEVICE, steps_per_graph=4)
+    graphs.prepare(model, sampler, 3, dtype)
+    fused = graphs.step_models[(id(model), 3, dtype)]
+    eager = SamplingLoop(fused.bind_timesteps(sampler.timesteps), sampler, (3, *shape), dtype, DEVICE, use_graphs=False)
+    out_g = graphs.run(x_t, noise)
+    out_e = eager.run(x_t, noise)
+    assert set(graphs.current.graphs) == {4, 2}
+    assert torch.isfinite(out_g).all()
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    assert rel_err(out_g, out_e) < tol
+    assert torch.equal(graphs.run(x_t, noise), out_g)  # replays are deterministic
+
+
+def test_convnext_runs_its_eager_forward_in_the_loop():
+    """Models without a fused forward (ConvNeXtUNet) run their own forward inside the engine's loop."""
+    from fastdiff.models.convnext_unet import ConvNeXtUNet, ConvNeXtUNetConfig
+
+    torch.manual_seed(2)
+    model = ConvNeXtUNet(ConvNeXtUNetConfig(sample_size=12, in_channels=2, out_channels=2, base_dim=6,
+                                            dim_mults=(1, 2), attention_heads=2, attention_head_dim=3)).eval()  # fmt: skip
+    model.to(DEVICE)
+    sampler = make_sampler("ddim", ScheduleConfig(), 3, eta=0.5, device=DEVICE)
+    x_t, noise = draw_noise([1, 2, 3], (2, 12, 12), 3, DEVICE)
+    engine = Engine(DEVICE, use_graphs=DEVICE.type == "cuda", steps_per_graph=2)
+    engine.prepare(model, sampler, 3, torch.float32)
+    assert isinstance(engine.step_models[(id(model), 3, torch.float32)], EagerStepModel)
+    out = engine.run(x_t, noise)
+    with torch.no_grad():
+        ref = sample_loop(model, sampler, x_t.clone(), noise, torch.float32)
+    assert rel_err(out.clamp(-1, 1), ref) < TOL

@@ -1,0 +1,54 @@
+"""Streamed weights: one event per module recorded after its copies; the first forward waits on each module's
+own event right before that module's compute (early start), later forwards wait on nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastdiff.engine.fused_unet import FusedUNet
+from fastdiff.engine.graph import channels_last_empty
+from fastdiff.engine.weights import RecordingBackend, WeightStreamer
+
+
+def test_streamer_copies_and_keeps_layout():
+    streamer = WeightStreamer("cpu", RecordingBackend())
+    w = torch.randn(5, 3, 3, 3).contiguous(memory_format=torch.channels_last)
+    out = streamer.submit("conv", {"weight": w, "bias": torch.randn(5)})
+    assert torch.equal(out["weight"], w) and out["weight"].stride() == w.stride()
+    assert [kind for kind, _ in streamer.backend.log] == ["copy", "copy", "record"]
+    streamer.wait("conv")
+    streamer.wait("conv")  # second wait is free
+    assert streamer.backend.log[-1] == ("wait", 1) and len(streamer.backend.log) == 4
+
+
+def test_first_forward_waits_per_module(tiny_model):
+    backend = RecordingBackend()
+    fused = FusedUNet(tiny_model("attn_pad0", 3), 1, torch.float32, "cpu", "triton", "triton",
+                          WeightStreamer("cpu", backend))  # fmt: skip
+    names = [op.name for op in fused.ops]
+    records = [e for kind, e in backend.log if kind == "record"]
+    assert len(records) == len(names)  # one event per module, in module order
+    event_of = dict(zip(names, records, strict=True))
+    x_in = channels_last_empty(fused.x_in_value.shape, torch.float32, torch.device("cpu")).normal_()
+    fused._bind(x_in)
+    fused._calls = [lambda name=name: backend.log.append(("compute", name)) for name in names]
+    start = len(backend.log)
+    fused.run_ops()
+    first = backend.log[start:]
+    assert first == [entry for name in names for entry in (("wait", event_of[name]), ("compute", name))]
+    start = len(backend.log)
+    fused.run_ops()
+    assert backend.log[start:] == [("compute", name) for name in names]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_streamed_weights_arrive(tiny_model):
+    model = tiny_model("attn_pad0", 4).cuda()
+    fused = FusedUNet(model, 2, torch.float16, "cuda", "triton", "triton")
+    x = torch.randn(2, 3, 6, 10, device="cuda")
+    x_in = channels_last_empty((2, 3, 6, 10), torch.float16, torch.device("cuda")).copy_(x)
+    out = fused.forward(x_in, torch.tensor([10], device="cuda")).float()
+    with torch.no_grad():
+        ref = model(x, torch.tensor([10], device="cuda"))
+    assert float((out - ref).norm() / ref.norm()) < 1e-2
