@@ -20,7 +20,7 @@ data:
 	@test -f $(FMNIST) || (DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q dataset-fashion-mnist)
 
 sample: venv
-	$(VENV)/bin/fastdiff sample --out samples/grid.png
+	$(VENV)/bin/fastdiff sample --sampler dpmsolver++ --steps 20 --batch 36 --out samples/grid.png
 
 lint: venv
 	$(VENV)/bin/ruff check .

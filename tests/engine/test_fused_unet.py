@@ -10,7 +10,7 @@ import torch
 from fastdiff.engine.fused_unet import FusedUNet
 from fastdiff.engine.graph import channels_last_empty
 from fastdiff.errors import FastdiffError
-from fastdiff.models.convnext_unet import CONVNEXT_PRESETS, ConvNeXtUNet
+from fastdiff.models.convnext_unet import ConvNeXtUNet, ConvNeXtUNetConfig
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = 1e-4 if DEVICE.type == "cpu" else 1e-2  # fp32 on CPU (observed ~1e-7); tf32 dots on the GPU
@@ -52,9 +52,31 @@ def test_layer_table_and_launches(tiny_model):
     assert fused.num_launches == len(rows) + 1
 
 
+@pytest.mark.parametrize("impls", [("triton", "triton"), ("cudnn", "sdpa")])
+def test_fused_convnext_matches_eager(impls):
+    torch.manual_seed(zlib.crc32(str(impls).encode()) % 1000)
+    config = ConvNeXtUNetConfig(sample_size=10, in_channels=3, out_channels=2, base_dim=5, dim_mults=(1, 2),
+                                attention_heads=2, attention_head_dim=3, gate_reduction=2)  # fmt: skip
+    model = ConvNeXtUNet(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    model.to(DEVICE)
+    fused = FusedUNet(model, 2, torch.float32, DEVICE, *impls)
+    fused.arena.view(torch.float32).fill_(float("nan"))
+    x = torch.randn(2, 3, 10, 10).to(DEVICE)
+    x_in = channels_last_empty((2, 3, 10, 10), torch.float32, DEVICE).copy_(x)
+    out = fused.forward(x_in, torch.tensor([321], device=DEVICE))
+    with torch.no_grad():
+        ref = model.double().cpu()(x.double().cpu(), torch.tensor([321]))
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOL
+    assert {op.kind for op in fused.ops} >= {"depthwise", "gate", "attention", "copy", "upsample"}
+
+
 def test_rejects_other_models_and_bad_input(tiny_model):
-    with pytest.raises(FastdiffError, match="DDPMUNet"):
-        FusedUNet(ConvNeXtUNet(CONVNEXT_PRESETS["fashion-mnist"]), 1, torch.float32, DEVICE)
+    with pytest.raises(FastdiffError, match="DDPMUNet and ConvNeXtUNet"):
+        FusedUNet(torch.nn.Conv2d(1, 1, 1), 1, torch.float32, DEVICE)
     fused = FusedUNet(tiny_model("attn_pad0", 2), 2, torch.float32, DEVICE, "triton", "triton")
     with pytest.raises(FastdiffError, match="does not match"):
         fused.forward(torch.zeros(1, 3, 6, 10, device=DEVICE), torch.tensor([1], device=DEVICE))

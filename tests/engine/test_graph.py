@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdiff.engine import EagerStepModel, Engine
+from fastdiff.engine import EagerStepModel, Engine, FusedUNet
 from fastdiff.engine.graph import SamplingLoop
 from fastdiff.errors import FastdiffError
 from fastdiff.pipeline import sample_loop
@@ -78,19 +78,24 @@ def test_graph_replay_equals_eager(tiny_model, dtype):
     assert torch.equal(graphs.run(x_t, noise), out_g)  # replays are deterministic
 
 
-def test_convnext_runs_its_eager_forward_in_the_loop():
-    """Models without a fused forward (ConvNeXtUNet) run their own forward inside the engine's loop."""
+@pytest.mark.parametrize("unet_impl", ["eager", "fused"])
+def test_convnext_in_the_loop(unet_impl):
+    """ConvNeXtUNet: fused, or its own forward (unet_impl="eager") inside the engine's loop."""
     from fastdiff.models.convnext_unet import ConvNeXtUNet, ConvNeXtUNetConfig
 
     torch.manual_seed(2)
-    model = ConvNeXtUNet(ConvNeXtUNetConfig(sample_size=12, in_channels=2, out_channels=2, base_dim=6,
-                                            dim_mults=(1, 2), attention_heads=2, attention_head_dim=3)).eval()  # fmt: skip
+    config = ConvNeXtUNetConfig(
+        sample_size=12, in_channels=2, out_channels=2, base_dim=6, dim_mults=(1, 2), attention_heads=2,
+        attention_head_dim=3,
+    )  # fmt: skip
+    model = ConvNeXtUNet(config).eval()
     model.to(DEVICE)
     sampler = make_sampler("ddim", ScheduleConfig(), 3, eta=0.5, device=DEVICE)
     x_t, noise = draw_noise([1, 2, 3], (2, 12, 12), 3, DEVICE)
-    engine = Engine(DEVICE, use_graphs=DEVICE.type == "cuda", steps_per_graph=2)
+    engine = Engine(DEVICE, unet_impl=unet_impl, steps_per_graph=2, conv_impl="triton", attention_impl="triton")
     engine.prepare(model, sampler, 3, torch.float32)
-    assert isinstance(engine.step_models[(id(model), 3, torch.float32)], EagerStepModel)
+    step_model = engine.step_models[(id(model), 3, torch.float32)]
+    assert isinstance(step_model, EagerStepModel if unet_impl == "eager" else FusedUNet)
     out = engine.run(x_t, noise)
     with torch.no_grad():
         ref = sample_loop(model, sampler, x_t.clone(), noise, torch.float32)

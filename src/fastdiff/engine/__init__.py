@@ -1,10 +1,9 @@
 """fastdiff.engine: fused U-Net forward over a planned arena, whole sampling loop as replayed CUDA graphs.
 
 ``Engine.prepare(model, sampler, batch, dtype)`` builds (once per (batch, dtype)) the step model and (once per
-sampler) the sampling loop; ``Engine.run(x_T, noise)`` returns x_0 (fp32, unclamped). DDPMUNet models run on
-:class:`~fastdiff.engine.fused_unet.FusedUNet`; other models (ConvNeXtUNet) run their own eager forward in
-the engine dtype with channels-last memory, still inside the captured loop (``unet_impl="eager"`` forces that
-for DDPMUNet too).
+sampler) the sampling loop; ``Engine.run(x_T, noise)`` returns x_0 (fp32, unclamped). DDPMUNet and ConvNeXtUNet
+run on :class:`~fastdiff.engine.fused_unet.FusedUNet`; ``unet_impl="eager"`` (and any other model class) runs
+the model's own forward in the engine dtype with channels-last memory, still inside the captured loop.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from fastdiff.engine.fused_unet import FusedUNet
 from fastdiff.engine.graph import SamplingLoop, StepModel, channels_last_empty
 from fastdiff.engine.weights import WeightStreamer, normalize_device
 from fastdiff.errors import FastdiffError
+from fastdiff.models.convnext_unet import ConvNeXtUNet
 from fastdiff.models.ddpm_unet import DDPMUNet
 from fastdiff.samplers import Sampler
 
@@ -84,7 +84,7 @@ class Engine:
         key = (id(model), batch, dtype)
         if key not in self.step_models:
             t0 = time.perf_counter()
-            if isinstance(model, DDPMUNet) and self.unet_impl == "fused":
+            if isinstance(model, DDPMUNet | ConvNeXtUNet) and self.unet_impl == "fused":
                 fused = FusedUNet(
                     model, batch, dtype, self.device, self.conv_impl, self.attention_impl,
                     WeightStreamer(self.device),
