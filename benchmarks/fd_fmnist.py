@@ -57,6 +57,19 @@ def main() -> None:
     floor = fd_fmnist(train[perm], "test", data_dir=args.data, device=device)
     log.info("floor: FD(train %d vs test) = %.3f", args.n, floor)
     rows = []
+    result = {
+        "schema": "fastdiff.fd_fmnist/1",
+        "env": environment(),
+        "config": {
+            "model": args.model,
+            "n": args.n,
+            "dtype": args.dtype,
+            "batch": args.batch,
+            "seeds": f"0..{args.n - 1}",
+        },
+        "floor_train_vs_test": floor,
+        "results": rows,
+    }
     for spec in args.configs.split(","):
         sampler, steps = spec.split(":")
         pipe = Pipeline.from_pretrained(args.model, device=device, dtype=args.dtype, sampler=sampler, steps=int(steps))

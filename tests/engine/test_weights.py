@@ -23,23 +23,28 @@ def test_streamer_copies_and_keeps_layout():
 
 
 def test_first_forward_waits_per_module(tiny_model):
+    """Module k: its copies, its event, a wait on that event only, its compute; then module k + 1."""
     backend = RecordingBackend()
     fused = FusedUNet(tiny_model("attn_pad0", 3), 1, torch.float32, "cpu", "triton", "triton",
-                          WeightStreamer("cpu", backend))  # fmt: skip
-    names = [op.name for op in fused.ops]
-    records = [e for kind, e in backend.log if kind == "record"]
-    assert len(records) == len(names)  # one event per module, in module order
-    event_of = dict(zip(names, records, strict=True))
+                      WeightStreamer("cpu", backend))  # fmt: skip
+    assert backend.log == []  # nothing is uploaded before the first forward
+    fused._call = lambda op, impl: lambda: backend.log.append(("compute", op.name))
     x_in = channels_last_empty(fused.x_in_value.shape, torch.float32, torch.device("cpu")).normal_()
-    fused._bind(x_in)
-    fused._calls = [lambda name=name: backend.log.append(("compute", name)) for name in names]
+    fused.forward_from_row(x_in)
+    position = 0
+    for op in fused.ops:
+        copies = 0
+        while backend.log[position][0] == "copy":
+            copies += 1
+            position += 1
+        assert copies == len(fused._device_weights[op.name])  # one copy per weight tensor of the module
+        record, wait, compute = backend.log[position : position + 3]
+        assert record[0] == "record" and wait == ("wait", record[1]) and compute == ("compute", op.name)
+        position += 3
+    assert position == len(backend.log)
     start = len(backend.log)
-    fused.run_ops()
-    first = backend.log[start:]
-    assert first == [entry for name in names for entry in (("wait", event_of[name]), ("compute", name))]
-    start = len(backend.log)
-    fused.run_ops()
-    assert backend.log[start:] == [("compute", name) for name in names]
+    fused.forward_from_row(x_in)  # later forwards: no uploads, no waits
+    assert backend.log[start:] == [("compute", op.name) for op in fused.ops]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

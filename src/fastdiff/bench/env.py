@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib.metadata
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -19,6 +20,9 @@ def package_version(name: str) -> str | None:
 
 
 def git_sha() -> str | None:
+    """HEAD's short sha; FASTDIFF_GIT_SHA wins (the GPU machine gets a copy of the tree without .git)."""
+    if os.environ.get("FASTDIFF_GIT_SHA"):
+        return os.environ["FASTDIFF_GIT_SHA"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],

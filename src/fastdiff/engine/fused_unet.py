@@ -55,6 +55,8 @@ CONV_IMPLS = ("auto", "triton", "cudnn")
 ATTENTION_IMPLS = ("auto", "triton", "sdpa")
 GN_READS_STRIDED = False
 """group_norm_act reads dense NHWC rows only: a value a GroupNorm reads cannot live in a concat slice."""
+TUNING_CACHE: dict[tuple, dict[str, float]] = {}
+"""Per-op timings of the implementations (``FusedUNet.autotune``), reused by later builds in this process."""
 DENSE_READERS = frozenset({"gate"} | (set() if GN_READS_STRIDED else {"group_norm"}))
 """Op kinds whose kernels copy a strided (concat-slice) input: such inputs are copied into the concat instead."""
 
@@ -136,12 +138,8 @@ class FusedUNet:
         self.tensors: dict[str, torch.Tensor] = {}
         self.streamer = streamer or WeightStreamer(self.device)
         self._device_weights: dict[str, dict[str, torch.Tensor]] = {}
-        for op in self.ops:  # weights queued module by module on the copy stream
-            self._device_weights[op.name] = self.streamer.submit(op.name, self._host_weights(op))
-            op.weights = {}  # the fp32 source copies are no longer needed
         self._x_in: torch.Tensor | None = None
         self._calls: list[Callable[[], None]] = []
-        self._waits_pending = True
 
     # ----------------------------------------------------------------------------------------------- trace
     def _value(self, name: str, channels: int, h: int, w: int) -> Value:
@@ -182,7 +180,7 @@ class FusedUNet:
         weights = {"weight": weight}
         if temb is None and bias is not None:
             weights["bias"] = bias
-        params = dict(stride=stride, padding=padding, temb=temb, act=act, scale=scale)
+        params = dict(stride=stride, padding=padding, ksize=ksize, temb=temb, act=act, scale=scale)
         return self._op(name, "conv", [x, residual], out, params, weights)
 
     def _group_norm(self, name: str, norm: nn.GroupNorm, x: Value, act: str | None) -> Value:
@@ -504,18 +502,20 @@ class FusedUNet:
             )
         return "single implementation"
 
-    def _bind(self, x_in: torch.Tensor) -> None:
+    def _check_input(self, x_in: torch.Tensor) -> None:
         if tuple(x_in.shape) != self.x_in_value.shape or x_in.dtype != self.dtype:
             raise FastdiffError(
                 f"input {tuple(x_in.shape)} {x_in.dtype} does not match the prepared "
                 f"{self.x_in_value.shape} {self.dtype}"
             )
+
+    def _bind(self, x_in: torch.Tensor) -> None:
+        self._check_input(x_in)
         self._x_in = x_in
         self.tensors = {}
         for op in self.ops:
-            if not op.impl:
-                op.impl = self._default_impl(op)
-                op.why = op.why or self._default_why(op)
+            op.impl = op.impl or self._default_impl(op)
+            op.why = op.why or self._default_why(op)
         self._calls = [self._call(op, op.impl) for op in self.ops]
 
     # ------------------------------------------------------------------------------------------- forward
@@ -530,22 +530,31 @@ class FusedUNet:
         temb = activation_ref(self._time_mlp(emb), self._time_act)
         return F.linear(temb, self._proj_w, self._proj_b).to(self.dtype)
 
-    def run_ops(self) -> None:
-        """All ops, in order (the first call waits on each module's streamed weights, module by module)."""
-        if self._waits_pending:
-            for op, call in zip(self.ops, self._calls, strict=True):
-                self.streamer.wait(op.name)
-                call()
-            self._waits_pending = False
-            return
-        for call in self._calls:
-            call()
+    def _streamed_forward(self, x_in: torch.Tensor) -> None:
+        """The first forward, interleaved with the weight upload: for each module, pack its weights on the host
+        and queue their copy on the copy stream, then queue its compute behind that module's event only. The
+        GPU runs module k while the host packs and the copy engine uploads modules k+1, ...
+        """
+        self._check_input(x_in)
+        self._x_in, self.tensors = x_in, {}
+        for op in self.ops:
+            self._device_weights[op.name] = self.streamer.submit(op.name, self._host_weights(op))
+            op.weights = {}  # the fp32 source copies are no longer needed
+            self.streamer.wait(op.name)
+            op.impl = op.impl or self._default_impl(op)
+            self._call(op, op.impl)()
+        self._bind(x_in)
 
     def forward_from_row(self, x_in: torch.Tensor) -> torch.Tensor:
-        """The model output for ``x_in`` with the time embedding already in ``temb_row``."""
-        if self._x_in is None or x_in.data_ptr() != self._x_in.data_ptr():
-            self._bind(x_in)
-        self.run_ops()
+        """The model output for ``x_in`` with the time embedding already in ``temb_row`` (the first call
+        streams the weights in, see ``_streamed_forward``)."""
+        if len(self._device_weights) < len(self.ops):
+            self._streamed_forward(x_in)
+        else:
+            if self._x_in is None or x_in.data_ptr() != self._x_in.data_ptr():
+                self._bind(x_in)
+            for call in self._calls:
+                call()
         return self._tensor(self.out_value)
 
     @torch.no_grad()
@@ -570,6 +579,8 @@ class FusedUNet:
         so launch overhead does not count) and keep the faster; records the times and the reason per op."""
         if self.device.type != "cuda":
             return
+        if len(self._device_weights) < len(self.ops):
+            self._streamed_forward(x_in)
         self._bind(x_in)
         gen = torch.Generator(device=self.device).manual_seed(0)
         self.arena.view(self.dtype)[: self.arena.numel() // self.dtype.itemsize].normal_(generator=gen)
@@ -581,12 +592,24 @@ class FusedUNet:
                 candidates = ("triton", "sdpa")
             else:
                 continue
-            for impl in candidates:
-                op.times_us[impl] = _time_call_us(self._call(op, impl), reps)
+            key = self._tuning_key(op)
+            if key not in TUNING_CACHE:
+                TUNING_CACHE[key] = {impl: _time_call_us(self._call(op, impl), reps) for impl in candidates}
+                why = "timed"
+            else:
+                why = "timed earlier in this process (same shapes)"
+            op.times_us = dict(TUNING_CACHE[key])
             op.impl = min(op.times_us, key=op.times_us.get)
-            op.why = "timed: " + ", ".join(f"{k} {v:.1f} us" for k, v in op.times_us.items())
+            op.why = f"{why}: " + ", ".join(f"{k} {v:.1f} us" for k, v in op.times_us.items())
         self._bind(x_in)
         self.drop_unused_weights()
+
+    def _tuning_key(self, op: Op) -> tuple:
+        """What an op's timing depends on: kind, shapes, strided (concat slice) or not, flags, dtype, GPU."""
+        params = {k: (v is not None if k == "temb" else v) for k, v in op.params.items()}
+        values = [(v.shape, v.concat is not None) for v in (*op.inputs, op.output)]
+        gpu = torch.cuda.get_device_name(self.device)
+        return (op.kind, tuple(values), tuple(sorted(params.items())), str(self.dtype), gpu)
 
     def drop_unused_weights(self) -> None:
         """Free the conv weight layout the chosen implementation does not read."""

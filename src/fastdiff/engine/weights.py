@@ -49,6 +49,9 @@ class CudaBackend:
     def wait(self, event: Any) -> None:
         torch.cuda.current_stream(self.device).wait_event(event)
 
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         pinned = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=True)
         return pinned.copy_(t)  # same strides: a channels-last weight stays channels-last
@@ -64,6 +67,9 @@ class SyncBackend:
         return None
 
     def wait(self, event: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
         return None
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
@@ -99,6 +105,7 @@ class WeightStreamer:
             backend = CudaBackend(self.device) if self.device.type == "cuda" else SyncBackend()
         self.backend = backend
         self.events: dict[str, Any] = {}
+        self._staging: list[torch.Tensor] = []  # pinned sources of copies in flight (freed by wait_all)
         self.order: list[str] = []
         self.bytes = 0
         self.started = time.perf_counter()
@@ -113,6 +120,7 @@ class WeightStreamer:
             pinned = self.backend.pin(host)
             dev = torch.empty_like(pinned, device=self.device)  # same strides (channels-last stays)
             self.backend.copy(dev, pinned)
+            self._staging.append(pinned)
             self.bytes += pinned.numel() * pinned.element_size()
             out[role] = dev
         self.events[module] = self.backend.record()
@@ -126,6 +134,9 @@ class WeightStreamer:
             self.backend.wait(event)
 
     def wait_all(self) -> None:
-        """Make the current stream wait for every module still pending."""
+        """Make the current stream wait for every module still pending; then release the pinned staging copies
+        (the host waits for the copy stream first)."""
         for module in list(self.events):
             self.wait(module)
+        self.backend.synchronize()
+        self._staging.clear()
