@@ -81,7 +81,9 @@ def main() -> None:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         fd = fd_fmnist(images, "test", data_dir=args.data, device=device)
-        rows.append({"sampler": sampler, "steps": int(steps), "fd_fmnist": fd, "seconds": seconds})
+        rows.append(
+            {"sampler": sampler, "steps": int(steps), "fd_fmnist": fd, "seconds": seconds, "backend": pipe.backend}
+        )
         log.info("%s %s steps: FD-FMNIST %.3f (%.1f s for %d images)", sampler, steps, fd, seconds, args.n)
         if args.grid is not None:
             grid = make_grid(to_pil(images[:64]), nrow=8)
@@ -101,7 +103,7 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"| sampler | steps | FD-FMNIST ({args.n} samples vs test) | seconds ({args.dtype}, eager) |")
+    print(f"| sampler | steps | FD-FMNIST ({args.n} samples vs test) | seconds ({args.dtype}, {rows[0]['backend']}) |")
     print("| --- | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['sampler']} | {r['steps']} | {r['fd_fmnist']:.2f} | {r['seconds']:.1f} |")

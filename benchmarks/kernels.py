@@ -97,9 +97,7 @@ def _input_bytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
 
-def _rotating(
-    fn: Callable[..., Any], sets: list[tuple[tuple[Any, ...], dict[str, Any]]]
-) -> Callable[[], Any]:
+def _rotating(fn: Callable[..., Any], sets: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> Callable[[], Any]:
     state = {"i": 0}
 
     def call() -> Any:
@@ -162,9 +160,7 @@ def bench_case(
             "pct_peak_flops": 100 * tflops / ceilings["matmul_bf16_tflops"],
             "pct_peak_bw": 100 * gbps / ceilings["copy_gbps"],
         })  # fmt: skip
-        log.info(
-            "%-18s %-13s %-14s %9.4f ms  %7.1f GB/s  err %.1e", name, case, impl, ms, gbps, row["rel_err"]
-        )
+        log.info("%-18s %-13s %-14s %9.4f ms  %7.1f GB/s  err %.1e", name, case, impl, ms, gbps, row["rel_err"])
         rows.append(row)
     del args, kwargs, sets, reference
     if device == "cuda":
@@ -218,16 +214,12 @@ def markdown_table(results: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--out", type=Path, help="results JSON (default benchmarks/results/kernels-<gpu>.json)"
-    )
+    parser.add_argument("--out", type=Path, help="results JSON (default benchmarks/results/kernels-<gpu>.json)")
     parser.add_argument("--ops", help="comma-separated REGISTRY names (default: all)")
     parser.add_argument("--cases", default=",".join(DEFAULT_CASES), help="comma-separated example sizes")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile(ref) baseline")
-    parser.add_argument(
-        "--markdown", type=Path, metavar="JSON", help="print a results JSON as Markdown and exit"
-    )
+    parser.add_argument("--markdown", type=Path, metavar="JSON", help="print a results JSON as Markdown and exit")
     return parser.parse_args(argv)
 
 
@@ -237,9 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown_table(json.loads(args.markdown.read_text())))
         return 0
     if not torch.cuda.is_available():
-        print(
-            "benchmarks/kernels.py needs a CUDA GPU (none found); use --markdown to render existing results"
-        )
+        print("benchmarks/kernels.py needs a CUDA GPU (none found); use --markdown to render existing results")
         return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
