@@ -6,12 +6,14 @@ Sections, most important first (each caught and reported on its own, so one fail
 started after BUDGET_S seconds):
   timing_b1      ddpm-cifar10 (random weights), DDPM-1000 schedule, batch 1: ms/step of our eager fp16 loop,
                  of the engine running the eager model inside its graphs ("eng-eager"), and of the fused engine;
-                 time to ready (cold and warm), plan peak bytes, launches per step, per-layer choices;
-  quality_fp16   engine fp16 vs our eager fp32 (TF32 off), DDIM 100 steps, same x_T, batch 8: PSNR;
-  tests          the engine tests that need CUDA (graph replay == eager, streamed weights);
-  timing_b256    as timing_b1 at batch 256 (img/s);
-  steps_per_graph  capture seconds and ms/step at batch 1 for K = 10, 50, 200, 1000 (1000: the whole loop);
+                 time to ready (first build in the process, then a second "warm" one), plan peak bytes,
+                 launches per step, per-layer choices ($OUT/layers_<model>_b<batch>.json);
   full_run_b1    one complete 1000-step DDPM run at batch 1: s/image;
+  quality_fp16   engine fp16 vs our eager fp32 (TF32 off), DDIM 100 steps, same x_T, batch 8: PSNR;
+  timing_b256    as timing_b1 at batch 256 (img/s);
+  tests          the engine tests that need CUDA (graph replay == eager, streamed weights), the kernel features
+                 the engine added (slices, conv upsample) and the CUDA tests of the three kernels it touched;
+  steps_per_graph  capture seconds and ms/step at batch 1 for K = 10, 50, 200, 1000 (1000: the whole loop);
   quality_bf16, convnext_b1, convnext_b256   extras if time is left.
 Writes $OUT/engine_check.json and $OUT/layers_<model>_b<batch>.json; prints a summary table last.
 """
@@ -114,9 +116,12 @@ def env() -> dict:
 
 @section("tests")
 def tests() -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda or graph_replay",
-           "tests/engine/test_graph.py", "tests/engine/test_weights.py"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env={**os.environ, "PYTHONPATH": "src"})
+    files = ["tests/engine/test_graph.py", "tests/engine/test_weights.py", "tests/engine/test_kernel_extensions.py",
+             "tests/kernels/test_group_norm_act.py", "tests/kernels/test_conv2d.py",
+             "tests/kernels/test_attention_gate.py"]  # fmt: skip
+    selected = "cuda or graph_replay or extensions or group_norm or conv2d or attention_gate"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", selected, *files]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "PYTHONPATH": "src"})
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-25:]
     print("\n".join(tail), flush=True)
     return {"returncode": proc.returncode, "tail": tail}
@@ -209,6 +214,7 @@ def timing(preset: str, batch: int, steps: int, repeats: int) -> dict:
                 chosen.setdefault(r["kind"], {}).setdefault(r["impl"], 0)
                 chosen[r["kind"]][r["impl"]] += 1
             row["choices"] = chosen
+            row["ops_tuned_from_cache"] = sum(r["why"].startswith("timed earlier") for r in table)
             # warm time to ready: a second engine in this process (kernels compiled, cuDNN/cuBLAS up)
             t0 = time.perf_counter()
             again = Engine("cuda")
@@ -304,7 +310,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
-    for run_section in (env, timing_b1, quality_fp16, tests, timing_b256, steps_per_graph, full_run, quality_bf16,
+    for run_section in (env, timing_b1, full_run, quality_fp16, timing_b256, tests, steps_per_graph, quality_bf16,
                         convnext_b1, convnext_b256):  # fmt: skip
         run_section()
     save()

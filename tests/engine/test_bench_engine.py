@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from fastdiff.bench.runner import SCHEMA, BenchConfig, run_bench
-from fastdiff.engine import EngineSystem
+from fastdiff.engine import EngineSystem, kernel_cache_state
 
 ROW_KEYS = {"system", "dtype", "ms_per_step", "s_per_image", "images_per_s", "time_to_ready_s", "peak_mem_mb",
             "energy_j_per_image", "avg_power_w", "psnr_db", "max_abs_diff", "notes", "error", "extra"}  # fmt: skip
@@ -36,3 +36,15 @@ def test_bench_schema_with_engine_on_cpu(tmp_path, tiny_model):
 def test_engine_system_interface():
     system = EngineSystem(lambda: None, torch.float16, torch.device("cpu"))
     assert system.name == "engine" and "CUDA graphs" in system.notes
+
+
+def test_kernel_cache_state(tmp_path, monkeypatch):
+    triton_dir, fastdiff_dir = tmp_path / "triton", tmp_path / "fastdiff"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(triton_dir))
+    monkeypatch.setenv("FASTDIFF_CACHE_DIR", str(fastdiff_dir))
+    assert kernel_cache_state() == "cold"  # neither exists
+    (triton_dir / "abc").mkdir(parents=True)
+    assert kernel_cache_state() == "cold"  # compiled kernels but no tuning cache
+    fastdiff_dir.mkdir()
+    (fastdiff_dir / "engine_tuning.json").write_text("{}")
+    assert kernel_cache_state() == "warm"

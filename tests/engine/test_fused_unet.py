@@ -48,7 +48,7 @@ def test_layer_table_and_launches(tiny_model):
     rows = fused.layer_table()
     assert len(rows) == len(fused.ops) and all(r["impl"] for r in rows)
     kinds = {r["kind"] for r in rows}
-    assert kinds == {"conv", "group_norm", "attention", "copy", "upsample"}
+    assert kinds == {"conv", "group_norm", "attention"}  # no copies (concat parts are slices), upsample in the conv
     assert fused.num_launches == len(rows) + 1
 
 
@@ -71,7 +71,8 @@ def test_fused_convnext_matches_eager(impls):
         ref = model.double().cpu()(x.double().cpu(), torch.tensor([321]))
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < TOL
-    assert {op.kind for op in fused.ops} >= {"depthwise", "gate", "attention", "copy", "upsample"}
+    assert {op.kind for op in fused.ops} == {"conv", "depthwise", "group_norm", "gate", "attention"}
+    assert sum(v.concat is not None for v in fused.values) == 2 * len(model.ups)  # gate and h parts: no copies
 
 
 def test_rejects_other_models_and_bad_input(tiny_model):
@@ -80,3 +81,20 @@ def test_rejects_other_models_and_bad_input(tiny_model):
     fused = FusedUNet(tiny_model("attn_pad0", 2), 2, torch.float32, DEVICE, "triton", "triton")
     with pytest.raises(FastdiffError, match="does not match"):
         fused.forward(torch.zeros(1, 3, 6, 10, device=DEVICE), torch.tensor([1], device=DEVICE))
+
+
+def test_tuning_cache_round_trip(tmp_path, monkeypatch):
+    from fastdiff.engine import fused_unet
+
+    monkeypatch.setenv("FASTDIFF_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(fused_unet, "TUNING_CACHE", {"('conv', ...)": {"triton": 3.5, "cudnn": 2.25}})
+    fused_unet._save_tuning_cache()
+    assert fused_unet.tuning_cache_path() == tmp_path / "engine_tuning.json"
+    saved = dict(fused_unet.TUNING_CACHE)
+    fused_unet.TUNING_CACHE.clear()
+    fused_unet._load_tuning_cache()
+    assert fused_unet.TUNING_CACHE == saved
+    (tmp_path / "engine_tuning.json").write_text("{not json")
+    fused_unet.TUNING_CACHE.clear()
+    fused_unet._load_tuning_cache()  # a broken file is ignored (logged)
+    assert fused_unet.TUNING_CACHE == {}

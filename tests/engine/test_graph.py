@@ -49,6 +49,9 @@ def test_engine_loop_matches_reference(tiny_model, sampler_name, unet_impl):
     assert rel_err(partial, first) < TOL
     with pytest.raises(FastdiffError, match="num_steps"):
         engine.run(x_t, noise, num_steps=steps + 1)
+    if noise is not None:
+        with pytest.raises(FastdiffError, match="noise has 1 steps, 2 are run"):
+            engine.run(x_t, noise[:1], num_steps=2)
 
 
 def test_engine_needs_cuda_or_interpreter(monkeypatch):

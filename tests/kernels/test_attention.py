@@ -61,9 +61,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES)
 def test_attention_matches_ref(case: tuple, dtype: torch.dtype) -> None:
     batch, heads, lq, lk, head_dim, projected, scale = case
-    q, k, v = make_qkv(
-        batch, heads, lq, lk, head_dim, projected, dtype, zlib.crc32(repr((case, str(dtype))).encode())
-    )
+    q, k, v = make_qkv(batch, heads, lq, lk, head_dim, projected, dtype, zlib.crc32(repr((case, str(dtype))).encode()))
     out = torch.full((batch, heads, lq, head_dim), float("nan"), device=DEVICE, dtype=dtype)
     got = attention(q, k, v, scale=scale, out=out)
     assert got.data_ptr() == out.data_ptr()

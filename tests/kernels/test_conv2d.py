@@ -46,9 +46,7 @@ def make_inputs(case: dict, dtype: torch.dtype, seed: int) -> tuple[tuple, dict]
         return torch.randn(shape, generator=gen).to(device=DEVICE, dtype=dtype)
 
     x = randn(n, cin, h, w).contiguous(memory_format=torch.channels_last)
-    weight = (torch.randn((cout, cin, k, k), generator=gen) / (cin * k * k) ** 0.5).to(
-        device=DEVICE, dtype=dtype
-    )
+    weight = (torch.randn((cout, cin, k, k), generator=gen) / (cin * k * k) ** 0.5).to(device=DEVICE, dtype=dtype)
     kwargs = {"stride": stride, "padding": padding}
     if case.get("temb"):
         kwargs["time_emb"] = randn(n, cout)
@@ -63,16 +61,12 @@ def make_inputs(case: dict, dtype: torch.dtype, seed: int) -> tuple[tuple, dict]
 
 
 CASES = [
-    pytest.param(
-        dict(n=1, cin=3, cout=16, h=7, w=9, k=3, stride=1, padding=1, bias=True), id="cin3_k3s1p1_bias"
-    ),
+    pytest.param(dict(n=1, cin=3, cout=16, h=7, w=9, k=3, stride=1, padding=1, bias=True), id="cin3_k3s1p1_bias"),
     pytest.param(
         dict(n=5, cin=33, cout=33, h=7, w=9, k=3, stride=2, padding=1, bias=True, temb=True, act="silu"),
         id="c33_k3s2p1_temb_silu_b5",
     ),
-    pytest.param(
-        dict(n=2, cin=16, cout=33, h=7, w=9, k=1, bias=True, res=True, scale=0.7071), id="k1s1p0_res_scale"
-    ),
+    pytest.param(dict(n=2, cin=16, cout=33, h=7, w=9, k=1, bias=True, res=True, scale=0.7071), id="k1s1p0_res_scale"),
     pytest.param(dict(n=5, cin=8, cout=16, h=7, w=9, k=1, stride=2, act="relu"), id="k1s2p0_relu_b5"),
     pytest.param(dict(n=1, cin=8, cout=8, h=7, w=9, k=3, bias=True, act="gelu"), id="k3s1p0_gelu"),
     pytest.param(
@@ -92,9 +86,7 @@ CASES = [
         ),
         id="k3s2p0_full_epilogue",
     ),
-    pytest.param(
-        dict(n=1, cin=4, cout=8, h=32, w=32, k=3, padding=1, bias=True, temb=True), id="resnet_conv1_32x32"
-    ),
+    pytest.param(dict(n=1, cin=4, cout=8, h=32, w=32, k=3, padding=1, bias=True, temb=True), id="resnet_conv1_32x32"),
     pytest.param(
         dict(n=1, cin=4, cout=8, h=32, w=32, k=3, padding=1, bias=True, res=True, scale=0.5),
         id="resnet_conv2_32x32",
@@ -117,9 +109,7 @@ CASES = [
 def test_conv2d_matches_ref(case: dict, dtype: torch.dtype) -> None:
     args, kwargs = make_inputs(case, dtype, seed=zlib.crc32(str(case).encode()))
     ref = reference(args, kwargs)
-    out = torch.full(ref.shape, float("nan"), dtype=dtype, device=DEVICE).contiguous(
-        memory_format=torch.channels_last
-    )
+    out = torch.full(ref.shape, float("nan"), dtype=dtype, device=DEVICE).contiguous(memory_format=torch.channels_last)
     assert conv2d(*args, **kwargs, out=out) is out
     assert rel_err(out, ref) < TOLERANCE[dtype]
 

@@ -63,9 +63,7 @@ CASES = [
 def test_depthwise_matches_ref(case: tuple, dtype: torch.dtype) -> None:
     args, kwargs = make_inputs(*case, dtype=dtype, seed=zlib.crc32(repr(case).encode()))
     ref = reference(args, kwargs)
-    out = torch.full(ref.shape, float("nan"), dtype=dtype, device=DEVICE).contiguous(
-        memory_format=torch.channels_last
-    )
+    out = torch.full(ref.shape, float("nan"), dtype=dtype, device=DEVICE).contiguous(memory_format=torch.channels_last)
     assert depthwise_conv2d(*args, **kwargs, out=out) is out
     assert rel_err(out, ref) < TOLERANCE[dtype]
 

@@ -41,9 +41,7 @@ def run_case(n, c, groups, h, w, activation, residual, design, dtype, offset=0.0
     seed = zlib.crc32(repr((n, c, groups, h, w, activation, residual, design, str(dtype))).encode())
     x, weight, bias, res = make_inputs(n, c, groups, h, w, residual, dtype, seed, offset)
     out = torch.full_like(x, float("nan"))
-    got = group_norm_act(
-        x, groups, weight, bias, 1e-6, activation=activation, residual=res, out=out, design=design
-    )
+    got = group_norm_act(x, groups, weight, bias, 1e-6, activation=activation, residual=res, out=out, design=design)
     assert got.data_ptr() == out.data_ptr()
     assert got.is_contiguous(memory_format=torch.channels_last)
     ref = group_norm_act_ref(

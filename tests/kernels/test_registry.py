@@ -37,9 +37,7 @@ def poisoned_out(name: str, args: tuple, kwargs: dict):
     """NaN-filled ``out`` for the call (every op takes ``out=``), channels-last like the activations."""
     probe = as_tuple(REGISTRY[name].ref(*args, **kwargs))
     poisoned = tuple(
-        torch.full_like(
-            t, float("nan"), memory_format=torch.channels_last if t.dim() == 4 else torch.preserve_format
-        )
+        torch.full_like(t, float("nan"), memory_format=torch.channels_last if t.dim() == 4 else torch.preserve_format)
         for t in probe
     )
     return poisoned if len(poisoned) > 1 else poisoned[0]

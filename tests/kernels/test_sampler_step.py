@@ -57,9 +57,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES)
 def test_sampler_step_matches_ref(case: tuple, dtype: torch.dtype) -> None:
     shape, step, with_x0_prev, with_noise, clip_range, index_kind = case
-    x, model_output, x0_prev, noise, coefs = make_inputs(
-        shape, dtype, zlib.crc32(repr((case, str(dtype))).encode())
-    )
+    x, model_output, x0_prev, noise, coefs = make_inputs(shape, dtype, zlib.crc32(repr((case, str(dtype))).encode()))
     x0_prev = x0_prev if with_x0_prev else None
     noise = noise if with_noise else None
     i = torch.tensor(step, device=DEVICE) if index_kind == "tensor" else step
@@ -84,9 +82,7 @@ def test_mixed_layouts_and_int32_step() -> None:
 
 
 def test_in_place_into_x_and_x0_prev() -> None:
-    x, model_output, x0_prev, noise, coefs = make_inputs(
-        (3, 4, 5, 6), torch.float32, seed=12, channels_last=False
-    )
+    x, model_output, x0_prev, noise, coefs = make_inputs((3, 4, 5, 6), torch.float32, seed=12, channels_last=False)
     ref_next, ref_x0 = reference(x, model_output, x0_prev, noise, coefs, 2, None)
     x_next, x0 = sampler_step(x, model_output, x0_prev, noise, coefs, 2, None, out=(x, x0_prev))
     assert x_next.data_ptr() == x.data_ptr() and x0.data_ptr() == x0_prev.data_ptr()

@@ -56,28 +56,18 @@ def make_inputs(case: dict, dtype: torch.dtype, seed: int):
     if case.get("scale"):
         kwargs["out_scale"] = case["scale"]
     ref_kwargs = {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    ref = conv2d_ref(
-        x.double(), weight.double(), None if bias is None else bias.double(), padding=1, **ref_kwargs
-    )
+    ref = conv2d_ref(x.double(), weight.double(), None if bias is None else bias.double(), padding=1, **ref_kwargs)
     return (x, winograd_transform_weight(weight), bias), kwargs, ref
 
 
 CASES = [
     pytest.param(dict(n=1, cin=3, cout=16, h=7, w=9, bias=True), id="cin3_7x9_bias"),
-    pytest.param(
-        dict(n=5, cin=33, cout=33, h=7, w=9, bias=True, temb=True, act="silu"), id="c33_temb_silu_b5"
-    ),
+    pytest.param(dict(n=5, cin=33, cout=33, h=7, w=9, bias=True, temb=True, act="silu"), id="c33_temb_silu_b5"),
     pytest.param(dict(n=1, cin=4, cout=8, h=32, w=32, bias=True, temb=True), id="resnet_conv1_32x32"),
-    pytest.param(
-        dict(n=2, cin=8, cout=5, h=5, w=3, res=True, act="gelu", scale=0.5), id="cout5_5x3_res_gelu_scale"
-    ),
-    pytest.param(
-        dict(n=2, cin=16, cout=16, h=8, w=8, bias=True, res=True, act="relu"), id="exact_tiles_relu"
-    ),
+    pytest.param(dict(n=2, cin=8, cout=5, h=5, w=3, res=True, act="gelu", scale=0.5), id="cout5_5x3_res_gelu_scale"),
+    pytest.param(dict(n=2, cin=16, cout=16, h=8, w=8, bias=True, res=True, act="relu"), id="exact_tiles_relu"),
     pytest.param(dict(n=3, cin=6, cout=7, h=1, w=1, bias=True), id="1x1_image"),
-    pytest.param(
-        dict(n=2, cin=320, cout=320, h=16, w=16, bias=True, temb=True), id="c320_16x16", marks=needs_cuda
-    ),
+    pytest.param(dict(n=2, cin=320, cout=320, h=16, w=16, bias=True, temb=True), id="c320_16x16", marks=needs_cuda),
 ]
 
 
@@ -85,9 +75,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES)
 def test_winograd_matches_direct_conv(case: dict, dtype: torch.dtype) -> None:
     args, kwargs, ref = make_inputs(case, dtype, seed=zlib.crc32(str(case).encode()))
-    out = torch.full(ref.shape, float("nan"), dtype=dtype, device=DEVICE).contiguous(
-        memory_format=torch.channels_last
-    )
+    out = torch.full(ref.shape, float("nan"), dtype=dtype, device=DEVICE).contiguous(memory_format=torch.channels_last)
     assert winograd_conv3x3(*args, **kwargs, out=out) is out
     assert rel_err(out, ref) < TOLERANCE[dtype]
 

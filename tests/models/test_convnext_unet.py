@@ -22,9 +22,7 @@ from fastdiff.models.convnext_unet import (
     timestep_embedding,
 )
 
-SMALL = dict(
-    in_channels=3, out_channels=2, base_dim=6, dim_mults=(1, 3), attention_heads=2, attention_head_dim=5
-)
+SMALL = dict(in_channels=3, out_channels=2, base_dim=6, dim_mults=(1, 3), attention_heads=2, attention_head_dim=5)
 
 
 def small_model(seed: int = 0, **overrides) -> ConvNeXtUNet:
@@ -57,9 +55,7 @@ def _norm(norm, x):
 
 
 def _conv(conv, x, **kw):
-    return F.conv2d(
-        x, conv.weight, conv.bias, stride=conv.stride, padding=conv.padding, groups=conv.groups, **kw
-    )
+    return F.conv2d(x, conv.weight, conv.bias, stride=conv.stride, padding=conv.padding, groups=conv.groups, **kw)
 
 
 def _block_ref(block, x, temb):
@@ -153,9 +149,7 @@ def test_timestep_embedding_matches_diffusers():
     diffusers_embeddings = pytest.importorskip("diffusers.models.embeddings")
     t = torch.tensor([0.0, 1.0, 37.5, 999.0])
     for dim in (6, 32, 7):
-        ref = diffusers_embeddings.get_timestep_embedding(
-            t, dim, flip_sin_to_cos=False, downscale_freq_shift=0
-        )
+        ref = diffusers_embeddings.get_timestep_embedding(t, dim, flip_sin_to_cos=False, downscale_freq_shift=0)
         ours = timestep_embedding(t, dim)
         assert ours.shape == (4, dim)
         torch.testing.assert_close(ours[:, : 2 * (dim // 2)], ref[:, : 2 * (dim // 2)], rtol=1e-5, atol=1e-5)
@@ -178,10 +172,7 @@ def test_gate_hand_computation_and_closing():
     gate = small_model().ups[0]["gate"]  # skip 18 channels, gate signal 18 channels, 9 inter channels
     skip, g = torch.randn(2, 18, 3, 5), torch.randn(2, 18, 3, 5)
     with torch.no_grad():
-        a = (
-            torch.einsum("oc,bchw->bohw", gate.gate_conv.weight[:, :, 0, 0], g)
-            + gate.gate_conv.bias[:, None, None]
-        )
+        a = torch.einsum("oc,bchw->bohw", gate.gate_conv.weight[:, :, 0, 0], g) + gate.gate_conv.bias[:, None, None]
         a = a + torch.einsum("oc,bchw->bohw", gate.residual_conv.weight[:, :, 0, 0], skip)
         a = (a + gate.residual_conv.bias[:, None, None]).clamp_min(0)
         psi = (a * gate.psi.weight[0, :, 0, 0][:, None, None]).sum(1, keepdim=True) + gate.psi.bias
@@ -229,9 +220,7 @@ def test_save_load_round_trip_fp32_and_fp16(tmp_path):
 
     save_convnext_unet(model, tmp_path / "fp16", dtype=torch.float16)
     assert all(v.dtype == torch.float16 for v in load_file(tmp_path / "fp16" / "model.safetensors").values())
-    half = convnext_unet_from_dir(
-        tmp_path / "fp16", json.loads((tmp_path / "fp16" / "config.json").read_text())
-    )
+    half = convnext_unet_from_dir(tmp_path / "fp16", json.loads((tmp_path / "fp16" / "config.json").read_text()))
     rounded = small_model(seed=4)
     with torch.no_grad():
         for p in rounded.parameters():

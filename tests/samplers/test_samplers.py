@@ -83,9 +83,7 @@ class GaussianDenoiserPlus(torch.nn.Module):
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         abar = self.abar[t.reshape(1)]  # advanced indexing: no host read of t, also on CUDA
         alpha, sigma = abar.sqrt(), (1 - abar).sqrt()
-        x0 = alpha * DATA_STD**2 * x / (alpha**2 * DATA_STD**2 + sigma**2) + self.scale * sigma * self.net(
-            x, t
-        )
+        x0 = alpha * DATA_STD**2 * x / (alpha**2 * DATA_STD**2 + sigma**2) + self.scale * sigma * self.net(x, t)
         eps = (x - alpha * x0) / sigma
         return eps if self.prediction_type == "epsilon" else alpha * eps - sigma * x0
 
@@ -174,8 +172,7 @@ def check_against_diffusers(name, config, steps, eta, model, monkeypatch) -> flo
     assert torch.isfinite(ref).all()
     diff = (ours - ref).abs().max().item()
     print(
-        f"{name} eta={eta} steps={steps} {config}: "
-        f"max|ours - diffusers| = {diff:.2e}, max|ref| = {ref.abs().max():.2f}"
+        f"{name} eta={eta} steps={steps} {config}: max|ours - diffusers| = {diff:.2e}, max|ref| = {ref.abs().max():.2f}"
     )
     assert diff <= TOLERANCE, diff
     return diff
@@ -191,24 +188,18 @@ SAMPLER_CASES = [("ddpm", 0.0), ("ddim", 0.0), ("ddim", 0.7), ("dpmsolver++", 0.
 @pytest.mark.parametrize(("name", "eta"), SAMPLER_CASES)
 def test_unet_default_config_matches_diffusers(tiny_unet, name, eta, steps, monkeypatch):
     config = ScheduleConfig()
-    check_against_diffusers(
-        name, config, steps, eta, GaussianDenoiserPlus(tiny_unet, config, 0.5), monkeypatch
-    )
+    check_against_diffusers(name, config, steps, eta, GaussianDenoiserPlus(tiny_unet, config, 0.5), monkeypatch)
 
 
 @pytest.mark.parametrize(("name", "eta"), [("ddpm", 0.0), ("dpmsolver++", 0.0)])
 def test_unet_v_prediction_cosine_matches_diffusers(tiny_unet, name, eta, monkeypatch):
-    config = ScheduleConfig(
-        beta_schedule="cosine", prediction_type="v_prediction", timestep_spacing="trailing"
-    )
+    config = ScheduleConfig(beta_schedule="cosine", prediction_type="v_prediction", timestep_spacing="trailing")
     check_against_diffusers(name, config, 20, eta, GaussianDenoiserPlus(tiny_unet, config, 0.5), monkeypatch)
 
 
 def test_unet_ddpm_1000_steps_matches_diffusers(tiny_unet, monkeypatch):
     config = ScheduleConfig()
-    check_against_diffusers(
-        "ddpm", config, 1000, 0.0, GaussianDenoiserPlus(tiny_unet, config, 0.5), monkeypatch
-    )
+    check_against_diffusers("ddpm", config, 1000, 0.0, GaussianDenoiserPlus(tiny_unet, config, 0.5), monkeypatch)
 
 
 # ---------------------------------------------------------------- cheap model: option sweeps
@@ -291,9 +282,7 @@ def test_ddpm_cosine_1000_steps_tracks_float64(monkeypatch):
     config = ScheduleConfig(**SWEEP_CONFIGS["cosine-linspace-v-large-noclip"])
     model = GaussianDenoiserPlus(CheapNet(3, seed=5), config, 0.5)
     sampler = make_sampler("ddpm", config, 1000)
-    table64 = ddpm_table(
-        alphas_cumprod(config), inference_timesteps(config, 1000), "v_prediction", "fixed_large"
-    )
+    table64 = ddpm_table(alphas_cumprod(config), inference_timesteps(config, 1000), "v_prediction", "fixed_large")
     sampler64 = Sampler("ddpm", sampler.timesteps, table64, sampler.clip_range)
     model64 = GaussianDenoiserPlus(CheapNet(3, seed=5), config, 0.5).double()
     model64.abar = alphas_cumprod(config)
@@ -302,10 +291,7 @@ def test_ddpm_cosine_1000_steps_tracks_float64(monkeypatch):
     exact, _ = run_ours(sampler64, model64, x_t.double(), noise.double())
     ref, _ = run_diffusers("ddpm", config, 1000, 0.0, model, x_t, noise, monkeypatch)
     ours_err, ref_err = (ours - exact).abs().max().item(), (ref - exact).abs().max().item()
-    print(
-        f"ddpm cosine 1000 steps: max|ours - float64| = {ours_err:.2e}, "
-        f"max|diffusers - float64| = {ref_err:.2e}"
-    )
+    print(f"ddpm cosine 1000 steps: max|ours - float64| = {ours_err:.2e}, max|diffusers - float64| = {ref_err:.2e}")
     assert ours_err <= 2e-5
     assert (ours - ref).abs().max() <= 2e-3
 

@@ -50,9 +50,7 @@ def _diffusers_timesteps(name: str, config: ScheduleConfig, steps: int) -> np.nd
 @pytest.mark.parametrize("name", SAMPLERS)
 def test_timesteps_equal_diffusers(name, spacing, offset, train_steps):
     config = ScheduleConfig(num_train_timesteps=train_steps, timestep_spacing=spacing, steps_offset=offset)
-    counts = sorted(
-        {1, 2, 3, 7, 10, 36, 50, 61, 99, 100, 103, 250, 999, 1000} & set(range(1, train_steps + 1))
-    )
+    counts = sorted({1, 2, 3, 7, 10, 36, 50, 61, 99, 100, 103, 250, 999, 1000} & set(range(1, train_steps + 1)))
     for steps in counts:
         ref = _diffusers_timesteps(name, config, steps)
         out_of_range = ref.max() >= train_steps or (len(ref) == steps and ref.min() < 0)
@@ -115,9 +113,7 @@ def test_bad_config_values_are_rejected(kwargs):
 @pytest.mark.parametrize("name", list(SCHEDULER_CLASSES.values()))
 def test_from_diffusers_reads_real_configs(name):
     sched = getattr(diffusers, name)(beta_schedule="squaredcos_cap_v2", prediction_type="v_prediction")
-    config = ScheduleConfig.from_diffusers(
-        {"_class_name": name, "_diffusers_version": "0.42.1", **sched.config}
-    )
+    config = ScheduleConfig.from_diffusers({"_class_name": name, "_diffusers_version": "0.42.1", **sched.config})
     assert config.beta_schedule == "squaredcos_cap_v2" and config.prediction_type == "v_prediction"
     assert config.timestep_spacing == sched.config.timestep_spacing
     assert config.variance_type == "fixed_small"  # DPMSolverMultistepScheduler stores variance_type None

@@ -22,17 +22,25 @@ def markdown_table(result: dict) -> str:
     lines = [
         head,
         "",
-        "| system | dtype | ms/step | s/image | images/s | ready (s) | peak MiB | J/image | W | PSNR dB "
-        "| max abs diff |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| system | dtype | ms/step | s/image | images/s | × diffusers+compile | ready (s) | peak MiB | J/image | W "
+        "| PSNR dB | max abs diff |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    baseline = next(
+        (r["images_per_s"] for r in result["results"] if r["system"] == "diffusers+compile" and not r.get("error")),
+        None,
+    )
     for r in result["results"]:
         if r.get("error"):
-            lines.append(f"| {r['system']} | {r['dtype']} | {r['error']} |||||||||")
+            lines.append(f"| {r['system']} | {r['dtype']} | {r['error']} ||||||||||")
             continue
+        ratio = None if baseline is None or r["images_per_s"] is None else r["images_per_s"] / baseline
+        ready = _fmt(r["time_to_ready_s"], ".1f")
+        if r["time_to_ready_s"] is not None and "kernel_cache" in r.get("extra", {}):
+            ready += f" ({r['extra']['kernel_cache']} cache)"
         lines.append(
             f"| {r['system']} | {r['dtype']} | {_fmt(r['ms_per_step'], '.3f')} | {_fmt(r['s_per_image'], '.4g')} "
-            f"| {_fmt(r['images_per_s'], '.4g')} | {_fmt(r['time_to_ready_s'], '.1f')} "
+            f"| {_fmt(r['images_per_s'], '.4g')} | {_fmt(ratio, '.2f')} | {ready} "
             f"| {_fmt(r['peak_mem_mb'], '.0f')} | {_fmt(r['energy_j_per_image'], '.3g')} "
             f"| {_fmt(r['avg_power_w'], '.0f')} | {_fmt(r['psnr_db'], '.1f')} | {_fmt(r['max_abs_diff'], '.2e')} |"
         )

@@ -210,6 +210,7 @@ def measure_system(row, system, cfg, device, sampler, q_sampler, x_t, noise, q_n
     system.prepare()
     _sync(device)
     row.time_to_ready_s = time.perf_counter() - t0
+    row.extra.update(system.facts)
     system.run(x_t, noise, sampler, min(3, timed))  # warm-up (kernels compiled, caches hot)
     _sync(device)
     times = [_time_ms(lambda: system.run(x_t, noise, sampler, timed), device) for _ in range(cfg.repeats)]

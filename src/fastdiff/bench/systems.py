@@ -25,6 +25,8 @@ class System:
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
+        self.facts: dict[str, object] = {}
+        """What ``prepare()`` found out that the result should carry (copied into the row's ``extra``)."""
 
     def prepare(self) -> None:
         raise NotImplementedError

@@ -13,12 +13,13 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from fastdiff.bench.systems import System
-from fastdiff.engine.fused_unet import FusedUNet
+from fastdiff.engine.fused_unet import FusedUNet, tuning_cache_path
 from fastdiff.engine.graph import SamplingLoop, StepModel, channels_last_empty
 from fastdiff.engine.weights import WeightStreamer, normalize_device
 from fastdiff.errors import FastdiffError
@@ -152,6 +153,14 @@ class Engine:
             torch.cuda.synchronize(self.device)
 
 
+def kernel_cache_state() -> str:
+    """Whether the engine's time to ready starts "warm" (Triton's on-disk kernel cache and the engine's tuning
+    cache both hold entries: no kernel compiles, no per-layer timing) or "cold"."""
+    triton_dir = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    triton_warm = triton_dir.is_dir() and any(triton_dir.iterdir())
+    return "warm" if triton_warm and tuning_cache_path().is_file() else "cold"
+
+
 class EngineSystem(System):
     """The engine for ``fastdiff bench``: prepare() loads the model and, given a warm-up batch, builds the
     fused forward for its batch size (plan, weights, kernels, per-layer choice); the first run with a sampler
@@ -170,6 +179,7 @@ class EngineSystem(System):
         self.notes = f"fused kernels + planned buffers + CUDA graphs of {DEFAULT_STEPS_PER_GRAPH} steps"
 
     def prepare(self) -> None:
+        self.facts["kernel_cache"] = kernel_cache_state()
         self.model = self.make_model().eval()
         self.engine = Engine(self.device)
         if self.warmup_batch is not None:

@@ -5,10 +5,10 @@ Built once per (model, batch, resolution, dtype) from a loaded :class:`~fastdiff
 
 * every activation is a logical ``[B, C, H, W]`` channels-last tensor viewing one arena laid out by
   :func:`fastdiff.engine.plan.plan_memory` (buffers reused when lifetimes allow);
-* zero-copy concat: the up path's ``cat([h, skip])`` is one buffer; producers that can write a strided output
-  (convolutions) write straight into their channel slice. A part whose producer cannot (a norm, the upsample)
-  or that a GroupNorm also reads (the kernel needs dense rows) is copied into its slice instead; the layer table
-  says which;
+* zero-copy concat: the up path's ``cat([h, skip])`` is one buffer; the skip (written by the down path, or by
+  ConvNeXt's attention gate) and the up path's h are written by their producers straight into their channel
+  slices, and every later reader (conv, GroupNorm, gate, residual) reads the slice in place (the layer table
+  says where each output lives);
 * GroupNorm + SiLU -> ``group_norm_act``; conv + bias (+ time embedding) (+ residual, x 1/output_scale_factor)
   -> one ``conv2d`` launch with its fused epilogue, or cuDNN (``F.conv2d``) + one torch op for the epilogue,
   chosen per layer by timing both on the GPU (``conv_impl="auto"``); attention -> one 1x1 conv for q, k and v,
@@ -16,7 +16,9 @@ Built once per (model, batch, resolution, dtype) from a loaded :class:`~fastdiff
   bias + residual + rescale in its epilogue;
 * ConvNeXt blocks: depthwise 7x7 + time embedding -> ``depthwise_conv2d`` (or cuDNN, timed), GroupNorm(1) ->
   ``group_norm_act``, conv1 + bias + GELU and conv2 + bias + residual -> ``conv2d`` epilogues; the attention
-  gate on each skip -> ``attention_gate`` (its output is copied into the concat: the kernel writes dense rows);
+  gate on each skip -> ``attention_gate``, written into its concat slice;
+* Upsample2D (nearest x2, then 3x3 conv) is one ``conv2d(upsample=2)`` launch: the upsampled tensor is never
+  written;
 * DDPM's asymmetric downsample padding (pad right/bottom by one, stride 2) is a 4x4 stride-2 pad-1 conv whose
   first tap row and column are zero, so it needs no pad copy;
 * the time embedding depends only on the timestep: for a sampler's timesteps, the MLP and every block's
@@ -28,13 +30,17 @@ Built once per (model, batch, resolution, dtype) from a loaded :class:`~fastdiff
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 from torch import nn
 
 from fastdiff.engine.plan import BufferSpec, MemoryPlan, plan_memory
@@ -53,12 +59,41 @@ log = logging.getLogger(__name__)
 
 CONV_IMPLS = ("auto", "triton", "cudnn")
 ATTENTION_IMPLS = ("auto", "triton", "sdpa")
-GN_READS_STRIDED = False
-"""group_norm_act reads dense NHWC rows only: a value a GroupNorm reads cannot live in a concat slice."""
-TUNING_CACHE: dict[tuple, dict[str, float]] = {}
-"""Per-op timings of the implementations (``FusedUNet.autotune``), reused by later builds in this process."""
-DENSE_READERS = frozenset({"gate"} | (set() if GN_READS_STRIDED else {"group_norm"}))
-"""Op kinds whose kernels copy a strided (concat-slice) input: such inputs are copied into the concat instead."""
+TUNING_CACHE: dict[str, dict[str, float]] = {}
+"""Per-op timings of the implementations (``FusedUNet.autotune``), reused by later builds; mirrored on disk in
+``tuning_cache_path()`` so a new process on the same GPU / torch / triton skips the timing too."""
+
+
+def tuning_cache_path() -> Path:
+    """``$FASTDIFF_CACHE_DIR/engine_tuning.json`` (default ``~/.cache/fastdiff``)."""
+    root = os.environ.get("FASTDIFF_CACHE_DIR") or Path.home() / ".cache" / "fastdiff"
+    return Path(root) / "engine_tuning.json"
+
+
+def _load_tuning_cache() -> None:
+    path = tuning_cache_path()
+    if TUNING_CACHE or not path.is_file():
+        return
+    try:
+        TUNING_CACHE.update(json.loads(path.read_text()))
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring unreadable tuning cache %s: %s", path, exc)
+
+
+def _save_tuning_cache() -> None:
+    path = tuning_cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(TUNING_CACHE, indent=0, sort_keys=True))
+        tmp.replace(path)
+    except OSError as exc:
+        log.warning("could not write the tuning cache %s: %s", path, exc)
+
+
+SLICE_WRITERS = frozenset({"conv", "gate"})
+"""Op kinds whose kernels write a channel slice of a wider channels-last buffer (a concat part) in place. Every
+kernel reads slices in place (conv2d, depthwise_conv2d, group_norm_act, attention_gate)."""
 
 
 @dataclass(eq=False)
@@ -70,7 +105,6 @@ class Value:
     producer: str = ""
     concat: Value | None = None
     channel_offset: int = 0
-    read_by: list[str] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -149,8 +183,6 @@ class FusedUNet:
 
     def _op(self, name: str, kind: str, inputs: list[Value], output: Value, params: dict, weights=None) -> Value:
         op = Op(name, kind, [v for v in inputs if v is not None], output, params, weights or {})
-        for v in op.inputs:
-            v.read_by.append(kind)
         output.producer = kind
         self.ops.append(op)
         return output
@@ -164,7 +196,7 @@ class FusedUNet:
 
     def _conv(
         self, name: str, conv: nn.Conv2d, x: Value, *, temb: int | None = None, residual: Value | None = None,
-        act: str | None = None, scale: float | None = None, downsample_pad0: bool = False,
+        act: str | None = None, scale: float | None = None, downsample_pad0: bool = False, upsample: int = 1,
     ) -> Value:  # fmt: skip
         weight = conv.weight.detach().float()
         bias = None if conv.bias is None else conv.bias.detach().float()
@@ -174,18 +206,17 @@ class FusedUNet:
             padding = 1
         ksize = weight.shape[-1]
         _, _, h, w = x.shape
+        h, w = h * upsample, w * upsample
         ho = (h + 2 * padding - ksize) // stride + 1
         wo = (w + 2 * padding - ksize) // stride + 1
         out = self._value(name, weight.shape[0], ho, wo)
         weights = {"weight": weight}
         if temb is None and bias is not None:
             weights["bias"] = bias
-        params = dict(stride=stride, padding=padding, ksize=ksize, temb=temb, act=act, scale=scale)
+        params = dict(stride=stride, padding=padding, ksize=ksize, upsample=upsample, temb=temb, act=act, scale=scale)
         return self._op(name, "conv", [x, residual], out, params, weights)
 
     def _group_norm(self, name: str, norm: nn.GroupNorm, x: Value, act: str | None) -> Value:
-        if x.concat is not None and not GN_READS_STRIDED:
-            raise FastdiffError(f"internal: {x.name} is a concat slice read by a GroupNorm")
         out = self._value(name, x.shape[1], x.shape[2], x.shape[3])
         weights = {"weight": norm.weight.detach().float(), "bias": norm.bias.detach().float()}
         return self._op(name, "group_norm", [x], out, dict(groups=norm.num_groups, eps=norm.eps, act=act), weights)
@@ -227,18 +258,14 @@ class FusedUNet:
         return self._conv(f"{name}.to_out", out_conv, core, residual=x, scale=scale)
 
     def _concat(self, name: str, parts: list[Value]) -> Value:
+        """One buffer whose channel slices are ``parts``: their producers write them in place (zero copies)."""
         _, _, h, w = parts[0].shape
         cat = self._value(name, sum(p.shape[1] for p in parts), h, w)
         offset = 0
         for part in parts:
-            aliasable = part.concat is None and part.producer == "conv" and not DENSE_READERS & set(part.read_by)
-            if aliasable:
-                part.concat, part.channel_offset = cat, offset
-            else:
-                dst = Value(f"{name}[{offset}:{offset + part.shape[1]}]", part.shape, concat=cat)
-                dst.channel_offset = offset
-                self.values.append(dst)
-                self._op(f"{dst.name}.copy", "copy", [part], dst, {})
+            if part.concat is not None or part.producer not in SLICE_WRITERS:
+                raise FastdiffError(f"internal: {part.name} ({part.producer}) cannot be written into {name}")
+            part.concat, part.channel_offset = cat, offset
             offset += part.shape[1]
         return cat
 
@@ -329,9 +356,8 @@ class FusedUNet:
         self.out_value = self._conv("final_conv", model.final_conv, h)
 
     def _upsample_conv(self, name: str, conv: nn.Conv2d, h: Value) -> Value:
-        _, c, hh, ww = h.shape
-        up = self._op(f"{name}.upsample", "upsample", [h], self._value(f"{name}.up", c, 2 * hh, 2 * ww), {})
-        return self._conv(f"{name}.conv", conv, up)
+        """Nearest x2 then conv: one conv2d launch reading h at half resolution (never materialised)."""
+        return self._conv(f"{name}.conv", conv, h, upsample=2)
 
     # ------------------------------------------------------------------------------------------------ plan
     def _plan(self) -> MemoryPlan:
@@ -407,18 +433,19 @@ class FusedUNet:
         if p["temb"] is not None:
             channels = op.output.shape[1]
             temb = self.temb_row[:, p["temb"] : p["temb"] + channels].expand(self.batch, channels)
-        stride, padding, act, scale = p["stride"], p["padding"], p["act"], p["scale"]
+        stride, padding, act, scale, up = p["stride"], p["padding"], p["act"], p["scale"], p["upsample"]
         if impl == "triton":
             packed = w["packed"]
             return lambda: conv2d(
                 x, packed, bias, stride=stride, padding=padding, time_emb=temb, residual=residual,
-                activation=act, out_scale=scale, out=out,
+                activation=act, out_scale=scale, out=out, upsample=up,
             )  # fmt: skip
         weight = w["weight"]
         temb4 = None if temb is None else temb[:, :, None, None]
 
         def cudnn_conv() -> None:  # cuDNN conv (+ bias), then the epilogue in as few torch ops as the flags allow
-            y = F.conv2d(x, weight, bias, stride=stride, padding=padding)
+            src = x if up == 1 else F.interpolate(x, scale_factor=float(up), mode="nearest")
+            y = F.conv2d(src, weight, bias, stride=stride, padding=padding)
             if temb4 is not None:
                 y += temb4
             if act is not None:
@@ -473,15 +500,8 @@ class FusedUNet:
             return lambda: group_norm_act(
                 x, p["groups"], w["weight"], w["bias"], p["eps"], activation=p["act"], out=out
             )
-        if op.kind == "copy":
-            return lambda: out.copy_(x)
         if op.kind == "center":
             return lambda: torch.add(x, x, out=out).sub_(1.0)
-        if op.kind == "upsample":
-            b, c, h, w = x.shape
-            src = x.permute(0, 2, 3, 1)[:, :, None, :, None, :].expand(b, h, 2, w, 2, c)
-            dst = out.permute(0, 2, 3, 1).view(b, h, 2, w, 2, c)
-            return lambda: dst.copy_(src)
         raise FastdiffError(f"internal: unknown op kind {op.kind}")
 
     def _default_impl(self, op: Op) -> str:
@@ -489,9 +509,7 @@ class FusedUNet:
             return "cudnn" if self.conv_impl == "cudnn" else "triton"
         if op.kind == "attention":
             return "sdpa" if self.attention_impl == "sdpa" else "triton"
-        return {"group_norm": "triton", "gate": "triton", "copy": "torch", "center": "torch", "upsample": "torch"}[
-            op.kind
-        ]
+        return {"group_norm": "triton", "gate": "triton", "center": "torch"}[op.kind]
 
     def _default_why(self, op: Op) -> str:
         if op.kind in ("conv", "depthwise"):
@@ -582,6 +600,8 @@ class FusedUNet:
         if len(self._device_weights) < len(self.ops):
             self._streamed_forward(x_in)
         self._bind(x_in)
+        _load_tuning_cache()
+        new = False
         gen = torch.Generator(device=self.device).manual_seed(0)
         self.arena.view(self.dtype)[: self.arena.numel() // self.dtype.itemsize].normal_(generator=gen)
         self.temb_row.normal_(generator=gen)
@@ -595,21 +615,25 @@ class FusedUNet:
             key = self._tuning_key(op)
             if key not in TUNING_CACHE:
                 TUNING_CACHE[key] = {impl: _time_call_us(self._call(op, impl), reps) for impl in candidates}
-                why = "timed"
+                why, new = "timed", True
             else:
-                why = "timed earlier in this process (same shapes)"
+                why = "timed earlier (tuning cache, same shapes)"
             op.times_us = dict(TUNING_CACHE[key])
             op.impl = min(op.times_us, key=op.times_us.get)
             op.why = f"{why}: " + ", ".join(f"{k} {v:.1f} us" for k, v in op.times_us.items())
+        if new:
+            _save_tuning_cache()
         self._bind(x_in)
         self.drop_unused_weights()
 
-    def _tuning_key(self, op: Op) -> tuple:
-        """What an op's timing depends on: kind, shapes, strided (concat slice) or not, flags, dtype, GPU."""
+    def _tuning_key(self, op: Op) -> str:
+        """What an op's timing depends on: kind, shapes, strided (concat slice) or not, flags, dtype, GPU and
+        library versions (a string: it is a JSON key on disk)."""
         params = {k: (v is not None if k == "temb" else v) for k, v in op.params.items()}
         values = [(v.shape, v.concat is not None) for v in (*op.inputs, op.output)]
         gpu = torch.cuda.get_device_name(self.device)
-        return (op.kind, tuple(values), tuple(sorted(params.items())), str(self.dtype), gpu)
+        return repr((op.kind, values, sorted(params.items()), str(self.dtype), gpu, torch.__version__,
+                     triton.__version__))  # fmt: skip
 
     def drop_unused_weights(self) -> None:
         """Free the conv weight layout the chosen implementation does not read."""

@@ -91,8 +91,9 @@ class SamplingLoop:
         )  # fmt: skip
         self.counter.add_(1)
 
-    def load(self, x_t: torch.Tensor, noise: torch.Tensor | None) -> None:
-        """Copy x_T [B, C, H, W] and the step noise [>= N, B, C, H, W] (when the sampler uses it) into place."""
+    def load(self, x_t: torch.Tensor, noise: torch.Tensor | None, num_steps: int | None = None) -> None:
+        """Copy x_T [B, C, H, W] and the noise of the first ``num_steps`` steps (default all; from ``noise``
+        [>= num_steps, B, C, H, W], when the sampler uses noise) into place."""
         if tuple(x_t.shape) != self.shape:
             raise FastdiffError(f"x_T has shape {tuple(x_t.shape)}, the engine was prepared for {self.shape}")
         self.x.copy_(x_t)
@@ -101,7 +102,9 @@ class SamplingLoop:
         if self.noise_nhwc is not None:
             if noise is None:
                 raise FastdiffError(f"sampler {self.sampler.name} adds noise: pass the step noise")
-            steps = min(noise.shape[0], self.noise_nhwc.shape[0])
+            steps = self.sampler.num_steps if num_steps is None else num_steps
+            if noise.shape[0] < steps:
+                raise FastdiffError(f"noise has {noise.shape[0]} steps, {steps} are run")
             self.noise_nhwc[:steps].copy_(noise[:steps].permute(0, 1, 3, 4, 2))
 
     def capture(self, length: int) -> torch.cuda.CUDAGraph:
@@ -149,6 +152,6 @@ class SamplingLoop:
         num_steps = self.sampler.num_steps if num_steps is None else num_steps
         if not 0 <= num_steps <= self.sampler.num_steps:
             raise FastdiffError(f"num_steps must be in 0..{self.sampler.num_steps}, got {num_steps}")
-        self.load(x_t, noise)
+        self.load(x_t, noise, num_steps)
         self.run_steps(num_steps)
         return self.x.contiguous().clone()

@@ -7,8 +7,9 @@ projection) are read in place, a unit stride on head_dim gives vector loads. The
 160) are padded to the next power of two with masked loads; 1..512 work.
 
 Each program owns BLOCK_M query rows of one (batch, head) and streams K/V in BLOCK_N blocks with the online
-softmax in fp32 (running max and sum, base-2 exponentials); both products run on the tensor cores with fp32
-accumulators (fp32 inputs use tf32 there, relative error ~3e-4).
+softmax in fp32 (running max and sum, base-2 exponentials); 16-bit inputs run both products on the tensor cores with
+fp32 accumulators; fp32 inputs use exact-fp32 products (``input_precision="ieee"``, FMA units), so fp32 means
+fp32. On CUDA the 16-bit tile shapes are autotuned per (Lq, Lk, head dim, grid size class).
 """
 
 from __future__ import annotations
@@ -65,27 +66,40 @@ def _attention_block(
     qk_scale,
     MASK_N: tl.constexpr,
     MASK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """One K/V block of the online softmax: returns the updated (running max, running sum, accumulator)."""
     if MASK_N:
         n_mask = cols < Lk
         k = tl.load(k_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
     elif MASK_D:
         k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
     else:
         k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-    s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASK_N:
         s = tl.where(n_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    if MASK_N:
+        v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    elif MASK_D:
+        v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _aligned(stride, ALIGN: tl.constexpr):
+    """``stride`` rewritten as a visible multiple of ALIGN (the wrapper checked it is one): row starts then
+    prove 16-byte aligned, so loads vectorise and pipeline (e.g. the h * 40 head offset of d=40 heads)."""
+    if ALIGN > 1:
+        stride = (stride // ALIGN) * ALIGN
+    return stride
 
 
 @triton.jit
@@ -114,11 +128,15 @@ def _attention_kernel(
     stride_oh,
     stride_om,
     stride_od,
+    TUNE_PROGRAMS,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ALIGN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
 ):
+    """One program: BLOCK_M query rows of one (batch, head). ``TUNE_PROGRAMS`` only keys the autotuner."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -129,10 +147,14 @@ def _attention_kernel(
     d_mask = offs_d < HEAD_DIM
     m_mask = offs_m < Lq
 
-    q_ptrs = q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    q_base = b * _aligned(stride_qb, ALIGN) + h * _aligned(stride_qh, ALIGN)
+    k_base = b * _aligned(stride_kb, ALIGN) + h * _aligned(stride_kh, ALIGN)
+    v_base = b * _aligned(stride_vb, ALIGN) + h * _aligned(stride_vh, ALIGN)
+    o_base = b * _aligned(stride_ob, ALIGN) + h * _aligned(stride_oh, ALIGN)
+    q_ptrs = q_ptr + q_base + offs_m[:, None] * _aligned(stride_qm, ALIGN) + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    k_ptrs = k_ptr + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = v_ptr + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    k_ptrs = k_ptr + k_base + offs_n[:, None] * _aligned(stride_kn, ALIGN) + offs_d[None, :] * stride_kd
+    v_ptrs = v_ptr + v_base + offs_n[:, None] * _aligned(stride_vn, ALIGN) + offs_d[None, :] * stride_vd
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -141,36 +163,62 @@ def _attention_kernel(
     for start_n in range(0, n_full, BLOCK_N):
         m_i, l_i, acc = _attention_block(
             q, m_i, l_i, acc, k_ptrs, v_ptrs, start_n + offs_n, Lk, d_mask, qk_scale,
-            MASK_N=False, MASK_D=BLOCK_D != HEAD_DIM,
+            MASK_N=False, MASK_D=BLOCK_D != HEAD_DIM, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
     if n_full < Lk:
         m_i, l_i, acc = _attention_block(
             q, m_i, l_i, acc, k_ptrs, v_ptrs, n_full + offs_n, Lk, d_mask, qk_scale,
-            MASK_N=True, MASK_D=BLOCK_D != HEAD_DIM,
+            MASK_N=True, MASK_D=BLOCK_D != HEAD_DIM, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
-    acc = acc / l_i[:, None]
-    o_ptrs = o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    acc = acc * (1.0 / l_i)[:, None]
+    o_ptrs = o_ptr + o_base + offs_m[:, None] * _aligned(stride_om, ALIGN) + offs_d[None, :] * stride_od
     tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
-def _attention_blocks(
-    batch_heads: int, lq: int, block_d: int, device: torch.device
-) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): 128x64 tiles up to head_dim 128, smaller for wider heads."""
-    if block_d <= 64:
-        block_m, block_n, warps, stages = 128, 64, 4, 3
-    elif block_d <= 128:
-        block_m, block_n, warps, stages = 128, 64, 8, 3
-    elif block_d <= 256:
-        block_m, block_n, warps, stages = 64, 32, 8, 2
+def _config(block_m: int, block_n: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+
+
+TUNING_CONFIGS: dict[int, list[tuple[int, int, int, int]]] = {
+    64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 128, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2)],
+    128: [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2)],
+    256: [(64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 8, 3), (32, 64, 4, 2),
+          (16, 64, 4, 2)],
+    512: [(32, 32, 8, 1), (64, 32, 8, 1), (32, 32, 4, 1), (16, 32, 4, 1)],
+}  # fmt: skip
+"""16-bit inputs on CUDA: (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per padded head dim (<= key);
+the autotuner times them once per (Lq, Lk, head dim, programs class, dtype) and keeps the fastest."""
+
+_TUNED = {
+    width: triton.autotune(
+        configs=[_config(*c) for c in configs], key=["Lq", "Lk", "TUNE_PROGRAMS", "HEAD_DIM", "BLOCK_D"]
+    )(_attention_kernel)
+    for width, configs in TUNING_CONFIGS.items()
+}
+
+
+def _fixed_config(block_d: int, lq: int, fp32: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) without autotuning: the CPU interpreter and fp32 inputs
+    (whose exact-fp32 dots run on the FMA units, so smaller tiles)."""
+    if fp32:
+        block_m, block_n, warps, stages = (64, 32, 4, 2) if block_d <= 64 else (32, 32, 4, 1)
+        if block_d > 256:
+            block_m, block_n, warps = 16, 16, 8
     else:
-        block_m, block_n, warps, stages = 32, 32, 8, 1
-    block_m = max(16, min(block_m, triton.next_power_of_2(lq)))
-    while block_m > 32 and batch_heads * triton.cdiv(lq, block_m) < num_sms(device):
-        block_m //= 2
-    return block_m, block_n, warps, stages
+        block_m, block_n, warps, stages = TUNING_CONFIGS[max(64, block_d)][0]
+    return max(16, min(block_m, triton.next_power_of_2(lq))), block_n, warps, stages
+
+
+def _row_alignment(*tensors: torch.Tensor) -> int:
+    """Elements per 16 bytes if every tensor starts 16-byte aligned and all its strides but the unit one are
+    multiples of that, else 1 (no alignment hint)."""
+    align = 16 // tensors[0].element_size()
+    for t in tensors:
+        if t.stride(3) != 1 or t.data_ptr() % 16 or any(s % align for s in t.stride()[:3]):
+            return 1
+    return align
 
 
 def attention(
@@ -195,9 +243,7 @@ def attention(
             f"{tuple(k.shape)} and {tuple(v.shape)}"
         )
     if not 1 <= head_dim <= 512 or lk < 1:
-        raise FastdiffError(
-            f"attention needs 1 <= head_dim <= 512 and Lk >= 1, got head_dim={head_dim}, Lk={lk}"
-        )
+        raise FastdiffError(f"attention needs 1 <= head_dim <= 512 and Lk >= 1, got head_dim={head_dim}, Lk={lk}")
     if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
         raise FastdiffError("q, k and v must share one dtype and device")
     if out is None:
@@ -206,14 +252,27 @@ def attention(
         raise FastdiffError(f"out must be a {q.dtype} tensor of shape {tuple(q.shape)} on {q.device}")
     scale = head_dim**-0.5 if scale is None else scale
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_m, block_n, num_warps, num_stages = _attention_blocks(batch * heads, lq, block_d, q.device)
-    grid = (triton.cdiv(lq, block_m), batch * heads)
-    _attention_kernel[grid](
-        q, k, v, out, scale * LOG2_E, heads, lq, lk,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=num_warps, num_stages=num_stages,
+    sixteen_bit = q.dtype in (torch.float16, torch.bfloat16)
+    programs = batch * heads * triton.cdiv(lq, 128)
+    args = (
+        q, k, v, out, scale * LOG2_E, heads, lq, lk, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        min(triton.next_power_of_2(programs), 4 * num_sms(q.device)),
     )  # fmt: skip
+    meta = {
+        "HEAD_DIM": head_dim,
+        "BLOCK_D": block_d,
+        "ALIGN": _row_alignment(q, k, v, out),
+        # fp32 means fp32: exact-fp32 products (tf32 would cost ~1e-3 relative error); 16-bit inputs: tensor cores.
+        "DOT_PRECISION": "tf32" if sixteen_bit else "ieee",
+    }
+    if q.is_cuda and sixteen_bit:
+        tuned = _TUNED[max(64, block_d)]
+        tuned[lambda m: (triton.cdiv(lq, m["BLOCK_M"]), batch * heads)](*args, **meta)
+        return out
+    block_m, block_n, num_warps, num_stages = _fixed_config(block_d, lq, not sixteen_bit)
+    _attention_kernel[(triton.cdiv(lq, block_m), batch * heads)](
+        *args, **meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages
+    )
     return out
 
 

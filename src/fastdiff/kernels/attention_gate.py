@@ -11,11 +11,14 @@ Argument names map to its weights: ``w_x, b_x`` = ``residual_conv`` (on the skip
 accepted as torch's ``[out, in, 1, 1]`` or as ``[out, in]``.
 
 Layout: ``x`` ``[N, Cx, H, W]`` and ``g`` ``[N, Cg, H, W]`` are logical NCHW tensors in channels-last memory
-(other layouts are copied first); the output is channels-last like ``x``. Each program owns BLOCK_P pixels: it
-loads their full x and g channel rows once, runs both 1x1 convs as ``tl.dot`` into one fp32 accumulator per
-BLOCK_F slice of ``inter``, applies bias + ReLU and folds the slice into the psi dot product, then writes
-``x * sigmoid(psi)`` from the x rows still in registers. x and g are read once, out written once; meant for up
-to ~1024 channels per input (whole rows live in registers).
+(channel slices of wider channels-last tensors are read in place; other layouts are copied first); the output
+is channels-last like ``x`` (``out`` may be a channel slice of a wider channels-last tensor: a concat part).
+Each program owns BLOCK_P pixels: it loads their full x and g channel rows once, runs both 1x1 convs as
+``tl.dot`` into one fp32 accumulator per BLOCK_F slice of ``inter`` (tensor cores for 16-bit inputs; exact
+fp32 products for fp32 inputs: the sigmoid turns a tf32-sized logit error into ~1e-2 relative error), applies
+bias + ReLU and folds the slice into the psi dot product, then writes ``x * sigmoid(psi)`` from the x rows still
+in registers. x and g are read once, out written once; meant for up to ~1024 channels per input (whole rows live
+in registers).
 """
 
 from __future__ import annotations
@@ -74,6 +77,9 @@ def _attention_gate_kernel(
     CX,
     CG,
     INTER,
+    stride_xp,
+    stride_gp,
+    stride_op,
     HAS_BX: tl.constexpr,
     HAS_BG: tl.constexpr,
     HAS_BPSI: tl.constexpr,
@@ -81,6 +87,7 @@ def _attention_gate_kernel(
     BLOCK_CX: tl.constexpr,
     BLOCK_CG: tl.constexpr,
     BLOCK_F: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     row_mask = rows < P
@@ -89,11 +96,10 @@ def _attention_gate_kernel(
     offs_cg = tl.arange(0, BLOCK_CG)
     cx_mask = offs_cx < CX
     cg_mask = offs_cg < CG
-    x_offs = rows64[:, None] * CX + offs_cx[None, :]
     x_mask = row_mask[:, None] & cx_mask[None, :]
-    xa = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
+    xa = tl.load(x_ptr + rows64[:, None] * stride_xp + offs_cx[None, :], mask=x_mask, other=0.0)
     ga = tl.load(
-        g_ptr + rows64[:, None] * CG + offs_cg[None, :], mask=row_mask[:, None] & cg_mask[None, :], other=0.0
+        g_ptr + rows64[:, None] * stride_gp + offs_cg[None, :], mask=row_mask[:, None] & cg_mask[None, :], other=0.0
     )
 
     logit = tl.zeros([BLOCK_P], dtype=tl.float32)
@@ -111,8 +117,8 @@ def _attention_gate_kernel(
             mask=cg_mask[:, None] & f_mask[None, :],
             other=0.0,
         )
-        acc = tl.dot(xa, wx)
-        acc = tl.dot(ga, wg, acc)
+        acc = tl.dot(xa, wx, input_precision=DOT_PRECISION)
+        acc = tl.dot(ga, wg, acc, input_precision=DOT_PRECISION)
         if HAS_BX:
             acc += tl.load(bx_ptr + offs_f, mask=f_mask, other=0.0).to(tl.float32)[None, :]
         if HAS_BG:
@@ -124,16 +130,22 @@ def _attention_gate_kernel(
         logit += tl.load(bpsi_ptr).to(tl.float32)
     psi = 1.0 / (1.0 + tl.exp(-logit))
     y = xa.to(tl.float32) * psi[:, None]
-    tl.store(out_ptr + x_offs, y.to(out_ptr.dtype.element_ty), mask=x_mask)
+    tl.store(out_ptr + rows64[:, None] * stride_op + offs_cx[None, :], y.to(out_ptr.dtype.element_ty), mask=x_mask)
+
+
+def _is_pixel_rows(t: torch.Tensor) -> bool:
+    """Whether ``t`` [N, C, H, W] is pixel rows ``t.stride(3)`` apart with unit channel stride, over all N*H*W
+    pixels in order: dense channels-last, or a channel slice of a wider channels-last tensor (read in place)."""
+    n, channels, h, w = t.shape
+    row = t.stride(3)
+    return t.stride(1) == 1 and row >= channels and t.stride(2) == w * row and (n == 1 or t.stride(0) == h * w * row)
 
 
 def _weight_2d(name: str, weight: torch.Tensor, inter: int | None, channels: int) -> torch.Tensor:
     if weight.dim() == 4 and weight.shape[2:] == (1, 1):
         weight = weight.reshape(weight.shape[0], weight.shape[1])
     if weight.dim() != 2 or weight.shape[1] != channels or (inter is not None and weight.shape[0] != inter):
-        raise FastdiffError(
-            f"{name} must be a 1x1 conv weight [inter, {channels}(, 1, 1)], got {tuple(weight.shape)}"
-        )
+        raise FastdiffError(f"{name} must be a 1x1 conv weight [inter, {channels}(, 1, 1)], got {tuple(weight.shape)}")
     return weight.contiguous()
 
 
@@ -173,24 +185,20 @@ def attention_gate(
         raise FastdiffError(f"w_psi must hold {inter} weights ([1, {inter}(, 1, 1)]), got {w_psi.numel()}")
     for name, tensor in (("g", g), ("w_x", w_x), ("w_g", w_g), ("w_psi", w_psi)):
         if tensor.dtype != x.dtype or tensor.device != x.device:
-            raise FastdiffError(
-                f"{name} ({tensor.dtype}, {tensor.device}) must match x ({x.dtype}, {x.device})"
-            )
+            raise FastdiffError(f"{name} ({tensor.dtype}, {tensor.device}) must match x ({x.dtype}, {x.device})")
     for name, tensor, numel in (("b_x", b_x, inter), ("b_g", b_g, inter), ("b_psi", b_psi, 1)):
         if tensor is not None and (tensor.numel() != numel or tensor.device != x.device):
-            raise FastdiffError(
-                f"{name} must hold {numel} values on {x.device}, got shape {tuple(tensor.shape)}"
-            )
-    x = x.contiguous(memory_format=torch.channels_last)
-    g = g.contiguous(memory_format=torch.channels_last)
+            raise FastdiffError(f"{name} must hold {numel} values on {x.device}, got shape {tuple(tensor.shape)}")
+    if not _is_pixel_rows(x):
+        x = x.contiguous(memory_format=torch.channels_last)
+    if not _is_pixel_rows(g):
+        g = g.contiguous(memory_format=torch.channels_last)
     if out is None:
         out = torch.empty_like(x, memory_format=torch.channels_last)
-    elif (
-        tuple(out.shape) != tuple(x.shape)
-        or out.dtype != x.dtype
-        or not out.is_contiguous(memory_format=torch.channels_last)
-    ):
-        raise FastdiffError(f"out must be a channels-last {x.dtype} tensor of shape {tuple(x.shape)}")
+    elif tuple(out.shape) != tuple(x.shape) or out.dtype != x.dtype or not _is_pixel_rows(out):
+        raise FastdiffError(
+            f"out must be a channels-last {x.dtype} tensor of shape {tuple(x.shape)} (or a channel slice of one)"
+        )
     pixels = n * h * w
     block_cx = max(16, triton.next_power_of_2(cx))
     block_cg = max(16, triton.next_power_of_2(cg))
@@ -199,9 +207,10 @@ def attention_gate(
     _attention_gate_kernel[(triton.cdiv(pixels, block_p),)](
         x, g, w_x, w_g,
         b_x if b_x is not None else w_x, b_g if b_g is not None else w_x, w_psi,
-        b_psi if b_psi is not None else w_x, out, pixels, cx, cg, inter,
+        b_psi if b_psi is not None else w_x, out, pixels, cx, cg, inter, x.stride(3), g.stride(3), out.stride(3),
         HAS_BX=b_x is not None, HAS_BG=b_g is not None, HAS_BPSI=b_psi is not None,
         BLOCK_P=block_p, BLOCK_CX=block_cx, BLOCK_CG=block_cg, BLOCK_F=block_f,
+        DOT_PRECISION="tf32" if x.dtype in (torch.float16, torch.bfloat16) else "ieee",
         num_warps=4 if block_p * max(block_cx, block_cg) <= 8192 else 8,
     )  # fmt: skip
     return out

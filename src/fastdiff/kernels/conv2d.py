@@ -104,10 +104,14 @@ def conv2d_ref(
     activation: str | None = None,
     out_scale: float | None = None,
     out: torch.Tensor | None = None,
+    upsample: int = 1,
 ) -> torch.Tensor:
-    """Plain torch definition of :func:`conv2d`: ``F.conv2d`` then the epilogue; raw or packed weights."""
+    """Plain torch definition of :func:`conv2d`: (nearest upsampling,) ``F.conv2d``, then the epilogue; raw or
+    packed weights."""
     if weight.dim() == 2:
         weight = unpack_conv_weight(weight, x.shape[1])
+    if upsample > 1:
+        x = F.interpolate(x, scale_factor=upsample, mode="nearest")
     y = epilogue_ref(
         F.conv2d(x, weight, None, stride=stride, padding=padding),
         bias,
@@ -155,9 +159,7 @@ def fused_epilogue(
     elif ACT == 3:
         acc = tl.maximum(acc, 0.0)
     if HAS_RES:
-        acc += tl.load(res_row_ptrs[:, None] + offs_c[None, :] * stride_rc, mask=mask, other=0.0).to(
-            tl.float32
-        )
+        acc += tl.load(res_row_ptrs[:, None] + offs_c[None, :] * stride_rc, mask=mask, other=0.0).to(tl.float32)
     if HAS_SCALE:
         acc = acc * out_scale
     return acc
@@ -196,6 +198,7 @@ def _conv2d_kernel(
     STRIDE: tl.constexpr,
     PAD: tl.constexpr,
     KSIZE: tl.constexpr,
+    UP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_TEMB: tl.constexpr,
     HAS_RES: tl.constexpr,
@@ -239,7 +242,8 @@ def _conv2d_kernel(
         row_ok = m_mask & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
         offs_k = c0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < Cin
-        a_ptrs = (x_rows + ih * stride_xh + iw * stride_xw)[:, None] + offs_k[None, :] * stride_xc
+        # H, W are the (virtually) upsampled sizes: pixel (ih, iw) is stored at (ih // UP, iw // UP).
+        a_ptrs = (x_rows + (ih // UP) * stride_xh + (iw // UP) * stride_xw)[:, None] + offs_k[None, :] * stride_xc
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_mask[None, :], other=0.0)
         b_ptrs = w_ptr + (tap * Cin + offs_k)[:, None] * Cout + offs_n[None, :]
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
@@ -304,9 +308,7 @@ def check_epilogue_args(
 ) -> None:
     """Raise FastdiffError for epilogue operands whose shape or device does not fit [n, cout, *out_hw]."""
     if activation not in ACTIVATIONS:
-        raise FastdiffError(
-            f"unknown activation {activation!r}; expected one of None, 'silu', 'gelu', 'relu'"
-        )
+        raise FastdiffError(f"unknown activation {activation!r}; expected one of None, 'silu', 'gelu', 'relu'")
     expected = {
         "bias": (cout,),
         "time_emb": (n, cout),
@@ -336,6 +338,7 @@ def conv2d(
     activation: str | None = None,
     out_scale: float | None = None,
     out: torch.Tensor | None = None,
+    upsample: int = 1,
 ) -> torch.Tensor:
     """Fused conv2d: ``((act(conv(x, w) + bias + time_emb[:, :, None, None]) + residual) * out_scale``.
 
@@ -343,7 +346,8 @@ def conv2d(
     ``[Cout, Cin, K, K]`` or packed ``[K*K*Cin, Cout]`` (:func:`pack_conv_weight`; pack once at load). Square
     kernels of any size, any stride and padding. ``out`` (optional) receives the result; otherwise a new
     channels-last ``[N, Cout, Ho, Wo]`` tensor is returned. Accumulation is fp32 (a tf32 dot for fp32
-    inputs on the GPU).
+    inputs on the GPU). ``upsample=k`` convolves the nearest-neighbour x``k`` upsampling of ``x`` without
+    materialising it (the U-Net's Upsample2D: interpolate then conv, in one launch).
     """
     if x.dim() != 4:
         raise FastdiffError(f"conv2d input must be 4-D [N, C, H, W], got shape {tuple(x.shape)}")
@@ -357,22 +361,19 @@ def conv2d(
         weight = weight.contiguous()
     if stride < 1 or padding < 0:
         raise FastdiffError(f"bad conv stride {stride} / padding {padding}")
+    if isinstance(upsample, bool) or not isinstance(upsample, int) or upsample < 1:
+        raise FastdiffError(f"upsample must be a positive int, got {upsample!r}")
     cout = weight.shape[1]
+    h, w = h * upsample, w * upsample
     ho = (h + 2 * padding - ksize) // stride + 1
     wo = (w + 2 * padding - ksize) // stride + 1
     if ho < 1 or wo < 1:
-        raise FastdiffError(
-            f"conv output would be empty for input {h}x{w}, kernel {ksize}, padding {padding}"
-        )
+        raise FastdiffError(f"conv output would be empty for input {h}x{w}, kernel {ksize}, padding {padding}")
     if weight.device != x.device or weight.dtype != x.dtype:
-        raise FastdiffError(
-            f"weight ({weight.dtype}, {weight.device}) must match input ({x.dtype}, {x.device})"
-        )
+        raise FastdiffError(f"weight ({weight.dtype}, {weight.device}) must match input ({x.dtype}, {x.device})")
     check_epilogue_args(n, cout, (ho, wo), x.device, bias, time_emb, residual, activation, out)
     if out is None:
-        out = torch.empty(
-            (n, cout, ho, wo), device=x.device, dtype=x.dtype, memory_format=torch.channels_last
-        )
+        out = torch.empty((n, cout, ho, wo), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
     rows = n * ho * wo
     block_m, block_n, block_k, num_warps, num_stages = _gemm_blocks(rows, cout, cin, x.dtype, x.device)
     temb = time_emb if time_emb is not None else out
@@ -384,7 +385,7 @@ def conv2d(
         rows, h, w, cin, ho, wo, cout,
         *x.stride(), *temb_strides, *res.stride(), *out.stride(),
         1.0 if out_scale is None else float(out_scale),
-        STRIDE=stride, PAD=padding, KSIZE=ksize,
+        STRIDE=stride, PAD=padding, KSIZE=ksize, UP=upsample,
         HAS_BIAS=bias is not None, HAS_TEMB=time_emb is not None, HAS_RES=residual is not None,
         ACT=ACTIVATIONS[activation], HAS_SCALE=out_scale is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,

@@ -117,15 +117,10 @@ def _depthwise_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_TEMB:
-        acc += tl.load(temb_ptr + n * stride_tn + offs_c * stride_tc, mask=c_mask, other=0.0).to(tl.float32)[
-            None, :
-        ]
+        acc += tl.load(temb_ptr + n * stride_tn + offs_c * stride_tc, mask=c_mask, other=0.0).to(tl.float32)[None, :]
     p_mask = (oh < H) & (ow < W)
     out_ptrs = (
-        out_ptr
-        + n.to(tl.int64) * stride_on
-        + (oh * stride_oh + ow * stride_ow)[:, None]
-        + offs_c[None, :] * stride_oc
+        out_ptr + n.to(tl.int64) * stride_on + (oh * stride_oh + ow * stride_ow)[:, None] + offs_c[None, :] * stride_oc
     )
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=p_mask[:, None] & c_mask[None, :])
 
@@ -169,9 +164,7 @@ def depthwise_conv2d(
     if tuple(weight.shape) != (KERNEL_SIZE * KERNEL_SIZE, channels):
         raise FastdiffError(f"packed depthwise weight must be [49, {channels}], got {tuple(weight.shape)}")
     if weight.device != x.device or weight.dtype != x.dtype:
-        raise FastdiffError(
-            f"weight ({weight.dtype}, {weight.device}) must match input ({x.dtype}, {x.device})"
-        )
+        raise FastdiffError(f"weight ({weight.dtype}, {weight.device}) must match input ({x.dtype}, {x.device})")
     weight = weight.contiguous()
     for name, tensor, shape in (
         ("bias", bias, (channels,)),
@@ -207,18 +200,14 @@ def depthwise_conv2d_example_inputs(
     bias = torch.randn(channels, generator=gen)
     time_emb = torch.randn((n, channels), generator=gen)
     packed = pack_depthwise_weight(weight).to(device=device, dtype=dtype)
-    return (x, packed, bias.to(device=device, dtype=dtype)), {
-        "time_emb": time_emb.to(device=device, dtype=dtype)
-    }
+    return (x, packed, bias.to(device=device, dtype=dtype)), {"time_emb": time_emb.to(device=device, dtype=dtype)}
 
 
 def depthwise_conv2d_cost(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float, float]:
     """(2 * 49 MACs per output element, bytes of x, weight, bias, time_emb read once + output written)."""
     x, weight = args[0], args[1]
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
-    moved = sum(
-        t.numel() * t.element_size() for t in (x, weight, bias, kwargs.get("time_emb")) if t is not None
-    )
+    moved = sum(t.numel() * t.element_size() for t in (x, weight, bias, kwargs.get("time_emb")) if t is not None)
     moved += x.numel() * x.element_size()
     return 2.0 * KERNEL_SIZE * KERNEL_SIZE * x.numel(), float(moved)
 

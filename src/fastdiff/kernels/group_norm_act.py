@@ -109,6 +109,7 @@ def _channels_to_groups(cnt, ch_mean, ch_m2, local_c, c_mask, CG: tl.constexpr, 
 def _block_group_stats(
     x_ptr,
     base,
+    stride_xp,
     hw_start,
     hw_end,
     c_begin,
@@ -137,7 +138,7 @@ def _block_group_stats(
         for h0 in range(hw_start, hw_end, BLOCK_HW):
             rows = h0 + tl.arange(0, BLOCK_HW)
             mask = (rows < hw_end)[:, None] & c_mask[None, :]
-            ptrs = x_ptr + base + rows.to(tl.int64)[:, None] * C + offs_c[None, :]
+            ptrs = x_ptr + base + rows.to(tl.int64)[:, None] * stride_xp + offs_c[None, :]
             tile = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
             nb = tl.minimum(hw_end - h0, BLOCK_HW).to(tl.float32)
             t_mean = tl.sum(tile, axis=0) / nb
@@ -184,6 +185,8 @@ def _gn_single_pass_kernel(
     r_ptr,
     HW,
     C,
+    stride_xn,
+    stride_xp,
     eps,
     CG: tl.constexpr,
     GPB: tl.constexpr,
@@ -195,10 +198,11 @@ def _gn_single_pass_kernel(
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
 ):
-    """One program per (sample, block of GPB whole groups)."""
+    """One program per (sample, block of GPB whole groups); x rows are ``stride_xp`` apart (y rows: C)."""
     n = tl.program_id(0)
     c_begin = tl.program_id(1) * (GPB * CG)
     base = n.to(tl.int64) * HW * C
+    x_base = n.to(tl.int64) * stride_xn
     lane = tl.arange(0, BLOCK_C)
     if IN_REGISTERS:
         # The whole block is one tile: load once, reduce, normalise from registers.
@@ -207,7 +211,8 @@ def _gn_single_pass_kernel(
         c_mask = (lane < GPB * CG) & (offs_c < C)
         mask = (rows < HW)[:, None] & c_mask[None, :]
         offs = base + rows.to(tl.int64)[:, None] * C + offs_c[None, :]
-        tile = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        x_offs = x_base + rows.to(tl.int64)[:, None] * stride_xp + offs_c[None, :]
+        tile = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
         tile32 = tile.to(tl.float32)
         cnt = tl.zeros([BLOCK_C], dtype=tl.float32) + HW
         ch_mean = tl.sum(tile32, axis=0) / cnt
@@ -218,7 +223,7 @@ def _gn_single_pass_kernel(
         scale, shift = _scale_shift(w_ptr, b_ptr, offs_c, c_mask, g_mean, rstd, HAS_W, HAS_B)
         _finish_tile(tile, scale, shift, y_ptr, r_ptr, offs, mask, ACT, HAS_RES)
     else:
-        g_n, g_mean, g_m2 = _block_group_stats(x_ptr, base, 0, HW, c_begin, C, CG, GPB, BLOCK_HW, BLOCK_C)
+        g_n, g_mean, g_m2 = _block_group_stats(x_ptr, x_base, stride_xp, 0, HW, c_begin, C, CG, GPB, BLOCK_HW, BLOCK_C)
         rstd = tl.math.rsqrt(g_m2 / g_n + eps)
         for cc in range(0, GPB * CG, BLOCK_C):
             offs_c = c_begin + cc + lane
@@ -228,7 +233,8 @@ def _gn_single_pass_kernel(
                 rows = h0 + tl.arange(0, BLOCK_HW)
                 mask = (rows < HW)[:, None] & c_mask[None, :]
                 offs = base + rows.to(tl.int64)[:, None] * C + offs_c[None, :]
-                tile = tl.load(x_ptr + offs, mask=mask, other=0.0)
+                x_offs = x_base + rows.to(tl.int64)[:, None] * stride_xp + offs_c[None, :]
+                tile = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
                 _finish_tile(tile, scale, shift, y_ptr, r_ptr, offs, mask, ACT, HAS_RES)
 
 
@@ -238,6 +244,8 @@ def _gn_partial_stats_kernel(
     part_ptr,
     HW,
     C,
+    stride_xn,
+    stride_xp,
     G,
     HW_PER_SPLIT,
     SPLIT,
@@ -253,9 +261,8 @@ def _gn_partial_stats_kernel(
     c_begin = block * (GPB * CG)
     hw_start = split * HW_PER_SPLIT
     hw_end = tl.minimum(hw_start + HW_PER_SPLIT, HW)
-    base = n.to(tl.int64) * HW * C
     g_n, g_mean, g_m2 = _block_group_stats(
-        x_ptr, base, hw_start, hw_end, c_begin, C, CG, GPB, BLOCK_HW, BLOCK_C
+        x_ptr, n.to(tl.int64) * stride_xn, stride_xp, hw_start, hw_end, c_begin, C, CG, GPB, BLOCK_HW, BLOCK_C
     )
     lane = tl.arange(0, BLOCK_C)
     first_of_group = (lane % CG == 0) & (lane < GPB * CG) & (c_begin + lane < C)
@@ -275,6 +282,8 @@ def _gn_apply_kernel(
     part_ptr,
     HW,
     C,
+    stride_xn,
+    stride_xp,
     G,
     SPLIT,
     HW_PER_PROGRAM,
@@ -308,11 +317,13 @@ def _gn_apply_kernel(
     rstd = tl.math.rsqrt(m2 / total + eps)
     scale, shift = _scale_shift(w_ptr, b_ptr, offs_c, c_mask, mean, rstd, HAS_W, HAS_B)
     base = n.to(tl.int64) * HW * C
+    x_base = n.to(tl.int64) * stride_xn
     for h0 in range(hw_start, hw_end, BLOCK_HW):
         rows = h0 + tl.arange(0, BLOCK_HW)
         mask = (rows < hw_end)[:, None] & c_mask[None, :]
         offs = base + rows.to(tl.int64)[:, None] * C + offs_c[None, :]
-        tile = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        x_offs = x_base + rows.to(tl.int64)[:, None] * stride_xp + offs_c[None, :]
+        tile = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
         _finish_tile(tile, scale, shift, y_ptr, r_ptr, offs, mask, ACT, HAS_RES)
 
 
@@ -356,6 +367,13 @@ def _plan(n: int, channels: int, hw: int, groups: int, device: torch.device, des
     return _Plan("two_phase", block_c, groups_per_block, block_hw, False)
 
 
+def _is_nhwc_rows(t: torch.Tensor) -> bool:
+    """Whether ``t`` [N, C, H, W] has unit channel stride and pixel rows ``t.stride(3)`` apart in order (dense
+    channels-last, or a channel slice of a wider channels-last tensor): the kernels read such x in place."""
+    _, channels, _, w = t.shape
+    return t.stride(1) == 1 and t.stride(3) >= channels and t.stride(2) == w * t.stride(3)
+
+
 def _as_channels_last(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous(memory_format=torch.channels_last)
 
@@ -378,9 +396,7 @@ def _check_inputs(
     if activation not in ACTIVATIONS:
         raise FastdiffError(f"unknown activation {activation!r}; expected one of {list(ACTIVATIONS)}")
     if design not in ("auto", "single_pass", "two_phase"):
-        raise FastdiffError(
-            f"unknown group_norm_act design {design!r}; expected auto, single_pass or two_phase"
-        )
+        raise FastdiffError(f"unknown group_norm_act design {design!r}; expected auto, single_pass or two_phase")
     for name, tensor, shape in (
         ("weight", weight, (channels,)),
         ("bias", bias, (channels,)),
@@ -407,14 +423,18 @@ def group_norm_act(
 ) -> torch.Tensor:
     """``activation(group_norm(x) * weight + bias) + residual`` in one (or two) launches, fp32 statistics.
 
-    ``x``: logical ``[N, C, H, W]``, channels-last memory (other layouts are copied first). ``out``
+    ``x``: logical ``[N, C, H, W]``, channels-last memory; a channel slice of a wider channels-last tensor
+    (``big[:, c0:c1]``, e.g. one part of a zero-copy concat) is read in place; other layouts are copied first.
+    ``out``
     (optional) is a channels-last tensor like ``x``. ``design`` forces a design ("auto" picks by size; tests
     use the others).
     """
     _check_inputs(x, num_groups, weight, bias, activation, residual, out, design)
     n, channels, h, w = x.shape
     hw = h * w
-    x = _as_channels_last(x)
+    if not _is_nhwc_rows(x):
+        x = _as_channels_last(x)
+    stride_xn, stride_xp = x.stride(0), x.stride(3)
     if residual is not None:
         residual = _as_channels_last(residual)
     if out is None:
@@ -434,7 +454,7 @@ def group_norm_act(
     if plan.design == "single_pass":
         tile = plan.block_hw * plan.block_c
         _gn_single_pass_kernel[(n, blocks)](
-            x, out, w_arg, b_arg, r_arg, hw, channels, eps,
+            x, out, w_arg, b_arg, r_arg, hw, channels, stride_xn, stride_xp, eps,
             CG=group_size, GPB=plan.groups_per_block, BLOCK_HW=plan.block_hw, BLOCK_C=plan.block_c,
             IN_REGISTERS=plan.in_registers, num_warps=max(1, min(8, tile // 512)), **flags,
         )  # fmt: skip
@@ -445,7 +465,7 @@ def group_norm_act(
     split = triton.cdiv(hw, hw_per_split)
     partials = torch.empty((n, num_groups, split, 3), device=x.device, dtype=torch.float32)
     _gn_partial_stats_kernel[(n, blocks, split)](
-        x, partials, hw, channels, num_groups, hw_per_split, split,
+        x, partials, hw, channels, stride_xn, stride_xp, num_groups, hw_per_split, split,
         CG=group_size, GPB=plan.groups_per_block, BLOCK_HW=plan.block_hw, BLOCK_C=plan.block_c, num_warps=4,
     )  # fmt: skip
     apply_c = min(64, triton.next_power_of_2(channels))
@@ -454,7 +474,8 @@ def group_norm_act(
     programs_hw = max(1, min(triton.cdiv(hw, apply_hw), triton.cdiv(4 * num_sms(x.device), n * c_blocks)))
     hw_per_program = triton.cdiv(triton.cdiv(hw, programs_hw), apply_hw) * apply_hw
     _gn_apply_kernel[(n, triton.cdiv(hw, hw_per_program), c_blocks)](
-        x, out, w_arg, b_arg, r_arg, partials, hw, channels, num_groups, split, hw_per_program, eps,
+        x, out, w_arg, b_arg, r_arg, partials, hw, channels, stride_xn, stride_xp, num_groups, split, hw_per_program,
+        eps,
         CG=group_size, BLOCK_HW=apply_hw, BLOCK_C=apply_c, BLOCK_S=triton.next_power_of_2(split),
         num_warps=4, **flags,
     )  # fmt: skip

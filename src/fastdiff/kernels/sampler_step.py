@@ -139,9 +139,7 @@ def sampler_step(
     (every element is read before it is written, by the same thread).
     """
     if coefs.dim() != 2 or coefs.shape[1] != 6 or coefs.device != x.device:
-        raise FastdiffError(
-            f"coefs must be a [N, 6] table on {x.device}, got {tuple(coefs.shape)} on {coefs.device}"
-        )
+        raise FastdiffError(f"coefs must be a [N, 6] table on {x.device}, got {tuple(coefs.shape)} on {coefs.device}")
     if isinstance(i, torch.Tensor):
         if i.numel() != 1 or i.dtype.is_floating_point or i.device != x.device:
             raise FastdiffError(f"step index must be an int or a one-element integer tensor on {x.device}")

@@ -198,21 +198,11 @@ def _winograd_input_kernel(
     x_cols = offs_c[None, :] * stride_xc
 
     r00, r01, r02, r03, r04, r05 = _input_row(x_rows, x_cols, tc_mask, ih0, iw0, H, W, stride_xh, stride_xw)
-    r10, r11, r12, r13, r14, r15 = _input_row(
-        x_rows, x_cols, tc_mask, ih0 + 1, iw0, H, W, stride_xh, stride_xw
-    )
-    r20, r21, r22, r23, r24, r25 = _input_row(
-        x_rows, x_cols, tc_mask, ih0 + 2, iw0, H, W, stride_xh, stride_xw
-    )
-    r30, r31, r32, r33, r34, r35 = _input_row(
-        x_rows, x_cols, tc_mask, ih0 + 3, iw0, H, W, stride_xh, stride_xw
-    )
-    r40, r41, r42, r43, r44, r45 = _input_row(
-        x_rows, x_cols, tc_mask, ih0 + 4, iw0, H, W, stride_xh, stride_xw
-    )
-    r50, r51, r52, r53, r54, r55 = _input_row(
-        x_rows, x_cols, tc_mask, ih0 + 5, iw0, H, W, stride_xh, stride_xw
-    )
+    r10, r11, r12, r13, r14, r15 = _input_row(x_rows, x_cols, tc_mask, ih0 + 1, iw0, H, W, stride_xh, stride_xw)
+    r20, r21, r22, r23, r24, r25 = _input_row(x_rows, x_cols, tc_mask, ih0 + 2, iw0, H, W, stride_xh, stride_xw)
+    r30, r31, r32, r33, r34, r35 = _input_row(x_rows, x_cols, tc_mask, ih0 + 3, iw0, H, W, stride_xh, stride_xw)
+    r40, r41, r42, r43, r44, r45 = _input_row(x_rows, x_cols, tc_mask, ih0 + 4, iw0, H, W, stride_xh, stride_xw)
+    r50, r51, r52, r53, r54, r55 = _input_row(x_rows, x_cols, tc_mask, ih0 + 5, iw0, H, W, stride_xh, stride_xw)
 
     plane = T * Cin
     v_ptrs = v_ptr + offs_t[:, None] * Cin + offs_c[None, :]
@@ -294,9 +284,7 @@ def _finish_output(
         y, n_idx, offs_n, row_mask, n_mask, bias_ptr, temb_ptr, stride_tn, stride_tc, res_rows, stride_rc,
         out_scale, HAS_BIAS, HAS_TEMB, HAS_RES, ACT, HAS_SCALE,
     )  # fmt: skip
-    out_ptrs = (out_ptr + n64 * stride_on + oh * stride_oh + ow * stride_ow)[:, None] + offs_n[
-        None, :
-    ] * stride_oc
+    out_ptrs = (out_ptr + n64 * stride_on + oh * stride_oh + ow * stride_ow)[:, None] + offs_n[None, :] * stride_oc
     tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
@@ -484,9 +472,7 @@ def winograd_error_vs_direct(
     ``ref`` is the float64 direct conv (on the CPU) of the given (already rounded) ``x``, raw 3x3 ``weight``
     and ``bias``; the difference between the two numbers is what the Winograd transforms cost in accuracy.
     """
-    ref = conv2d_ref(
-        x.cpu().double(), weight.cpu().double(), None if bias is None else bias.cpu().double(), padding=1
-    )
+    ref = conv2d_ref(x.cpu().double(), weight.cpu().double(), None if bias is None else bias.cpu().double(), padding=1)
     winograd = winograd_conv3x3(x, winograd_transform_weight(weight), bias).cpu().double()
     direct = conv2d(x, weight, bias, padding=1).cpu().double()
     scale = ref.norm().item()
@@ -518,10 +504,7 @@ def winograd_conv3x3_cost(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
     cout = u.shape[2]
     flops = 2.0 * n * h * w * cout * cin * 9
     inputs = (x, u, bias, kwargs.get("time_emb"), kwargs.get("residual"))
-    moved = (
-        sum(t.numel() * t.element_size() for t in inputs if t is not None)
-        + n * cout * h * w * x.element_size()
-    )
+    moved = sum(t.numel() * t.element_size() for t in inputs if t is not None) + n * cout * h * w * x.element_size()
     return flops, float(moved)
 
 

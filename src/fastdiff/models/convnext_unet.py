@@ -62,13 +62,9 @@ class ConvNeXtUNetConfig:
                      "attention_heads", "attention_head_dim", "gate_reduction", "dim_mults"):  # fmt: skip
             values = getattr(self, name) if name == "dim_mults" else (getattr(self, name),)
             if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
-                raise FastdiffError(
-                    f"ConvNeXtUNet config {name} must be positive integers, got {getattr(self, name)}"
-                )
+                raise FastdiffError(f"ConvNeXtUNet config {name} must be positive integers, got {getattr(self, name)}")
         if not isinstance(self.attention, bool):
-            raise FastdiffError(
-                f"ConvNeXtUNet config attention must be true or false, got {self.attention!r}"
-            )
+            raise FastdiffError(f"ConvNeXtUNet config attention must be true or false, got {self.attention!r}")
         if self.sample_size % 2 ** (len(self.dim_mults) - 1):
             raise FastdiffError(
                 f"sample_size {self.sample_size} is not divisible by 2**{len(self.dim_mults) - 1} "
@@ -79,9 +75,7 @@ class ConvNeXtUNetConfig:
 def timestep_embedding(t: Tensor, dim: int) -> Tensor:
     """Sinusoidal embedding [B, dim] (fp32): sin, cos of t * 10000^(-k/half); odd dims end in a zero."""
     half = dim // 2
-    freqs = torch.exp(
-        -math.log(10000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / max(half, 1)
-    )
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / max(half, 1))
     args = t.float()[:, None] * freqs[None, :]
     emb = torch.cat([torch.sin(args), torch.cos(args)], dim=1)
     return F.pad(emb, (0, dim % 2))
@@ -183,8 +177,7 @@ class ConvNeXtUNet(nn.Module):
         factor = 2 ** (len(c.dim_mults) - 1)
         if x.dim() != 4 or x.shape[1] != c.in_channels or x.shape[2] % factor or x.shape[3] % factor:
             raise FastdiffError(
-                f"ConvNeXtUNet expects [B, {c.in_channels}, H, W] with H, W divisible by {factor}, "
-                f"got {tuple(x.shape)}"
+                f"ConvNeXtUNet expects [B, {c.in_channels}, H, W] with H, W divisible by {factor}, got {tuple(x.shape)}"
             )
         batch = x.shape[0]
         t = torch.as_tensor(t, device=x.device)

@@ -86,9 +86,7 @@ class DDPMUNetConfig:
         for key, allowed in (("down_block_types", DOWN_BLOCKS), ("up_block_types", UP_BLOCKS)):
             for block in getattr(self, key):
                 if block not in allowed:
-                    raise FastdiffError(
-                        f"unsupported block {block!r} in {key} (supported: {', '.join(allowed)})"
-                    )
+                    raise FastdiffError(f"unsupported block {block!r} in {key} (supported: {', '.join(allowed)})")
         chans = self.block_out_channels
         if not chans or len(self.down_block_types) != len(chans) or len(self.up_block_types) != len(chans):
             raise FastdiffError(
@@ -99,9 +97,7 @@ class DDPMUNetConfig:
             raise FastdiffError(f"unsupported layers_per_block={self.layers_per_block} (must be >= 1)")
         groups, attn_groups = self.norm_num_groups, self.attn_norm_num_groups
         if any(c % groups for c in chans):
-            raise FastdiffError(
-                f"block_out_channels={list(chans)} not all divisible by norm_num_groups={groups}"
-            )
+            raise FastdiffError(f"block_out_channels={list(chans)} not all divisible by norm_num_groups={groups}")
         if attn_groups is not None and chans[-1] % attn_groups:
             raise FastdiffError(
                 f"block_out_channels[-1]={chans[-1]} not divisible by attn_norm_num_groups={attn_groups}"
@@ -112,9 +108,7 @@ class DDPMUNetConfig:
             attn_channels.append(chans[-1])
         head_dim = self.attention_head_dim
         if head_dim is not None and attn_channels and not 1 <= head_dim <= min(attn_channels):
-            raise FastdiffError(
-                f"unsupported attention_head_dim={head_dim} (None or 1..{min(attn_channels)})"
-            )
+            raise FastdiffError(f"unsupported attention_head_dim={head_dim} (None or 1..{min(attn_channels)})")
 
     @classmethod
     def from_dict(cls, config: dict, source: str = "config") -> DDPMUNetConfig:
@@ -140,14 +134,10 @@ def check_allowed(key: str, value: object, source: str = "") -> None:
     """FastdiffError if ``key`` has a value outside ALLOWED_VALUES."""
     if value not in ALLOWED_VALUES[key]:
         supported = ", ".join(map(repr, ALLOWED_VALUES[key]))
-        raise FastdiffError(
-            f"{source + ': ' if source else ''}unsupported {key}={value!r} (supported: {supported})"
-        )
+        raise FastdiffError(f"{source + ': ' if source else ''}unsupported {key}={value!r} (supported: {supported})")
 
 
-DDPM_FLAGS = dict(
-    norm_eps=1e-6, flip_sin_to_cos=False, freq_shift=1, downsample_padding=0, attention_head_dim=None
-)
+DDPM_FLAGS = dict(norm_eps=1e-6, flip_sin_to_cos=False, freq_shift=1, downsample_padding=0, attention_head_dim=None)
 
 DDPM_PRESETS: dict[str, DDPMUNetConfig] = {
     "ddpm-cifar10": DDPMUNetConfig(
@@ -263,9 +253,7 @@ class Upsample2D(nn.Module):
         return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
 
 
-def attention_for(
-    channels: int, cfg: DDPMUNetConfig, groups: int | None = None, rescale: float = 1.0
-) -> Attention:
+def attention_for(channels: int, cfg: DDPMUNetConfig, groups: int | None = None, rescale: float = 1.0) -> Attention:
     """Attention over ``channels`` with the config's head size (one head when attention_head_dim is None)."""
     head_dim = cfg.attention_head_dim if cfg.attention_head_dim is not None else channels
     return Attention(channels, head_dim, groups or cfg.norm_num_groups, cfg.norm_eps, rescale)
@@ -274,9 +262,7 @@ def attention_for(
 class DownBlock2D(nn.Module):
     """``layers_per_block`` resnets (each followed by attention in AttnDownBlock2D), then a downsample."""
 
-    def __init__(
-        self, in_ch: int, out_ch: int, temb_ch: int, cfg: DDPMUNetConfig, attn: bool, down: bool
-    ) -> None:
+    def __init__(self, in_ch: int, out_ch: int, temb_ch: int, cfg: DDPMUNetConfig, attn: bool, down: bool) -> None:
         super().__init__()
         n = cfg.layers_per_block
         self.resnets = nn.ModuleList(
@@ -352,9 +338,7 @@ class DDPMUNet(nn.Module):
         last = len(chans) - 1
         self.down_blocks = nn.ModuleList()
         for i, kind in enumerate(cfg.down_block_types):
-            block = DownBlock2D(
-                chans[max(i - 1, 0)], chans[i], temb_ch, cfg, kind == "AttnDownBlock2D", i < last
-            )
+            block = DownBlock2D(chans[max(i - 1, 0)], chans[i], temb_ch, cfg, kind == "AttnDownBlock2D", i < last)
             self.down_blocks.append(block)
         self.mid_block = UNetMidBlock2D(chans[-1], temb_ch, cfg) if cfg.mid_block_type else None
         rev = chans[::-1]

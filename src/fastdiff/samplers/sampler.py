@@ -24,9 +24,7 @@ class Sampler:
     tensor back to the host, so a whole sampling loop can be captured in one CUDA graph.
     """
 
-    def __init__(
-        self, name: str, timesteps: torch.Tensor, coefs: torch.Tensor, clip_range: float | None
-    ) -> None:
+    def __init__(self, name: str, timesteps: torch.Tensor, coefs: torch.Tensor, clip_range: float | None) -> None:
         self.name = name
         self.timesteps = timesteps
         self.coefs = coefs

@@ -59,18 +59,14 @@ class ScheduleConfig:
         _check_choice("timestep_spacing", self.timestep_spacing, TIMESTEP_SPACINGS)
         _check_choice("variance_type", self.variance_type, VARIANCE_TYPES)
         if not _is_int(self.num_train_timesteps) or self.num_train_timesteps < 1:
-            raise FastdiffError(
-                f"num_train_timesteps must be a positive int, got {self.num_train_timesteps!r}"
-            )
+            raise FastdiffError(f"num_train_timesteps must be a positive int, got {self.num_train_timesteps!r}")
         if not _is_int(self.steps_offset) or self.steps_offset < 0:
             raise FastdiffError(f"steps_offset must be a non-negative int, got {self.steps_offset!r}")
         for name in ("clip_sample", "set_alpha_to_one"):
             if not isinstance(getattr(self, name), bool):
                 raise FastdiffError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not _is_number(self.clip_sample_range) or not self.clip_sample_range > 0:
-            raise FastdiffError(
-                f"clip_sample_range must be a positive number, got {self.clip_sample_range!r}"
-            )
+            raise FastdiffError(f"clip_sample_range must be a positive number, got {self.clip_sample_range!r}")
         if self.beta_schedule != "squaredcos_cap_v2":
             for name in ("beta_start", "beta_end"):
                 value = getattr(self, name)
@@ -132,10 +128,7 @@ def alphas_cumprod(config: ScheduleConfig) -> torch.Tensor:
             return math.cos((u + 0.008) / 1.008 * math.pi / 2) ** 2
 
         betas = torch.tensor(
-            [
-                min(1 - alpha_bar((i + 1) / steps) / alpha_bar(i / steps), COSINE_MAX_BETA)
-                for i in range(steps)
-            ],
+            [min(1 - alpha_bar((i + 1) / steps) / alpha_bar(i / steps), COSINE_MAX_BETA) for i in range(steps)],
             dtype=torch.float32,
         )
     return torch.cumprod(1.0 - betas, dim=0).to(torch.float64)

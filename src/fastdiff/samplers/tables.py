@@ -37,9 +37,7 @@ def x0_coefficients(alpha: float, sigma: float, prediction_type: str) -> tuple[f
     return alpha, -sigma
 
 
-def ddpm_table(
-    abar: torch.Tensor, timesteps: np.ndarray, prediction_type: str, variance_type: str
-) -> torch.Tensor:
+def ddpm_table(abar: torch.Tensor, timesteps: np.ndarray, prediction_type: str, variance_type: str) -> torch.Tensor:
     """Ancestral sampling from the DDPM posterior q(x_prev | x_t, x0) (Ho et al. 2020), float64 [N, 6].
 
     1. The step's previous timestep is the next one in ``timesteps``; after the last it is -1, where
@@ -143,9 +141,7 @@ def dpmsolver_pp_2m_table(abar: torch.Tensor, timesteps: np.ndarray, prediction_
     sigmas = [math.sqrt(1.0 - float(abar[t])) for t in timesteps.tolist()] + [0.0]
     lambdas = [math.log(a) - math.log(s) for a, s in zip(alphas[:-1], sigmas[:-1], strict=True)] + [math.inf]
     if any(later <= earlier for earlier, later in zip(lambdas, lambdas[1:], strict=False)):
-        raise FastdiffError(
-            f"dpmsolver++ needs strictly decreasing timesteps; got repeats among {steps} steps"
-        )
+        raise FastdiffError(f"dpmsolver++ needs strictly decreasing timesteps; got repeats among {steps} steps")
     table = torch.zeros(steps, len(COLUMNS), dtype=torch.float64)
     for i in range(steps):
         # 2. x0
