@@ -179,11 +179,14 @@ class EngineSystem(System):
         self.notes = f"fused kernels + planned buffers + CUDA graphs of {DEFAULT_STEPS_PER_GRAPH} steps"
 
     def prepare(self) -> None:
-        self.facts["kernel_cache"] = kernel_cache_state()
+        cache = kernel_cache_state()
         self.model = self.make_model().eval()
         self.engine = Engine(self.device)
         if self.warmup_batch is not None:
-            self.engine.step_model(self.model, self.warmup_batch.shape[0], self.dtype)
+            step = self.engine.step_model(self.model, self.warmup_batch.shape[0], self.dtype)
+            if getattr(step, "ops_timed", 0):  # the files existed but not for these shapes: it timed and compiled
+                cache = "cold"
+        self.facts["kernel_cache"] = cache
 
     @torch.no_grad()
     def run(self, x, noise, sampler, num_steps):

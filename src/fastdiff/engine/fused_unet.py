@@ -163,7 +163,7 @@ class FusedUNet:
             else:
                 self._trace_convnext(model)
                 mlp, self._time_act = model.time_mlp, "gelu"
-            self._time_mlp = copy.deepcopy(mlp).to(self.device, torch.float32)
+            self._time_mlp = copy.deepcopy(mlp).to(self.device, torch.float32).requires_grad_(False)
             self._proj_w = torch.cat([w for w, _ in self._temb_proj]).to(self.device, torch.float32)
             self._proj_b = torch.cat([b for _, b in self._temb_proj]).to(self.device, torch.float32)
         self.temb_row = torch.zeros((1, self._temb_channels), dtype=dtype, device=self.device)
@@ -174,6 +174,7 @@ class FusedUNet:
         self._device_weights: dict[str, dict[str, torch.Tensor]] = {}
         self._x_in: torch.Tensor | None = None
         self._calls: list[Callable[[], None]] = []
+        self.ops_timed = 0  # set by autotune()
 
     # ----------------------------------------------------------------------------------------------- trace
     def _value(self, name: str, channels: int, h: int, w: int) -> Value:
@@ -537,8 +538,10 @@ class FusedUNet:
         self._calls = [self._call(op, op.impl) for op in self.ops]
 
     # ------------------------------------------------------------------------------------------- forward
+    @torch.no_grad()
     def time_table(self, timesteps: torch.Tensor) -> torch.Tensor:
-        """[N, sum(C)] per-step epilogue addends (projection(act(MLP(sinusoid(t)))) + conv bias), fp32 -> dtype."""
+        """[N, sum(C)] per-step epilogue addends (projection(act(MLP(sinusoid(t)))) + conv bias), fp32 -> dtype.
+        Built without autograd: the engine writes rows of it into its buffers with ``out=`` ops."""
         t = timesteps.to(self.device)
         if self._time_act == "silu":
             cfg = self.cfg
@@ -594,14 +597,15 @@ class FusedUNet:
     # -------------------------------------------------------------------------------------------- choice
     def autotune(self, x_in: torch.Tensor, reps: int = 20) -> None:
         """On CUDA, time each conv / attention op with both implementations (CUDA graph of ``reps`` launches,
-        so launch overhead does not count) and keep the faster; records the times and the reason per op."""
+        so launch overhead does not count) and keep the faster; records the times and the reason per op, and in
+        ``ops_timed`` how many ops were not in the tuning cache."""
         if self.device.type != "cuda":
             return
         if len(self._device_weights) < len(self.ops):
             self._streamed_forward(x_in)
         self._bind(x_in)
         _load_tuning_cache()
-        new = False
+        self.ops_timed = 0
         gen = torch.Generator(device=self.device).manual_seed(0)
         self.arena.view(self.dtype)[: self.arena.numel() // self.dtype.itemsize].normal_(generator=gen)
         self.temb_row.normal_(generator=gen)
@@ -615,13 +619,13 @@ class FusedUNet:
             key = self._tuning_key(op)
             if key not in TUNING_CACHE:
                 TUNING_CACHE[key] = {impl: _time_call_us(self._call(op, impl), reps) for impl in candidates}
-                why, new = "timed", True
+                why, self.ops_timed = "timed", self.ops_timed + 1
             else:
                 why = "timed earlier (tuning cache, same shapes)"
             op.times_us = dict(TUNING_CACHE[key])
             op.impl = min(op.times_us, key=op.times_us.get)
             op.why = f"{why}: " + ", ".join(f"{k} {v:.1f} us" for k, v in op.times_us.items())
-        if new:
+        if self.ops_timed:
             _save_tuning_cache()
         self._bind(x_in)
         self.drop_unused_weights()

@@ -149,12 +149,29 @@ def _weight_2d(name: str, weight: torch.Tensor, inter: int | None, channels: int
     return weight.contiguous()
 
 
-def _gate_blocks(pixels: int, block_cx: int, block_cg: int, device: torch.device) -> int:
-    """BLOCK_P: 128 pixels, fewer for wide rows (registers) or when the grid would not fill the GPU."""
+GATE_SMEM_BUDGET = 200 * 1024
+"""Bytes of shared memory a gate launch may ask for (the H100 allows 227 KiB per block)."""
+
+
+def _gate_blocks(pixels: int, cx: int, cg: int, inter: int, elem_bytes: int, device: torch.device) -> tuple[int, ...]:
+    """(BLOCK_P, BLOCK_CX, BLOCK_CG, BLOCK_F). BLOCK_P: 128 pixels, fewer for wide rows (registers) or when the
+    grid would not fill the GPU. Shared memory holds the pixel tiles once and the weight tiles twice (the
+    pipelined loop over F); BLOCK_F, then BLOCK_P, halve until that fits ``GATE_SMEM_BUDGET`` (wide fp32 gates)."""
+    block_cx = max(16, triton.next_power_of_2(cx))
+    block_cg = max(16, triton.next_power_of_2(cg))
+    block_f = max(16, min(64, triton.next_power_of_2(inter)))
     block_p = max(16, min(128, 16384 // max(block_cx, block_cg)))
     while block_p > 16 and triton.cdiv(pixels, block_p) < num_sms(device):
         block_p //= 2
-    return block_p
+
+    def smem(block_p: int, block_f: int) -> int:
+        return elem_bytes * (block_cx + block_cg) * (block_p + 2 * block_f)
+
+    while smem(block_p, block_f) > GATE_SMEM_BUDGET and block_f > 16:
+        block_f //= 2
+    while smem(block_p, block_f) > GATE_SMEM_BUDGET and block_p > 16:
+        block_p //= 2
+    return block_p, block_cx, block_cg, block_f
 
 
 def attention_gate(
@@ -200,10 +217,7 @@ def attention_gate(
             f"out must be a channels-last {x.dtype} tensor of shape {tuple(x.shape)} (or a channel slice of one)"
         )
     pixels = n * h * w
-    block_cx = max(16, triton.next_power_of_2(cx))
-    block_cg = max(16, triton.next_power_of_2(cg))
-    block_f = max(16, min(64, triton.next_power_of_2(inter)))
-    block_p = _gate_blocks(pixels, block_cx, block_cg, x.device)
+    block_p, block_cx, block_cg, block_f = _gate_blocks(pixels, cx, cg, inter, x.element_size(), x.device)
     _attention_gate_kernel[(triton.cdiv(pixels, block_p),)](
         x, g, w_x, w_g,
         b_x if b_x is not None else w_x, b_g if b_g is not None else w_x, w_psi,
