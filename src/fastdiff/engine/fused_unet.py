@@ -328,7 +328,8 @@ class FusedUNet:
             "w_x": gate.residual_conv.weight, "b_x": gate.residual_conv.bias, "w_g": gate.gate_conv.weight,
             "b_g": gate.gate_conv.bias, "w_psi": gate.psi.weight, "b_psi": gate.psi.bias,
         }  # fmt: skip
-        return self._op(name, "gate", [skip, g], out, {}, {k: v.detach().float() for k, v in weights.items()})
+        params = dict(inter=gate.psi.weight.shape[1])
+        return self._op(name, "gate", [skip, g], out, params, {k: v.detach().float() for k, v in weights.items()})
 
     def _trace_convnext(self, model: ConvNeXtUNet) -> None:
         cfg = model.config
