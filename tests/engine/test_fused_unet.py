@@ -112,4 +112,5 @@ def test_step_model_outside_no_grad(tiny_model):
     out = step(x_in, torch.tensor([1], device=DEVICE)).clone()
     ref = fused.forward(x_in, timesteps[1:2])
     assert not out.requires_grad
-    assert rel_err(out, ref) < 1e-5  # the table row may differ from a one-row table in the last bits
+    # The table row may differ from a one-row table in the last bits (fp32 on the CPU); tf32 dots on the GPU.
+    assert rel_err(out, ref) < (1e-5 if DEVICE.type == "cpu" else TOL)
