@@ -1,4 +1,4 @@
-"""The ``fastdiff`` command line: sample, train, fid. User errors print one line and exit with code 2."""
+"""The ``fastdiff`` command line: sample, train, fid, bench, profile. User errors: one line, exit code 2."""
 
 from __future__ import annotations
 
@@ -97,12 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_sample_parser(sub)
     from fastdiff.bench.cli import register as register_bench
+    from fastdiff.profile.cli import register as register_profile
     from fastdiff.quality.cli import register as register_quality
     from fastdiff.train.cli import register as register_train
 
     register_train(sub)
     register_quality(sub)
     register_bench(sub)
+    register_profile(sub)
     return parser
 
 

@@ -76,7 +76,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _time_ms(fn, device: torch.device) -> float:
+def time_ms(fn, device: torch.device) -> float:
     """Wall time of ``fn()`` in ms: CUDA events on the GPU, perf_counter on the CPU."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -213,7 +213,7 @@ def measure_system(row, system, cfg, device, sampler, q_sampler, x_t, noise, q_n
     row.extra.update(system.facts)
     system.run(x_t, noise, sampler, min(3, timed))  # warm-up (kernels compiled, caches hot)
     _sync(device)
-    times = [_time_ms(lambda: system.run(x_t, noise, sampler, timed), device) for _ in range(cfg.repeats)]
+    times = [time_ms(lambda: system.run(x_t, noise, sampler, timed), device) for _ in range(cfg.repeats)]
     ms_step = statistics.median(times) / timed
     row.ms_per_step = ms_step
     row.s_per_image = ms_step * cfg.steps / 1e3 / cfg.batch

@@ -619,7 +619,7 @@ class FusedUNet:
                 continue
             key = self._tuning_key(op)
             if key not in TUNING_CACHE:
-                TUNING_CACHE[key] = {impl: _time_call_us(self._call(op, impl), reps) for impl in candidates}
+                TUNING_CACHE[key] = {impl: time_call_us(self._call(op, impl), reps) for impl in candidates}
                 why, self.ops_timed = "timed", self.ops_timed + 1
             else:
                 why = "timed earlier (tuning cache, same shapes)"
@@ -630,6 +630,16 @@ class FusedUNet:
             _save_tuning_cache()
         self._bind(x_in)
         self.drop_unused_weights()
+
+    def time_ops(self, reps: int = 20) -> list[float]:
+        """Microseconds of each op of ``ops`` (in order) with its chosen implementation, timed like ``autotune``
+        (a CUDA graph of ``reps`` launches, median of 3 replays; launch overhead excluded). Needs CUDA and a
+        bound forward (any ``forward`` call); the ops overwrite the arena's activations."""
+        if self.device.type != "cuda":
+            raise FastdiffError("FusedUNet.time_ops needs CUDA")
+        if not self._calls:
+            raise FastdiffError("FusedUNet.time_ops before the first forward")
+        return [time_call_us(call, reps) for call in self._calls]
 
     def _tuning_key(self, op: Op) -> str:
         """What an op's timing depends on: kind, shapes, strided (concat slice) or not, flags, dtype, GPU and
@@ -664,7 +674,7 @@ class FusedUNet:
         return 1 + sum(extra.get(op.impl, 1) for op in self.ops)
 
 
-def _time_call_us(call: Callable[[], None], reps: int) -> float:
+def time_call_us(call: Callable[[], None], reps: int) -> float:
     """Median microseconds per ``call()`` from replays of a CUDA graph of up to ``reps`` calls (fewer for slow
     ops: the graph holds about 2 ms of work), so launch overhead does not count."""
     call()
