@@ -14,6 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
+PROFILES = ROOT / "docs" / "profile"
 sys.path.insert(0, str(ROOT / "src"))
 
 
@@ -56,7 +57,38 @@ def bench_tables() -> str:
     return "\n\n".join(parts) or "_No `fastdiff bench` result committed yet._"
 
 
-SECTIONS = {"kernels": kernels_table, "fd": fd_table, "bench": bench_tables}
+def profile_table() -> str:
+    """One row per (report, backend) of docs/profile/*/report.json: time split, memory, energy, load."""
+    classes = ("convolution", "normalisation", "attention", "elementwise", "sampler", "other")
+    lines = [
+        "| report | device | backend | ms/step | conv | norm | attn | elementwise | sampler | other | idle "
+        "| kernels/step | peak MiB | J/image | load→first step ms (avg: sync / async / early start) |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+
+    def num(value: float | None, spec: str) -> str:
+        return "–" if value is None else format(value, spec)
+
+    for path in sorted(PROFILES.glob("*/report.json")):
+        d = json.loads(path.read_text())
+        modes = d["load_to_first_step"]["modes"]
+        load = " / ".join(num(m.get("avg_ms"), ".0f") for m in modes.values())
+        link = f"[{path.parent.name}]({path.parent.relative_to(ROOT)}/report.md)"
+        for name, b in d["backends"].items():
+            bd = b["breakdown"]
+            e2e = bd["end_to_end_ms"]
+            pct = {k: 100 * v / e2e for k, v in bd["per_class_ms"].items()}
+            pct["other"] += pct.pop("transfer")
+            peak = b["memory"].get("peak_allocated_bytes")
+            cells = [link, d["env"]["gpu"], name, f"{e2e:.3f}", *(f"{pct[k]:.0f}%" for k in classes),
+                     f"{100 * bd['idle_ms'] / e2e:.0f}%", num(bd.get("kernels_per_step"), ".0f"),
+                     num(None if peak is None else peak / 2**20, ".0f"), num(b["energy"].get("j_per_image"), ".3g"),
+                     load]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) if len(lines) > 2 else "_No `fastdiff profile` report committed yet._"
+
+
+SECTIONS = {"kernels": kernels_table, "fd": fd_table, "bench": bench_tables, "profile": profile_table}
 
 
 def render(readme: str) -> str:
