@@ -65,6 +65,8 @@ CASES = [
     pytest.param((2, 320, 32, 64, 64, "silu", False, "auto"), id="sd15_c320_g32_64x64", marks=needs_cuda),
     pytest.param((256, 128, 32, 32, 32, "silu", False, "auto"), id="cifar_b256_c128_32x32", marks=needs_cuda),
     pytest.param((3, 96, 32, 32, 32, None, True, "single_pass"), id="c96_g32_32x32_single", marks=needs_cuda),
+    pytest.param((160, 384, 32, 16, 16, "silu", True, "auto"), id="cifar_b160_c384_g32_wide", marks=needs_cuda),
+    pytest.param((3, 36, 3, 5, 7, "silu", True, "auto"), id="c36_g3_5x7_wide_one_group_per_block"),
 ]
 
 
@@ -78,6 +80,7 @@ def test_group_norm_act_matches_ref(case: tuple, dtype: torch.dtype) -> None:
 def test_streamed_blocks_match_ref(monkeypatch: pytest.MonkeyPatch, design: str) -> None:
     """Tiny register / stream budgets force the looped paths: many row tiles, groups wider than a block."""
     monkeypatch.setattr(gn_module, "MAX_REGISTER_TILE", 16)
+    monkeypatch.setattr(gn_module, "WIDE_REGISTER_TILE", 16)
     monkeypatch.setattr(gn_module, "STREAM_TILE", 64)
     assert run_case(2, 33, 3, 7, 9, "silu", True, design, torch.float32) < 1e-5
     assert run_case(2, 96, 1, 3, 5, "gelu", False, design, torch.float32) < 1e-5
@@ -116,3 +119,14 @@ def test_bad_arguments_raise(groups: int, kwargs: dict) -> None:
     x, weight, bias, _ = make_inputs(1, 6, 3, 2, 2, False, torch.float32, seed=0)
     with pytest.raises(FastdiffError):
         group_norm_act(x, groups, weight, bias, **kwargs)
+
+
+def test_plan_wide_rows_only_when_the_gpu_is_full() -> None:
+    """32-lane rows (two 12-channel groups of 384 per block) when batch x blocks fill the SMs (1 SM off CUDA);
+    the 16-lane plan otherwise, and never for the forced two-phase design."""
+    cpu = torch.device("cpu")
+    wide = gn_module._plan(256, 384, 32 * 32, 32, cpu, "auto")
+    assert (wide.design, wide.block_c, wide.groups_per_block, wide.in_registers) == ("single_pass", 32, 2, True)
+    assert gn_module._plan(256, 384, 32 * 32, 32, cpu, "two_phase").design == "two_phase"
+    big = gn_module._plan(1, 320, 64 * 64, 32, cpu, "auto")  # 4096 x 32 lanes > the wide register tile
+    assert not (big.in_registers and big.block_c == 32)
