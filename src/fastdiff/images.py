@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,15 +41,25 @@ def make_grid(images: Sequence[Image.Image], nrow: int | None = None, pad: int =
     return grid
 
 
-def save_png_atomic(image: Image.Image, path: Path) -> None:
-    """Write ``image`` to a temporary file next to ``path`` and rename it into place."""
+def _write_png_atomic(write: Callable[[str], None], path: Path) -> None:
+    """``write(tmp)`` a PNG to a temporary file next to ``path``, then rename it into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
     os.close(fd)
     try:
-        image.save(tmp, format="PNG")
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def save_png_atomic(image: Image.Image, path: Path) -> None:
+    """Write ``image`` to a temporary file next to ``path`` and rename it into place."""
+    _write_png_atomic(lambda tmp: image.save(tmp, format="PNG"), path)
+
+
+def save_figure_atomic(fig: Any, path: Path, dpi: int | None = None) -> None:
+    """Save a matplotlib ``Figure`` as PNG the same way (nothing half-written on failure)."""
+    _write_png_atomic(lambda tmp: fig.savefig(tmp, format="png", dpi=dpi), path)

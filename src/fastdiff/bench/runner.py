@@ -200,6 +200,18 @@ def run_bench(cfg: BenchConfig) -> dict:
     }
 
 
+def measure_energy(system, meter: EnergyMeter, x_t, noise, sampler, timed: int, ms_step: float, seconds: float,
+                   device: torch.device) -> int:  # fmt: skip
+    """Run ``timed``-step loops for at least ``seconds`` (from the measured ``ms_step``) inside ``meter``; returns
+    the steps run (``meter.joules``/``meter.seconds`` hold the window)."""
+    runs = max(1, math.ceil(seconds * 1e3 / (ms_step * timed)))
+    with meter:
+        for _ in range(runs):
+            system.run(x_t, noise, sampler, timed)
+        _sync(device)
+    return runs * timed
+
+
 def measure_system(row, system, cfg, device, sampler, q_sampler, x_t, noise, q_noise, timed, meter, idle_w):
     """Fill ``row`` with time-to-ready, ms/step, memory, energy and the quality-run output (``extra["final"]``)."""
     row.notes = system.notes
@@ -219,12 +231,7 @@ def measure_system(row, system, cfg, device, sampler, q_sampler, x_t, noise, q_n
     row.s_per_image = ms_step * cfg.steps / 1e3 / cfg.batch
     row.images_per_s = 1.0 / row.s_per_image
     if meter is not None and meter.available:
-        runs = max(1, math.ceil(cfg.energy_seconds * 1e3 / (ms_step * timed)))
-        with meter:
-            for _ in range(runs):
-                system.run(x_t, noise, sampler, timed)
-            _sync(device)
-        steps_done = runs * timed
+        steps_done = measure_energy(system, meter, x_t, noise, sampler, timed, ms_step, cfg.energy_seconds, device)
         row.avg_power_w = meter.joules / meter.seconds
         row.energy_j_per_image = meter.joules / steps_done * cfg.steps / cfg.batch
         row.extra["energy_window_s"] = meter.seconds

@@ -24,9 +24,7 @@ kernels replayed from a CUDA graph have no launching op, so only their names cou
 from __future__ import annotations
 
 import logging
-import os
 import re
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -218,6 +216,8 @@ def plot_breakdown(rows: dict[str, dict[str, float]], path: Path, title: str) ->
     """Stacked horizontal bars, one per backend (``rows``: label -> per-class ms), written atomically to ``path``."""
     from matplotlib.figure import Figure  # Agg canvas, no pyplot state
 
+    from fastdiff.images import save_figure_atomic
+
     path = Path(path)
     labels = list(rows)
     fig = Figure(figsize=(9, 1.2 + 0.6 * max(len(labels), 1)), layout="constrained")
@@ -234,12 +234,4 @@ def plot_breakdown(rows: dict[str, dict[str, float]], path: Path, title: str) ->
     ax.set_xlim(0, max(left, default=0.0) * 1.15 or 1.0)
     ax.set_title(title)
     ax.legend(ncols=4, fontsize="small", loc="lower right")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=120)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    save_figure_atomic(fig, path, dpi=120)

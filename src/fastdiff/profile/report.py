@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from fastdiff.bench.energy import EnergyMeter
 from fastdiff.bench.env import environment
-from fastdiff.bench.runner import DTYPES, time_ms
+from fastdiff.bench.runner import DTYPES, measure_energy, time_ms
 from fastdiff.bench.systems import CompileSystem, EagerSystem, System
 from fastdiff.errors import FastdiffError
 from fastdiff.models import PRESETS, load_unet
@@ -428,12 +428,7 @@ def _profile_backend(name, cfg, make_model, dtype, device, sampler, x_t, noise, 
         "skipped": "torch.compile's fused kernels carry no op shapes to count FLOPs and bytes from"}  # fmt: skip
 
     if meter is not None and meter.available:
-        runs = max(1, math.ceil(cfg.energy_seconds * 1e3 / (ms_step * timed)))
-        with meter:
-            for _ in range(runs):
-                system.run(x_t, noise, sampler, timed)
-            _sync(device)
-        steps_done = runs * timed
+        steps_done = measure_energy(system, meter, x_t, noise, sampler, timed, ms_step, cfg.energy_seconds, device)
         per_image = cfg.steps / cfg.batch / steps_done
         out["energy"] = {
             "avg_power_w": meter.joules / meter.seconds, "idle_w": idle_w,

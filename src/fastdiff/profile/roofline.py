@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +11,7 @@ from pathlib import Path
 import torch
 
 from fastdiff.errors import FastdiffError
+from fastdiff.images import save_figure_atomic
 from fastdiff.profile.counts import Cost
 
 log = logging.getLogger(__name__)
@@ -160,13 +159,5 @@ def plot_roofline(points: list[dict], ceilings: dict, path: Path, title: str, la
     if shown:
         ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    save_figure_atomic(fig, path)
     log.info("roofline written to %s (%d points)", path, len(shown))
