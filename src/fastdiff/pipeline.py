@@ -13,8 +13,7 @@ from tqdm.auto import tqdm
 from fastdiff.errors import FastdiffError
 from fastdiff.images import to_pil
 from fastdiff.models import load_unet
-from fastdiff.samplers import Sampler, ScheduleConfig, make_sampler
-from fastdiff.samplers.noise import draw_noise
+from fastdiff.samplers import Sampler, ScheduleConfig, initial_noise, make_sampler, seed_tensor, step_noise
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +133,8 @@ class Pipeline:
         """Sample ``batch_size`` images.
 
         seeds: one int per image, or one int ``s`` meaning ``s, s+1, ...``; default ``0..B-1``. Image b depends on
-        ``seeds[b]`` only (not on the batch size). latents: an optional x_T [B, C, H, W] (step noise still comes
+        ``seeds[b]`` only (not on the batch size). latents: an optional unit-variance x_T [B, C, H, W], scaled inside by the
+        sampler's initial noise scale as diffusers pipelines do (step noise still comes
         from the seeds). output_type: "pil" (list of PIL images), "np" (float32 [B, H, W, C] in [0, 1]) or
         "tensor" ([B, C, H, W] in [-1, 1], on the pipeline's device).
         """
@@ -152,15 +152,17 @@ class Pipeline:
                 raise FastdiffError(f"got {len(seeds)} seeds for batch size {batch_size}")
         sampler = self.sampler_for(eta)
         shape = self.sample_shape
-        x, noise = draw_noise(seeds, shape, sampler.num_steps if sampler.needs_noise else 0, self.device)
         if latents is not None:
             if tuple(latents.shape) != (batch_size, *shape):
                 raise FastdiffError(f"latents have shape {tuple(latents.shape)}, expected {(batch_size, *shape)}")
-            x = latents.to(device=self.device, dtype=torch.float32)
-        if self.backend == "engine":
-            images = self.engine.sample(self.unet, sampler, x, noise, self.dtype).clamp(-1, 1)
+            x_t = latents.to(device=self.device, dtype=torch.float32)
         else:
-            images = sample_loop(self.unet, sampler, x, noise, self.dtype, progress=progress)
+            x_t = initial_noise(seeds, shape, self.device)
+        seed_ids = seed_tensor(seeds, self.device)
+        if self.backend == "engine":
+            images = self.engine.sample(self.unet, sampler, x_t, seed_ids, self.dtype).clamp(-1, 1)
+        else:
+            images = sample_loop(self.unet, sampler, x_t, seed_ids, self.dtype, progress=progress)
         if output_type == "tensor":
             return images
         if output_type == "np":
@@ -171,16 +173,18 @@ class Pipeline:
 def sample_loop(
     unet: nn.Module,
     sampler: Sampler,
-    x: torch.Tensor,
-    noise: torch.Tensor | None,
+    x_t: torch.Tensor,
+    seeds: torch.Tensor,
     model_dtype: torch.dtype,
     progress: bool = False,
 ) -> torch.Tensor:
-    """The eager reference loop: fp32 sampler state, model in ``model_dtype``; returns x_0 clamped to [-1, 1]."""
-    x0 = None
+    """The eager reference loop from unit-variance x_T: fp32 sampler state, the model in ``model_dtype``, step
+    noise drawn per step from ``seeds`` (int64 [B]); returns x_0 clamped to [-1, 1]."""
+    x = x_t.to(torch.float32) * sampler.init_scale
+    state = sampler.new_state(x)
     batch = x.shape[0]
     for i in tqdm(range(sampler.num_steps), desc="sampling", unit="step", disable=not progress, leave=False):
-        t = sampler.timesteps[i].expand(batch)
-        out = unet(x.to(model_dtype), t).float()
-        x, x0 = sampler.step(i, x, out, x0, None if noise is None else noise[i])
+        out = unet(x.to(model_dtype), sampler.timesteps[i].expand(batch)).float()
+        noise = step_noise(seeds, i, tuple(x.shape[1:])) if sampler.noise_steps[i] else None
+        x = sampler.step(i, x, out, state, noise)
     return x.clamp(-1, 1)

@@ -1,7 +1,8 @@
 """The systems ``fastdiff bench`` compares, each with ``prepare()`` (timed as time-to-ready) and ``run()``.
 
-All systems share the model weights, the seeds' x_T and noise. Ours use fastdiff's device-side samplers; the
-diffusers systems use diffusers' own schedulers, as a diffusers user would.
+All systems share the model weights and the seeds' unit-variance x_T. Ours use fastdiff's device-side samplers (step
+noise drawn from the seeds); the diffusers systems use diffusers' own schedulers with their default options, as a
+diffusers user would (stochastic steps draw diffusers' own noise).
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fastdiff.samplers import Sampler, ScheduleConfig
+from fastdiff.samplers import SAMPLER_SCHEDULERS, Sampler, ScheduleConfig, step_noise
 
 log = logging.getLogger(__name__)
 
 
 class System:
-    """One way to run the sampling loop. ``run(x, noise, sampler, num_steps)`` runs steps 0..num_steps-1."""
+    """One way to run the sampling loop. ``run(x_T, seeds, sampler, num_steps)`` runs steps 0..num_steps-1."""
 
     name: str = ""
     notes: str = ""
@@ -31,7 +32,7 @@ class System:
     def prepare(self) -> None:
         raise NotImplementedError
 
-    def run(self, x: torch.Tensor, noise: torch.Tensor | None, sampler: Sampler, num_steps: int) -> torch.Tensor:
+    def run(self, x_t: torch.Tensor, seeds: torch.Tensor, sampler: Sampler, num_steps: int) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -47,12 +48,14 @@ class EagerSystem(System):
         self.model = self.make_model().to(device=self.device, dtype=self.dtype).eval()
 
     @torch.no_grad()
-    def run(self, x, noise, sampler, num_steps):
-        x0 = None
+    def run(self, x_t, seeds, sampler, num_steps):
+        x = x_t * sampler.init_scale
+        state = sampler.new_state(x)
         batch = x.shape[0]
         for i in range(num_steps):
             out = self.model(x.to(self.dtype), sampler.timesteps[i].expand(batch)).float()
-            x, x0 = sampler.step(i, x, out, x0, None if noise is None else noise[i])
+            noise = step_noise(seeds, i, tuple(x.shape[1:])) if sampler.noise_steps[i] else None
+            x = sampler.step(i, x, out, state, noise)
         return x
 
 
@@ -105,27 +108,24 @@ class DiffusersSystem(System):
             torch.cuda.synchronize()
 
     def scheduler(self, sampler: Sampler):
+        """The diffusers scheduler ``sampler`` equals, built from the model's scheduler config as diffusers'
+        ``from_config`` reads it (absent keys take that scheduler's defaults)."""
         import diffusers
 
         key = (sampler.name, sampler.num_steps)
         if key not in self._schedulers:
-            classes = {
-                "ddpm": diffusers.DDPMScheduler,
-                "ddim": diffusers.DDIMScheduler,
-                "dpmsolver++": diffusers.DPMSolverMultistepScheduler,
-            }
-            sched = classes[sampler.name].from_config(vars(self.schedule))
+            options = {"algorithm_type": "sde-dpmsolver++"} if sampler.name == "dpmsolver++_sde" else {}
+            cls = getattr(diffusers, SAMPLER_SCHEDULERS[sampler.name])
+            sched = cls.from_config(self.schedule.to_diffusers(), **options)
             sched.set_timesteps(sampler.num_steps, device=self.device)
             self._schedulers[key] = sched
         return self._schedulers[key]
 
     @torch.no_grad()
-    def run(self, x, noise, sampler, num_steps):
+    def run(self, x_t, seeds, sampler, num_steps):
         sched = self.scheduler(sampler)
         sched.set_timesteps(sampler.num_steps, device=self.device)  # resets multistep state
-        x = x.to(self.dtype)
+        x = (x_t * sched.init_noise_sigma).to(self.dtype)
         for t in sched.timesteps[:num_steps]:
-            # DDIM: re-derive eps from the clipped x0, as fastdiff's DDIM does (same algorithm, fair comparison).
-            kwargs = {"use_clipped_model_output": True} if sampler.name == "ddim" else {}
-            x = sched.step(self.unet(x, t).sample, t, x, **kwargs).prev_sample
+            x = sched.step(self.unet(sched.scale_model_input(x, t), t).sample, t, x).prev_sample
         return x.float()

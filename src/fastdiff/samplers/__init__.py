@@ -1,19 +1,26 @@
-"""Samplers as per-step coefficient tables on the device: DDPM, DDIM and DPM-Solver++(2M).
+"""Samplers as per-step coefficient tables on the device, each equal to a diffusers scheduler's default loop.
 
-Every step is ``x0 = A·x + B·out`` (optionally clipped), ``x' = C·x + D·x0 + E·x0_prev + F·noise``; see
-``sampler.Sampler.step`` and, for how each sampler's table is derived, ``tables``.
+Every step is one fused update over (x, model output, the previous two x0, UniPC's previous corrected sample,
+counter-based noise); see ``sampler.Sampler.step``, ``tables`` for how each sampler's table is derived and
+``noise`` for the seeded noise.
 """
 
-from fastdiff.samplers.noise import draw_noise
-from fastdiff.samplers.sampler import SAMPLERS, Sampler, make_sampler
-from fastdiff.samplers.schedule import ScheduleConfig, alphas_cumprod, inference_timesteps
+from fastdiff.samplers.noise import initial_noise, seed_tensor, step_noise
+from fastdiff.samplers.sampler import KARRAS_SAMPLERS, SAMPLERS, Sampler, SamplerState, make_sampler
+from fastdiff.samplers.schedule import SAMPLER_SCHEDULERS, ScheduleConfig, alphas_cumprod
+from fastdiff.samplers.tables import discrete_timesteps
 
 __all__ = [
+    "KARRAS_SAMPLERS",
     "SAMPLERS",
+    "SAMPLER_SCHEDULERS",
     "Sampler",
+    "SamplerState",
     "ScheduleConfig",
     "alphas_cumprod",
-    "draw_noise",
-    "inference_timesteps",
+    "discrete_timesteps",
+    "initial_noise",
     "make_sampler",
+    "seed_tensor",
+    "step_noise",
 ]

@@ -1,4 +1,11 @@
-"""Seeded starting noise and per-step noise: one generator per image, so an image depends on its seed only."""
+"""Seeded noise for sampling: image b's x_T and step noise are counter-based draws from ``seeds[b]``.
+
+x_T is draw 0 and the noise of step i is draw i + 1 of ``fastdiff.kernels.philox_noise``: nothing is drawn up
+front and nothing is stored, so memory does not grow with the number of steps, and image b depends on its own seed
+only (any batch size, any number of GPUs). On CUDA the Triton kernel draws (the engine draws the step noise inside
+its fused sampler step); on the CPU the plain-torch reference does. The integers are identical on both; the
+normals agree to a few float32 ulps (the CPU and GPU maths libraries round log/cos/sin differently).
+"""
 
 from __future__ import annotations
 
@@ -6,26 +13,31 @@ from collections.abc import Sequence
 
 import torch
 
+from fastdiff.kernels.philox_noise import gaussian_noise, gaussian_noise_ref
 
-def draw_noise(
-    seeds: Sequence[int],
-    sample_shape: tuple[int, ...],
-    num_steps_with_noise: int,
-    device: torch.device | str,
-    dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x_T of shape [B, *sample_shape] and step noise [N, B, *sample_shape] (None when N == 0).
+X_T_COUNTER = 0
+"""The draw that gives x_T; step i uses draw ``i + 1``."""
 
-    Sample b draws ``1 + N`` standard normals in one call from ``torch.Generator(device).manual_seed(seeds[b])``:
-    the first is x_T, the rest the noise of steps 0..N-1. All of it is drawn before sampling starts, so the
-    sampling loop itself draws nothing (it can be captured in one CUDA graph).
-    """
-    device = torch.device(device)
-    draws = []
-    for seed in seeds:
-        gen = torch.Generator(device=device).manual_seed(int(seed))
-        draws.append(torch.randn((1 + num_steps_with_noise, *sample_shape), generator=gen, device=device))
-    stacked = torch.stack(draws, dim=1).to(dtype)  # [1 + N, B, ...]
-    x_t = stacked[0].contiguous()
-    noise = stacked[1:].contiguous() if num_steps_with_noise > 0 else None
-    return x_t, noise
+
+def seed_tensor(seeds: Sequence[int] | torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Seeds as an int64 device vector (each in 0..2^63 - 1)."""
+    return torch.as_tensor(list(seeds) if not isinstance(seeds, torch.Tensor) else seeds, dtype=torch.int64).to(
+        device
+    )
+
+
+def draw(seeds: torch.Tensor, counter: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """fp32 N(0, 1) noise [B, *shape] on ``seeds``' device: draw ``counter`` of each image's seed."""
+    if seeds.device.type == "cuda":
+        return gaussian_noise(seeds, counter, shape)
+    return gaussian_noise_ref(seeds, counter, shape)
+
+
+def initial_noise(seeds: Sequence[int] | torch.Tensor, shape: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
+    """Unit-variance x_T [B, *shape] (fp32) for ``seeds``."""
+    return draw(seed_tensor(seeds, device), X_T_COUNTER, shape)
+
+
+def step_noise(seeds: torch.Tensor, step: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """The noise z of sampler step ``step`` [B, *shape] (fp32)."""
+    return draw(seeds, step + 1, shape)

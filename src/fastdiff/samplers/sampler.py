@@ -4,37 +4,67 @@ from __future__ import annotations
 
 import logging
 import operator
+from dataclasses import dataclass
 
 import torch
 
 from fastdiff.errors import FastdiffError
-from fastdiff.samplers.schedule import ScheduleConfig, alphas_cumprod, inference_timesteps
-from fastdiff.samplers.tables import ddim_table, ddpm_table, dpmsolver_pp_2m_table
+from fastdiff.kernels.sampler_step import COL, sampler_step_ref
+from fastdiff.samplers.schedule import SAMPLER_SCHEDULERS, ScheduleConfig, alphas_cumprod
+from fastdiff.samplers.tables import (
+    Table,
+    ddim_table,
+    ddpm_table,
+    discrete_timesteps,
+    dpmsolver_pp_table,
+    euler_table,
+    sigma_grid,
+    unipc_table,
+)
 
 log = logging.getLogger(__name__)
 
-SAMPLERS = ("ddpm", "ddim", "dpmsolver++")
+SAMPLERS = tuple(SAMPLER_SCHEDULERS)
+"""Sampler names; each equals the diffusers scheduler ``SAMPLER_SCHEDULERS[name]`` with its default options."""
+KARRAS_SAMPLERS = ("euler", "dpmsolver++", "dpmsolver++_sde", "unipc")
+"""Samplers whose diffusers scheduler offers ``use_karras_sigmas``."""
+
+
+@dataclass
+class SamplerState:
+    """The tensors a sampler carries between steps (None where it needs none): the x0 of the previous two
+    steps and UniPC's previous corrected sample."""
+
+    h1: torch.Tensor
+    h2: torch.Tensor | None
+    aux: torch.Tensor | None
 
 
 class Sampler:
-    """A sampler as tables: ``timesteps`` [N] int64 (the t fed to the model at step i) and ``coefs`` [N, 6]
-    float32 holding (A, B, C, D, E, F) per step, both on the sampler's device.
+    """A sampler as tables on one device: ``timesteps`` [N] float32 (the model's time input at step i) and
+    ``coefs`` [N, 12] float32 (``fastdiff.kernels.sampler_step.COLUMNS``).
 
     ``step`` is pure tensor maths on the device: the step index only selects a table row and nothing reads a
-    tensor back to the host, so a whole sampling loop can be captured in one CUDA graph.
+    tensor back to the host, so a whole loop can be captured in one CUDA graph (``fastdiff.engine``). The state
+    x is the model input itself; x_T (unit variance) enters as ``init_scale · x_T``.
     """
 
-    def __init__(self, name: str, timesteps: torch.Tensor, coefs: torch.Tensor, clip_range: float | None) -> None:
+    def __init__(
+        self, name: str, timesteps: torch.Tensor, coefs: torch.Tensor, clip_range: float | None, init_scale: float
+    ) -> None:
         self.name = name
         self.timesteps = timesteps
         self.coefs = coefs
         self.clip_range = clip_range
+        self.init_scale = init_scale
         self.num_steps = int(timesteps.shape[0])
-        # Which steps have a nonzero E / F: fixed when the table is built, read on the host (no sync in step).
-        self._uses_x0_prev = tuple(bool(v) for v in (coefs[:, 4] != 0).tolist())
-        self._uses_noise = tuple(bool(v) for v in (coefs[:, 5] != 0).tolist())
-        # Whether any step adds noise (False for ddim with eta=0 and for dpmsolver++).
-        self.needs_noise = any(self._uses_noise)
+        nonzero = (coefs != 0).any(dim=0).tolist()
+        self.uses_h1 = nonzero[COL["E"]] or nonzero[COL["K1"]] or nonzero[COL["K2"]]
+        self.uses_h2 = nonzero[COL["K2"]]
+        self.uses_aux = nonzero[COL["Ka"]]
+        # Which steps add noise: fixed when the table is built, read on the host (no sync in step).
+        self.noise_steps = tuple(bool(v) for v in (coefs[:, COL["F"]] != 0).tolist())
+        self.needs_noise = any(self.noise_steps)
 
     def __repr__(self) -> str:
         return (
@@ -44,36 +74,43 @@ class Sampler:
 
     def to(self, device: torch.device | str) -> Sampler:
         """The same sampler with its tables on ``device``."""
-        return Sampler(self.name, self.timesteps.to(device), self.coefs.to(device), self.clip_range)
+        return Sampler(
+            self.name, self.timesteps.to(device), self.coefs.to(device), self.clip_range, self.init_scale
+        )
+
+    def new_state(self, x: torch.Tensor) -> SamplerState:
+        """Zeroed history buffers like ``x`` (fp32, or fp64 for fp64 x): read with coefficient 0 at the first
+        steps, so finite."""
+        dtype = torch.promote_types(x.dtype, torch.float32)
+
+        def zeros(used: bool) -> torch.Tensor | None:
+            return torch.zeros_like(x, dtype=dtype) if used else None
+
+        return SamplerState(torch.zeros_like(x, dtype=dtype), zeros(self.uses_h2), zeros(self.uses_aux))
 
     def step(
         self,
         i: int,
         x: torch.Tensor,
         model_output: torch.Tensor,
-        x0_prev: torch.Tensor | None = None,
+        state: SamplerState,
         noise: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step i: returns (x_next, x0). Pass this step's x0 as ``x0_prev`` to step i + 1, and ``noise[i]``.
+        guidance: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Step i in plain torch (``sampler_step_ref``): returns x_next and updates ``state`` in place.
 
-        x0 = A·x + B·model_output, clamped to [-clip_range, clip_range] when clipping is on;
-        x_next = C·x + D·x0 + E·x0_prev + F·noise. The E and F terms are left out at steps whose coefficient
-        is 0, so ``x0_prev`` may be None at step 0 and ``noise`` may be None when ``needs_noise`` is False.
+        ``noise`` is step i's z (needed where ``noise_steps[i]``); ``guidance`` [B] combines a [2B] model output
+        of (unconditional, conditional) halves.
         """
-        a, b, c, d, e, f = self.coefs[i].unbind()
-        x0 = a * x + b * model_output
-        if self.clip_range is not None:
-            x0 = x0.clamp(-self.clip_range, self.clip_range)
-        x_next = c * x + d * x0
-        if self._uses_x0_prev[i]:
-            if x0_prev is None:
-                raise FastdiffError(f"{self.name} step {i} needs x0_prev (the x0 returned by step {i - 1})")
-            x_next = x_next + e * x0_prev
-        if self._uses_noise[i]:
-            if noise is None:
-                raise FastdiffError(f"{self.name} step {i} needs noise")
-            x_next = x_next + f * noise
-        return x_next, x0
+        if self.noise_steps[i] and noise is None:
+            raise FastdiffError(f"{self.name} step {i} needs noise")
+        x_next = torch.empty_like(x, dtype=torch.promote_types(x.dtype, torch.float32))
+        out = (x_next, state.h1, *(t for t in (state.h2, state.aux) if t is not None))
+        sampler_step_ref(
+            x, model_output, self.coefs, i, state.h1, state.h2, state.aux,
+            noise=noise if self.noise_steps[i] else None, guidance=guidance, clip_range=self.clip_range, out=out,
+        )  # fmt: skip
+        return x_next
 
 
 def make_sampler(
@@ -82,21 +119,21 @@ def make_sampler(
     steps: int,
     eta: float = 0.0,
     device: torch.device | str = "cpu",
+    karras: bool | None = None,
+    clipped_model_output: bool = False,
 ) -> Sampler:
-    """Build sampler ``name`` ("ddpm", "ddim" or "dpmsolver++") for ``steps`` steps of ``config``'s schedule.
+    """Build sampler ``name`` (one of ``SAMPLERS``) for ``steps`` steps of ``config``'s schedule.
 
-    All samplers read the same ``config`` (timestep spacing included; note that diffusers'
-    DPMSolverMultistepScheduler defaults to "linspace" spacing where DDPM/DDIM default to "leading").
-    Per-sampler knobs:
+    The config is read as the sampler's diffusers scheduler reads it (``ScheduleConfig.for_sampler``: keys a
+    saved config lacks take that scheduler's defaults). Per-sampler knobs:
 
-    - ddpm: ``variance_type``, ``clip_sample``/``clip_sample_range``. Ignores ``set_alpha_to_one`` (the step
-      after the last timestep is always the clean image, abar = 1), as DDPMScheduler does.
-    - ddim: ``eta`` (0 = deterministic DDIM, 1 = DDPM-like variance), ``set_alpha_to_one``, clipping; when
-      clipping, eps is re-derived from the clipped x0 (DDIMScheduler.step with
-      ``use_clipped_model_output=True``).
-    - dpmsolver++: never clips (DPMSolverMultistepScheduler has no ``clip_sample``; its ``thresholding`` is
-      off by default), so ``clip_sample`` is ignored. Needs strictly decreasing timesteps: with "leading" or
-      "linspace" spacing, steps = num_train_timesteps repeats timesteps (use "trailing").
+    - ddpm: ``variance_type``, ``clip_sample``/``clip_sample_range``.
+    - ddim: ``eta`` (0 = deterministic, 1 = DDPM-like variance), ``set_alpha_to_one``, clipping;
+      ``clipped_model_output`` re-derives eps from the clipped x0 (diffusers' ``use_clipped_model_output=True``;
+      the default keeps the model's eps, as DDIMPipeline and StableDiffusionPipeline do).
+    - euler, euler_a, dpmsolver++, dpmsolver++_sde, unipc: never clip (their schedulers have no ``clip_sample``).
+      ``karras`` (default: the config's ``use_karras_sigmas``) uses Karras et al.'s sigma spacing; euler_a
+      has no Karras option in diffusers. The multistep solvers need strictly decreasing noise levels.
     """
     if name not in SAMPLERS:
         raise FastdiffError(f"unknown sampler {name!r}; choose one of {', '.join(SAMPLERS)}")
@@ -110,36 +147,42 @@ def make_sampler(
         raise FastdiffError(f"eta must be a number >= 0, got {eta!r}")
     if eta != 0 and name != "ddim":
         raise FastdiffError(f"eta applies to ddim only, got eta={eta} for {name}")
+    if clipped_model_output and name != "ddim":
+        raise FastdiffError(f"clipped_model_output applies to ddim only, not {name}")
+    config = config.for_sampler(name)
+    if karras is None:
+        karras = config.use_karras_sigmas and name in KARRAS_SAMPLERS
+    if karras and name not in KARRAS_SAMPLERS:
+        raise FastdiffError(f"karras sigmas apply to {', '.join(KARRAS_SAMPLERS)}, not {name}")
+    if karras != config.use_karras_sigmas:
+        config = ScheduleConfig(**{**vars(config), "use_karras_sigmas": karras, "given": None})
 
     abar = alphas_cumprod(config)
-    timesteps = inference_timesteps(config, steps, solver_grid=name == "dpmsolver++")
-    if name == "ddpm":
-        table = ddpm_table(abar, timesteps, config.prediction_type, config.variance_type)
-    elif name == "ddim":
-        table = ddim_table(
-            abar,
-            timesteps,
-            config.num_train_timesteps,
-            config.prediction_type,
-            float(eta),
-            config.set_alpha_to_one,
-        )
-    else:
-        table = dpmsolver_pp_2m_table(abar, timesteps, config.prediction_type)
-    if not torch.isfinite(table).all():
+    table = _table(name, config, abar, steps, float(eta), clipped_model_output)
+    coefs = torch.from_numpy(table.coefs)
+    if not torch.isfinite(coefs).all():
         raise FastdiffError(f"{name} coefficients are not finite for {steps} steps of this schedule")
-    clip_range = config.clip_sample_range if config.clip_sample and name != "dpmsolver++" else None
-    log.debug(
-        "%s: %d steps, timesteps %d..%d, clip %s",
-        name,
-        len(timesteps),
-        timesteps[0],
-        timesteps[-1],
-        clip_range,
-    )
+    clip_range = config.clip_sample_range if config.clip_sample and name in ("ddpm", "ddim") else None
+    log.debug("%s: %d steps, t %.2f..%.2f, clip %s", name, steps, table.timesteps[0], table.timesteps[-1], clip_range)
     return Sampler(
         name,
-        torch.from_numpy(timesteps).to(device),
-        table.to(device=device, dtype=torch.float32),
+        torch.from_numpy(table.timesteps).to(device=device, dtype=torch.float32),
+        coefs.to(device=device, dtype=torch.float32),
         clip_range,
+        table.init_scale,
     )
+
+
+def _table(
+    name: str, config: ScheduleConfig, abar: torch.Tensor, steps: int, eta: float, clipped_model_output: bool
+) -> Table:
+    if name == "ddpm":
+        return ddpm_table(abar, discrete_timesteps(config, steps), config.prediction_type, config.variance_type)
+    if name == "ddim":
+        return ddim_table(abar, discrete_timesteps(config, steps), config, eta, clipped_model_output)
+    timesteps, sigmas = sigma_grid(name, config, abar, steps)
+    if name in ("euler", "euler_a"):
+        return euler_table(sigmas, timesteps, config, ancestral=name == "euler_a")
+    if name == "unipc":
+        return unipc_table(sigmas, timesteps, config.prediction_type)
+    return dpmsolver_pp_table(sigmas, timesteps, config.prediction_type, sde=name == "dpmsolver++_sde")

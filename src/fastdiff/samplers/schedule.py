@@ -9,10 +9,9 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-import numpy as np
 import torch
 
 from fastdiff.errors import FastdiffError
@@ -30,6 +29,61 @@ COSINE_MAX_BETA = 0.999
 
 _UNSUPPORTED_DIFFUSERS_KEYS = ("trained_betas", "thresholding", "rescale_betas_zero_snr")
 """diffusers config keys that change the schedule in ways not implemented here: only no-op values pass."""
+
+SAMPLER_SCHEDULERS = {
+    "ddpm": "DDPMScheduler",
+    "ddim": "DDIMScheduler",
+    "euler": "EulerDiscreteScheduler",
+    "euler_a": "EulerAncestralDiscreteScheduler",
+    "dpmsolver++": "DPMSolverMultistepScheduler",
+    "dpmsolver++_sde": "DPMSolverMultistepScheduler",
+    "unipc": "UniPCMultistepScheduler",
+}
+"""fastdiff sampler -> the diffusers scheduler class whose default ``step`` loop it equals."""
+
+SAMPLER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "ddpm": {"timestep_spacing": "leading"},
+    "ddim": {"timestep_spacing": "leading"},
+    "euler": {"timestep_spacing": "linspace"},
+    "euler_a": {"timestep_spacing": "linspace"},
+    "dpmsolver++": {"timestep_spacing": "linspace"},
+    "dpmsolver++_sde": {"timestep_spacing": "linspace"},
+    "unipc": {"timestep_spacing": "linspace"},
+}
+"""Where a sampler's diffusers scheduler defaults differ from ``ScheduleConfig``'s (DDPMScheduler's) defaults.
+
+diffusers' ``from_config`` gives every key a saved config lacks the *target* scheduler's default
+(``ConfigMixin.extract_init_dict``): google/ddpm-cifar10-32's config has no ``timestep_spacing``, so
+DDIMScheduler reads it as "leading" and DPMSolverMultistepScheduler as "linspace". ``ScheduleConfig.for_sampler``
+applies the same rule."""
+
+_DPM = ("dpmsolver++", "dpmsolver++_sde")
+_SIGMA_SAMPLERS = ("euler", *_DPM, "unipc")
+_FIXED_KEYS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
+    ("final_sigmas_type", "zero", _SIGMA_SAMPLERS),
+    ("use_exponential_sigmas", False, _SIGMA_SAMPLERS),
+    ("use_beta_sigmas", False, _SIGMA_SAMPLERS),
+    ("solver_order", 2, (*_DPM, "unipc")),
+    ("lower_order_final", True, (*_DPM, "unipc")),
+    ("use_flow_sigmas", False, (*_DPM, "unipc")),
+    ("use_dynamic_shifting", False, (*_DPM, "unipc")),
+    ("solver_type", "midpoint", _DPM),
+    ("euler_at_final", False, _DPM),
+    ("use_lu_lambdas", False, _DPM),
+    ("lambda_min_clipped", -math.inf, _DPM),
+    ("interpolation_type", "linear", ("euler",)),
+    ("timestep_type", "discrete", ("euler",)),
+    ("sigma_min", None, ("euler", "unipc")),
+    ("sigma_max", None, ("euler", "unipc")),
+    ("solver_type", "bh2", ("unipc",)),
+    ("predict_x0", True, ("unipc",)),
+    ("disable_corrector", [], ("unipc",)),
+    ("solver_p", None, ("unipc",)),
+)
+"""Scheduler options fastdiff follows only at diffusers' default: (key, default, samplers whose scheduler reads
+it). A saved config holding another value for the chosen sampler is an error, not a silent difference. (The
+algorithm itself, e.g. ``algorithm_type``, is the sampler's name: the user's choice, as choosing a scheduler
+class is in diffusers.)"""
 
 
 @dataclass
@@ -51,6 +105,11 @@ class ScheduleConfig:
     clip_sample_range: float = 1.0
     variance_type: str = "fixed_small"
     set_alpha_to_one: bool = True
+    use_karras_sigmas: bool = False
+    given: frozenset[str] | None = field(default=None, compare=False, repr=False)
+    """The keys a loaded scheduler config held (None: every field counts as given, as when built in Python)."""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """The loaded config's other keys (scheduler-specific options), checked by ``for_sampler``."""
 
     def __post_init__(self) -> None:
         self.beta_schedule = BETA_SCHEDULE_ALIASES.get(self.beta_schedule, self.beta_schedule)
@@ -62,7 +121,7 @@ class ScheduleConfig:
             raise FastdiffError(f"num_train_timesteps must be a positive int, got {self.num_train_timesteps!r}")
         if not _is_int(self.steps_offset) or self.steps_offset < 0:
             raise FastdiffError(f"steps_offset must be a non-negative int, got {self.steps_offset!r}")
-        for name in ("clip_sample", "set_alpha_to_one"):
+        for name in ("clip_sample", "set_alpha_to_one", "use_karras_sigmas"):
             if not isinstance(getattr(self, name), bool):
                 raise FastdiffError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not _is_number(self.clip_sample_range) or not self.clip_sample_range > 0:
@@ -89,12 +148,31 @@ class ScheduleConfig:
         for key in _UNSUPPORTED_DIFFUSERS_KEYS:
             if d.get(key) not in (None, False):
                 raise FastdiffError(f"scheduler config {key}={d[key]!r} is not supported")
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"given", "extra"}
         kwargs = {k: v for k, v in d.items() if k in known and not (k == "variance_type" and v is None)}
-        ignored = sorted(k for k in d if k not in known)
-        if ignored:
-            log.debug("scheduler config: ignoring keys %s", ignored)
-        return cls(**kwargs)
+        extra = {k: v for k, v in d.items() if k not in known and not k.startswith("_")}
+        return cls(**kwargs, given=frozenset(kwargs), extra=extra)
+
+    def to_diffusers(self) -> dict[str, Any]:
+        """The config as a diffusers scheduler config dict: the keys it was loaded with (all fields when built in
+        Python) and its other keys, so diffusers' ``from_config`` reads it as it read the original."""
+        names = [f.name for f in fields(self) if f.name not in ("given", "extra")]
+        given = names if self.given is None else [n for n in names if n in self.given]
+        return {**self.extra, **{n: getattr(self, n) for n in given}}
+
+    def for_sampler(self, sampler: str) -> ScheduleConfig:
+        """This config as ``sampler``'s diffusers scheduler reads it: keys the loaded config lacked take that
+        scheduler's defaults (``SAMPLER_DEFAULTS``), and options fastdiff cannot follow must hold their default."""
+        for key, default, samplers in _FIXED_KEYS:
+            if sampler in samplers and key in self.extra and self.extra[key] != default:
+                raise FastdiffError(
+                    f"scheduler config {key}={self.extra[key]!r} is not supported by fastdiff's {sampler} "
+                    f"(only {default!r}, {SAMPLER_SCHEDULERS[sampler]}'s default)"
+                )
+        if self.given is None:
+            return self
+        defaults = {k: v for k, v in SAMPLER_DEFAULTS.get(sampler, {}).items() if k not in self.given}
+        return replace(self, **defaults, given=None) if defaults else replace(self, given=None)
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
@@ -132,32 +210,3 @@ def alphas_cumprod(config: ScheduleConfig) -> torch.Tensor:
             dtype=torch.float32,
         )
     return torch.cumprod(1.0 - betas, dim=0).to(torch.float64)
-
-
-def inference_timesteps(config: ScheduleConfig, steps: int, solver_grid: bool = False) -> np.ndarray:
-    """The ``steps`` timesteps the model is evaluated at, descending, int64 (diffusers' ``set_timesteps``).
-
-    ``solver_grid=False`` is DDPMScheduler/DDIMScheduler's spacing of ``steps`` points. ``solver_grid=True``
-    is DPMSolverMultistepScheduler's: ``leading`` and ``linspace`` place ``steps + 1`` points and drop the
-    last (the solver ends at sigma = 0 instead); ``trailing`` is the same for both.
-
-    For ``trailing`` with some step counts (61, 103, ...) diffusers' float ``np.arange`` yields one extra
-    point that becomes timestep -1; it is dropped here, so those counts give ``steps`` timesteps, not
-    ``steps + 1``.
-    """
-    train_steps = config.num_train_timesteps
-    points = steps + 1 if solver_grid else steps
-    if config.timestep_spacing == "linspace":
-        timesteps = np.linspace(0, train_steps - 1, points).round()[::-1][:steps]
-    elif config.timestep_spacing == "leading":
-        step_ratio = train_steps // points
-        timesteps = (np.arange(0, points) * step_ratio).round()[::-1][:steps] + config.steps_offset
-    else:  # trailing
-        timesteps = np.round(np.arange(train_steps, 0, -train_steps / steps))[:steps] - 1
-    timesteps = timesteps.astype(np.int64)
-    if timesteps.min() < 0 or timesteps.max() >= train_steps:
-        raise FastdiffError(
-            f"{steps} steps with timestep_spacing={config.timestep_spacing} and "
-            f"steps_offset={config.steps_offset} give timesteps outside 0..{train_steps - 1}"
-        )
-    return timesteps
