@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fastdiff.errors import FastdiffError
+from fastdiff.models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
 from fastdiff.models.convnext_unet import (
     CONVNEXT_PRESETS,
     ConvNeXtUNet,
@@ -17,21 +18,27 @@ from fastdiff.models.convnext_unet import (
     convnext_unet_from_dir,
 )
 from fastdiff.models.ddpm_unet import DDPM_PRESETS, DDPMUNet, DDPMUNetConfig, ddpm_unet_from_dir
+from fastdiff.models.unet_2d_condition import UNet2DConditionConfig, UNet2DConditionModel, unet_2d_condition_from_dir
 
 log = logging.getLogger(__name__)
 
 PRESETS: dict[str, object] = {**DDPM_PRESETS, **CONVNEXT_PRESETS}
-"""Preset name -> config dataclass instance (architecture only; random weights)."""
+"""Preset name -> config dataclass instance (architecture only; random weights). Unconditional U-Nets only: the
+Stable Diffusion architectures are ``fastdiff.models.stable_diffusion.SD_PRESETS``."""
 
 BUNDLED_DIR = Path(__file__).resolve().parent.parent / "weights"
 """Weights shipped inside the package: BUNDLED_DIR/<preset>/ holds config.json + safetensors."""
 
 __all__ = [
     "PRESETS",
+    "AutoencoderKL",
+    "AutoencoderKLConfig",
     "ConvNeXtUNet",
     "ConvNeXtUNetConfig",
     "DDPMUNet",
     "DDPMUNetConfig",
+    "UNet2DConditionConfig",
+    "UNet2DConditionModel",
     "load_unet",
     "model_from_config",
     "resolve_model_dir",
@@ -44,6 +51,10 @@ def model_from_config(config: object) -> nn.Module:
         return DDPMUNet(config)
     if isinstance(config, ConvNeXtUNetConfig):
         return ConvNeXtUNet(config)
+    if isinstance(config, UNet2DConditionConfig):
+        return UNet2DConditionModel(config)
+    if isinstance(config, AutoencoderKLConfig):
+        return AutoencoderKL(config)
     raise FastdiffError(f"unknown model config type {type(config).__name__}")
 
 
@@ -79,7 +90,8 @@ def load_unet(
     """Load a U-Net from a preset name (bundled weights if shipped, else random) or a local directory.
 
     The returned module has ``forward(x, t) -> model output`` and attributes ``config`` and
-    ``scheduler_config`` (a diffusers-style dict or None).
+    ``scheduler_config`` (a diffusers-style dict or None). A directory whose U-Net is a ``UNet2DConditionModel``
+    (e.g. a Stable Diffusion pipeline) gives the text-conditioned ``forward(x, t, encoder_hidden_states)``.
     """
     name = str(path_or_preset)
     if name in PRESETS and not Path(name).exists():
@@ -103,6 +115,8 @@ def load_unet(
         model = ddpm_unet_from_dir(root, config)
     elif class_name == "ConvNeXtUNet":
         model = convnext_unet_from_dir(root, config)
+    elif class_name == "UNet2DConditionModel":
+        model = unet_2d_condition_from_dir(root, config)
     else:
         raise FastdiffError(f"{root / 'config.json'}: model class {class_name!r} is not supported")
     model.scheduler_config = read_scheduler_config(root)

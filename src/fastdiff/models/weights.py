@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -35,8 +36,26 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         raise FastdiffError(f"cannot read weights {path}: {type(exc).__name__}: {exc}") from exc
 
 
-def load_state_dict_checked(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """Copy ``state`` into ``model``; missing/unexpected keys or shape mismatches raise a one-line error."""
+def read_json_object(file: Path) -> dict:
+    """The JSON object (dict) in ``file``; a missing file, bad JSON or a non-object raise a one-line error."""
+    if not file.is_file():
+        raise FastdiffError(f"missing {file}")
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise FastdiffError(f"{file} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise FastdiffError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def load_state_dict_checked(
+    model: nn.Module, state: dict[str, torch.Tensor], source: str, assign: bool = False
+) -> None:
+    """Copy ``state`` into ``model``; missing/unexpected keys or shape mismatches raise a one-line error.
+
+    ``assign=True`` makes the state's tensors the model's parameters (for models built on the meta device).
+    """
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
@@ -49,4 +68,4 @@ def load_state_dict_checked(model: nn.Module, state: dict[str, torch.Tensor], so
             raise FastdiffError(
                 f"{source}: weight {key} has shape {tuple(value.shape)}, model expects {tuple(own[key].shape)}"
             )
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(state, strict=True, assign=assign)

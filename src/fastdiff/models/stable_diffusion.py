@@ -1,0 +1,211 @@
+"""Stable Diffusion 1.x / 2.x components from a local diffusers ``StableDiffusionPipeline`` directory.
+
+The U-Net and the VAE are fastdiff's own modules; the CLIP text encoder and tokenizer come from ``transformers``
+(imported only here, when a pipeline is loaded; install with ``pip install 'fastdiff[sd]'``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from fastdiff.errors import FastdiffError
+from fastdiff.models.autoencoder_kl import (
+    SD15_VAE_CONFIG,
+    SD21_VAE_CONFIG,
+    AutoencoderKL,
+    AutoencoderKLConfig,
+    autoencoder_kl_from_dir,
+)
+from fastdiff.models.unet_2d_condition import (
+    SD15_CONFIG,
+    SD21_CONFIG,
+    UNet2DConditionConfig,
+    UNet2DConditionModel,
+    unet_2d_condition_from_dir,
+)
+from fastdiff.models.weights import read_json_object
+
+log = logging.getLogger(__name__)
+
+PIPELINE_PARTS = ("model_index.json", "unet/", "vae/", "text_encoder/", "tokenizer/", "scheduler/")
+PARTS_HINT = f"a StableDiffusionPipeline directory needs {', '.join(PIPELINE_PARTS)}"
+
+SUPPORTED_PIPELINES = ("StableDiffusionPipeline",)
+SUPPORTED_COMPONENTS: dict[str, tuple[str, ...]] = {
+    "unet": ("UNet2DConditionModel",),
+    "vae": ("AutoencoderKL",),
+    "text_encoder": ("CLIPTextModel",),
+    "tokenizer": ("CLIPTokenizer", "CLIPTokenizerFast"),
+}
+"""model_index.json entry -> the class names fastdiff loads for it."""
+
+TEXT_ENCODER_WEIGHTS = (
+    "model.safetensors",
+    "pytorch_model.bin",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+)
+TOKENIZER_FILES = (("vocab.json", "merges.txt"), ("tokenizer.json",))
+
+
+@dataclass(frozen=True)
+class StableDiffusionPreset:
+    """Architecture of a Stable Diffusion release (random weights only: fastdiff ships no SD weights)."""
+
+    unet: UNet2DConditionConfig
+    vae: AutoencoderKLConfig
+    text_tokens: int = 77
+    """CLIP's sequence length: ``encoder_hidden_states`` are [B, text_tokens, unet.cross_attention_dim]."""
+
+
+SD_PRESETS: dict[str, StableDiffusionPreset] = {
+    "sd15": StableDiffusionPreset(unet=SD15_CONFIG, vae=SD15_VAE_CONFIG),
+    "sd21": StableDiffusionPreset(unet=SD21_CONFIG, vae=SD21_VAE_CONFIG),
+}
+"""runwayml/stable-diffusion-v1-5 and stabilityai/stable-diffusion-2-1 (conditional U-Nets: kept apart from the
+unconditional ``fastdiff.models.PRESETS`` that ``load_unet`` serves)."""
+
+
+@dataclass
+class StableDiffusionComponents:
+    """Everything a text-to-image sampler needs, on one device and dtype."""
+
+    unet: UNet2DConditionModel
+    vae: AutoencoderKL
+    text_encoder: nn.Module
+    """transformers' ``CLIPTextModel``."""
+    tokenizer: Any
+    """transformers' ``CLIPTokenizer``."""
+    scheduler_config: dict
+    """scheduler/scheduler_config.json as written by diffusers (``_class_name`` names the scheduler)."""
+    model_index: dict
+
+
+def load_stable_diffusion(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> StableDiffusionComponents:
+    """Load U-Net, VAE, CLIP text encoder, tokenizer and scheduler config from a diffusers pipeline directory.
+
+    Weight files may be safetensors or .bin, in any floating dtype; every model is converted to ``dtype``.
+    Each missing or unusable piece raises a one-line FastdiffError naming it.
+    """
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise FastdiffError(f"Stable Diffusion path not found: {root}")
+    if not root.is_dir():
+        raise FastdiffError(f"Stable Diffusion path is not a directory: {root}")
+    for part in PIPELINE_PARTS:
+        present = (root / part).is_dir() if part.endswith("/") else (root / part).is_file()
+        if not present:
+            raise FastdiffError(f"{root}: missing {part} ({PARTS_HINT})")
+    model_index = read_json_object(root / "model_index.json")
+    class_names = check_model_index(model_index, root / "model_index.json")
+    transformers = import_transformers()
+    unet = unet_2d_condition_from_dir(root / "unet", read_json_object(root / "unet" / "config.json"))
+    vae = autoencoder_kl_from_dir(root / "vae", read_json_object(root / "vae" / "config.json"))
+    text_encoder = load_text_encoder(transformers, root / "text_encoder", class_names["text_encoder"])
+    tokenizer = load_tokenizer(transformers, root / "tokenizer", class_names["tokenizer"])
+    scheduler_config = read_json_object(root / "scheduler" / "scheduler_config.json")
+    if text_encoder.config.hidden_size != unet.config.cross_attention_dim:
+        raise FastdiffError(
+            f"{root}: text encoder hidden_size {text_encoder.config.hidden_size} does not match the U-Net's "
+            f"cross_attention_dim {unet.config.cross_attention_dim}"
+        )
+    unet.scheduler_config = scheduler_config
+    log.info("loaded Stable Diffusion pipeline from %s", root)
+    return StableDiffusionComponents(
+        unet=unet.to(device=device, dtype=dtype).eval(),
+        vae=vae.to(device=device, dtype=dtype).eval(),
+        text_encoder=text_encoder.to(device=device, dtype=dtype).eval(),
+        tokenizer=tokenizer,
+        scheduler_config=scheduler_config,
+        model_index=model_index,
+    )
+
+
+def check_model_index(model_index: dict, source: Path) -> dict[str, str]:
+    """The class name of each loaded component; an unsupported pipeline or component class raises."""
+    pipeline = model_index.get("_class_name")
+    if pipeline not in SUPPORTED_PIPELINES:
+        supported = ", ".join(SUPPORTED_PIPELINES)
+        raise FastdiffError(f"{source}: pipeline class {pipeline!r} is not supported ({supported})")
+    class_names = {}
+    for component, supported in SUPPORTED_COMPONENTS.items():
+        entry = model_index.get(component)
+        if not isinstance(entry, list) or len(entry) != 2:
+            raise FastdiffError(f"{source}: {component!r} must be a [library, class] pair, got {entry!r}")
+        if entry[1] not in supported:
+            raise FastdiffError(f"{source}: {component} class {entry[1]!r} is not supported ({', '.join(supported)})")
+        class_names[component] = entry[1]
+    return class_names
+
+
+def import_transformers() -> Any:
+    """The transformers module, or a FastdiffError saying how to install it."""
+    try:
+        import transformers
+    except ImportError as exc:
+        raise FastdiffError(
+            "Stable Diffusion needs the transformers package for its CLIP text encoder: pip install 'fastdiff[sd]'"
+        ) from exc
+    return transformers
+
+
+def first_line(exc: Exception) -> str:
+    """``Type: first line of the message`` (transformers' errors span several lines)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def load_text_encoder(transformers: Any, folder: Path, class_name: str) -> nn.Module:
+    """transformers' CLIP text model from ``folder`` (config.json + weights), without network access."""
+    if not (folder / "config.json").is_file():
+        raise FastdiffError(f"missing {folder / 'config.json'}")
+    if not any((folder / name).is_file() for name in TEXT_ENCODER_WEIGHTS):
+        raise FastdiffError(f"no weights in {folder}: expected one of {', '.join(TEXT_ENCODER_WEIGHTS)}")
+    try:
+        return getattr(transformers, class_name).from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # transformers raises OSError, ValueError, RuntimeError, ... for bad files
+        raise FastdiffError(f"cannot load text encoder {folder}: {first_line(exc)}") from exc
+
+
+def load_tokenizer(transformers: Any, folder: Path, class_name: str) -> Any:
+    """transformers' CLIP tokenizer from ``folder`` (vocab.json + merges.txt, or tokenizer.json)."""
+    if not any(all((folder / name).is_file() for name in files) for files in TOKENIZER_FILES):
+        raise FastdiffError(f"tokenizer files missing in {folder}: need vocab.json and merges.txt, or tokenizer.json")
+    try:
+        return getattr(transformers, class_name).from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # as above
+        raise FastdiffError(f"cannot load tokenizer {folder}: {first_line(exc)}") from exc
+
+
+def encode_prompts(text_encoder: nn.Module, tokenizer: Any, prompts: list[str], device: str | torch.device) -> Tensor:
+    """Text states [len(prompts), model_max_length, hidden]: diffusers' default ``encode_prompt``.
+
+    As ``StableDiffusionPipeline.encode_prompt`` without clip_skip: padded to the tokenizer's max length, truncated
+    (with a warning), the encoder's last hidden state in the encoder's dtype.
+
+    For classifier-free guidance, the unconditional states are ``encode_prompts(..., [""] * batch, ...)``.
+    """
+    if isinstance(prompts, str) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise FastdiffError(f"prompts must be a non-empty list of strings, got {prompts!r}")
+    max_length = tokenizer.model_max_length
+    tokens = tokenizer(prompts, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt")
+    ids = tokens.input_ids
+    untruncated = tokenizer(prompts, padding="longest", return_tensors="pt").input_ids
+    if untruncated.shape[-1] >= ids.shape[-1] and not torch.equal(ids, untruncated):
+        dropped = tokenizer.batch_decode(untruncated[:, max_length - 1 : -1])
+        log.warning("prompts truncated to CLIP's %d tokens; dropped: %s", max_length, dropped)
+    use_mask = getattr(text_encoder.config, "use_attention_mask", False)
+    mask = tokens.attention_mask.to(device) if use_mask else None
+    with torch.no_grad():
+        states = text_encoder(ids.to(device), attention_mask=mask)[0]
+    return states.to(dtype=text_encoder.dtype, device=device)
