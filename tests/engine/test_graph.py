@@ -10,8 +10,7 @@ from fastdiff.engine import EagerStepModel, Engine, FusedUNet
 from fastdiff.engine.graph import SamplingLoop
 from fastdiff.errors import FastdiffError
 from fastdiff.pipeline import sample_loop
-from fastdiff.samplers import ScheduleConfig, make_sampler
-from fastdiff.samplers.noise import draw_noise
+from fastdiff.samplers import ScheduleConfig, initial_noise, make_sampler, seed_tensor, step_noise
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = 1e-4 if DEVICE.type == "cpu" else 1e-2  # fp32; tf32 convolutions on the GPU
@@ -25,33 +24,35 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize(
     ("sampler_name", "unet_impl"),
-    [("ddpm", "fused"), ("dpmsolver++", "eager"), ("ddim", "eager")],
+    [("ddpm", "fused"), ("dpmsolver++", "eager"), ("ddim", "eager"), ("unipc", "fused"), ("euler_a", "eager")],
 )
 def test_engine_loop_matches_reference(tiny_model, sampler_name, unet_impl):
-    """Noise (ddpm), x0_prev (dpmsolver++) and clipping (ddpm/ddim) all go through the device counter."""
+    """In-kernel noise (ddpm, euler_a), history (dpmsolver++, unipc's two x0 and its corrector), clipping
+    (ddpm/ddim) and the input scale (euler_a) all go through the device counter."""
     model = tiny_model("attn_pad0", 11).to(DEVICE)
     steps = 3
     sampler = make_sampler(sampler_name, ScheduleConfig(timestep_spacing="trailing"), steps, device=DEVICE)
     b = 2
     shape = (model.config.in_channels, *model.config.sample_size)
-    x_t, noise = draw_noise([4, 9], shape, steps if sampler.needs_noise else 0, DEVICE)
+    seeds = seed_tensor([4, 9], DEVICE)
+    x_t = initial_noise(seeds, shape, DEVICE)
     engine = Engine(DEVICE, unet_impl=unet_impl, conv_impl="triton", attention_impl="triton", use_graphs=False)
     engine.prepare(model, sampler, b, torch.float32)
-    out = engine.run(x_t, noise)
+    out = engine.run(x_t, seeds)
     with torch.no_grad():
-        ref = sample_loop(model, sampler, x_t.clone(), noise, torch.float32)
+        ref = sample_loop(model, sampler, x_t.clone(), seeds, torch.float32)
     assert torch.isfinite(out).all()
     assert rel_err(out.clamp(-1, 1), ref) < TOL
-    partial = engine.run(x_t, noise, num_steps=1)  # a prefix of the loop restarts from x_T
+    partial = engine.run(x_t, seeds, num_steps=1)  # a prefix of the loop restarts from x_T
     with torch.no_grad():
-        first, _ = sampler.step(0, x_t, model(x_t, sampler.timesteps[0].expand(b)), None,
-                                None if noise is None else noise[0])  # fmt: skip
+        x = x_t * sampler.init_scale
+        noise = step_noise(seeds, 0, shape) if sampler.noise_steps[0] else None
+        first = sampler.step(0, x, model(x, sampler.timesteps[0].expand(b)), sampler.new_state(x), noise)
     assert rel_err(partial, first) < TOL
     with pytest.raises(FastdiffError, match="num_steps"):
-        engine.run(x_t, noise, num_steps=steps + 1)
-    if noise is not None:
-        with pytest.raises(FastdiffError, match="noise has 1 steps, 2 are run"):
-            engine.run(x_t, noise[:1], num_steps=2)
+        engine.run(x_t, seeds, num_steps=steps + 1)
+    with pytest.raises(FastdiffError, match="seeds"):
+        engine.run(x_t, seeds[:1])
 
 
 def test_engine_needs_cuda_or_interpreter(monkeypatch):
@@ -67,18 +68,19 @@ def test_graph_replay_equals_eager(tiny_model, dtype):
     model = tiny_model("attn_pad0", 5).to(DEVICE)
     sampler = make_sampler("ddpm", ScheduleConfig(), 10, device=DEVICE)
     shape = (model.config.in_channels, *model.config.sample_size)
-    x_t, noise = draw_noise(range(3), shape, 10, DEVICE)
+    seeds = seed_tensor(range(3), DEVICE)
+    x_t = initial_noise(seeds, shape, DEVICE)
     graphs = Engine(DEVICE, steps_per_graph=4)
     graphs.prepare(model, sampler, 3, dtype)
     fused = graphs.step_models[(id(model), 3, dtype)]
     eager = SamplingLoop(fused.bind_timesteps(sampler.timesteps), sampler, (3, *shape), dtype, DEVICE, use_graphs=False)
-    out_g = graphs.run(x_t, noise)
-    out_e = eager.run(x_t, noise)
+    out_g = graphs.run(x_t, seeds)
+    out_e = eager.run(x_t, seeds)
     assert set(graphs.current.graphs) == {4, 2}
     assert torch.isfinite(out_g).all()
     tol = 1e-3 if dtype == torch.float16 else 1e-2
     assert rel_err(out_g, out_e) < tol
-    assert torch.equal(graphs.run(x_t, noise), out_g)  # replays are deterministic
+    assert torch.equal(graphs.run(x_t, seeds), out_g)  # replays are deterministic, noise included
 
 
 @pytest.mark.parametrize("unet_impl", ["eager", "fused"])
@@ -94,12 +96,13 @@ def test_convnext_in_the_loop(unet_impl):
     model = ConvNeXtUNet(config).eval()
     model.to(DEVICE)
     sampler = make_sampler("ddim", ScheduleConfig(), 3, eta=0.5, device=DEVICE)
-    x_t, noise = draw_noise([1, 2, 3], (2, 12, 12), 3, DEVICE)
+    seeds = seed_tensor([1, 2, 3], DEVICE)
+    x_t = initial_noise(seeds, (2, 12, 12), DEVICE)
     engine = Engine(DEVICE, unet_impl=unet_impl, steps_per_graph=2, conv_impl="triton", attention_impl="triton")
     engine.prepare(model, sampler, 3, torch.float32)
     step_model = engine.step_models[(id(model), 3, torch.float32)]
     assert isinstance(step_model, EagerStepModel if unet_impl == "eager" else FusedUNet)
-    out = engine.run(x_t, noise)
+    out = engine.run(x_t, seeds)
     with torch.no_grad():
-        ref = sample_loop(model, sampler, x_t.clone(), noise, torch.float32)
+        ref = sample_loop(model, sampler, x_t.clone(), seeds, torch.float32)
     assert rel_err(out.clamp(-1, 1), ref) < TOL

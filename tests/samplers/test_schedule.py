@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fastdiff.errors import FastdiffError
-from fastdiff.samplers import SAMPLERS, ScheduleConfig, alphas_cumprod, inference_timesteps, make_sampler
+from fastdiff.samplers import SAMPLER_SCHEDULERS, ScheduleConfig, alphas_cumprod, discrete_timesteps, make_sampler
 
 diffusers = pytest.importorskip("diffusers")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:diffusers")
@@ -17,11 +17,7 @@ SCHEDULES = {
     "scaled_linear": {"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012},
     "squaredcos_cap_v2": {"beta_schedule": "squaredcos_cap_v2"},
 }
-SCHEDULER_CLASSES = {
-    "ddpm": "DDPMScheduler",
-    "ddim": "DDIMScheduler",
-    "dpmsolver++": "DPMSolverMultistepScheduler",
-}
+SCHEDULER_CLASSES = {name: SAMPLER_SCHEDULERS[name] for name in ("ddpm", "ddim", "euler", "dpmsolver++", "unipc")}
 
 
 @pytest.mark.parametrize("train_steps", [1000, 37])
@@ -47,14 +43,14 @@ def _diffusers_timesteps(name: str, config: ScheduleConfig, steps: int) -> np.nd
 @pytest.mark.parametrize("train_steps", [1000, 37])
 @pytest.mark.parametrize("offset", [0, 1])
 @pytest.mark.parametrize("spacing", ["leading", "trailing", "linspace"])
-@pytest.mark.parametrize("name", SAMPLERS)
+@pytest.mark.parametrize("name", list(SCHEDULER_CLASSES))
 def test_timesteps_equal_diffusers(name, spacing, offset, train_steps):
     config = ScheduleConfig(num_train_timesteps=train_steps, timestep_spacing=spacing, steps_offset=offset)
     counts = sorted({1, 2, 3, 7, 10, 36, 50, 61, 99, 100, 103, 250, 999, 1000} & set(range(1, train_steps + 1)))
     for steps in counts:
         ref = _diffusers_timesteps(name, config, steps)
         out_of_range = ref.max() >= train_steps or (len(ref) == steps and ref.min() < 0)
-        repeats = name == "dpmsolver++" and (np.diff(ref) >= 0).any()
+        repeats = name in ("dpmsolver++", "unipc") and (np.diff(ref) >= 0).any()
         if out_of_range or repeats:
             with pytest.raises(FastdiffError):
                 make_sampler(name, config, steps)
@@ -71,16 +67,19 @@ def test_timesteps_equal_diffusers(name, spacing, offset, train_steps):
 def test_trailing_extra_point_is_dropped():
     config = ScheduleConfig(timestep_spacing="trailing")
     assert len(_diffusers_timesteps("ddpm", config, 61)) == 62
-    ours = inference_timesteps(config, 61)
+    ours = discrete_timesteps(config, 61)
     assert len(ours) == 61 and ours[-1] == 15
 
 
 def test_config_defaults_match_ddpm_scheduler():
     ref = diffusers.DDPMScheduler().config
-    for key, value in vars(ScheduleConfig()).items():
-        if key != "set_alpha_to_one":  # a DDIMScheduler key
+    for key, value in ScheduleConfig().to_diffusers().items():
+        if key == "set_alpha_to_one":  # a DDIMScheduler key
+            assert diffusers.DDIMScheduler().config[key] is value
+        elif key == "use_karras_sigmas":  # a key of the sigma schedulers
+            assert diffusers.EulerDiscreteScheduler().config[key] is value
+        else:
             assert ref[key] == value, key
-    assert diffusers.DDIMScheduler().config["set_alpha_to_one"] is True
 
 
 def test_cosine_alias():

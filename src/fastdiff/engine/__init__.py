@@ -1,7 +1,7 @@
 """fastdiff.engine: fused U-Net forward over a planned arena, whole sampling loop as replayed CUDA graphs.
 
 ``Engine.prepare(model, sampler, batch, dtype)`` builds (once per (batch, dtype)) the step model and (once per
-sampler) the sampling loop; ``Engine.run(x_T, noise)`` returns x_0 (fp32, unclamped). DDPMUNet and ConvNeXtUNet
+sampler) the sampling loop; ``Engine.run(x_T, seeds)`` returns x_0 (fp32, unclamped). DDPMUNet and ConvNeXtUNet
 run on :class:`~fastdiff.engine.fused_unet.FusedUNet`; ``unet_impl="eager"`` (and any other model class) runs
 the model's own forward in the engine dtype with channels-last memory, still inside the captured loop.
 """
@@ -124,29 +124,26 @@ class Engine:
                 self.device, self.steps_per_graph, self.use_graphs,
             )  # fmt: skip
             if loop.use_graphs:
-                loop.x.normal_()
-                loop.x0.zero_()
-                loop.counter.zero_()
-                if loop.noise_nhwc is not None:
-                    loop.noise_nhwc.normal_()
+                loop.load(torch.randn(loop.shape, device=self.device), torch.arange(batch, device=self.device))
                 loop.capture(loop.steps_per_graph)
             self.timings["loop_s"] = time.perf_counter() - t0
             self.loops[key] = (sampler, loop)  # the sampler is kept so its id stays unique
         self.current = self.loops[key][1]
         return self.current
 
-    def run(self, x_t: torch.Tensor, noise: torch.Tensor | None, num_steps: int | None = None) -> torch.Tensor:
-        """x after the prepared sampler's steps (default all) from x_T; fp32 [B, C, H, W], unclamped."""
+    def run(self, x_t: torch.Tensor, seeds: torch.Tensor, num_steps: int | None = None) -> torch.Tensor:
+        """x after the prepared sampler's steps (default all) from unit-variance x_T, with step noise from
+        ``seeds`` (int64 [B]); fp32 [B, C, H, W], unclamped."""
         if self.current is None:
             raise FastdiffError("Engine.run before Engine.prepare")
-        return self.current.run(x_t.to(self.device), None if noise is None else noise.to(self.device), num_steps)
+        return self.current.run(x_t.to(self.device), seeds.to(self.device), num_steps)
 
     def sample(
-        self, model: nn.Module, sampler: Sampler, x_t: torch.Tensor, noise: torch.Tensor | None, dtype: torch.dtype
+        self, model: nn.Module, sampler: Sampler, x_t: torch.Tensor, seeds: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
         """prepare + run in one call."""
         self.prepare(model, sampler, x_t.shape[0], dtype)
-        return self.run(x_t, noise)
+        return self.run(x_t, seeds)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -189,6 +186,6 @@ class EngineSystem(System):
         self.facts["kernel_cache"] = cache
 
     @torch.no_grad()
-    def run(self, x, noise, sampler, num_steps):
+    def run(self, x, seeds, sampler, num_steps):
         self.engine.prepare(self.model, sampler, x.shape[0], self.dtype)
-        return self.engine.run(x, noise, num_steps)
+        return self.engine.run(x, seeds, num_steps)
