@@ -67,8 +67,13 @@ def main() -> None:
     result = {
         "schema": "fastdiff.fd_fmnist/2",
         "env": environment(),
-        "config": {"model": args.model, "n": args.n, "dtype": args.dtype, "batch": args.batch,
-                   "seeds": f"0..{args.n - 1}"},  # fmt: skip
+        "config": {
+            "model": args.model,
+            "n": args.n,
+            "dtype": args.dtype,
+            "batch": args.batch,
+            "seeds": f"0..{args.n - 1}",
+        },  # fmt: skip
         "floor_train_vs_test": floor,
         "results": rows,
     }

@@ -1,10 +1,11 @@
 """Paired quality of fastdiff's samplers against diffusers' default loops, as users run them.
 
 A random ``UNet2DModel`` at the google/ddpm-cifar10-32 config is saved with the scheduler config that checkpoint
-ships (``clip_sample: true``, no ``timestep_spacing``) and loaded through ``fastdiff.Pipeline.from_pretrained``
-like any local model (``load_unet`` + ``ScheduleConfig.from_diffusers``). diffusers runs the same weights in fp32 with ``Scheduler.from_config(saved)`` and ``step``
-with default arguments (its pipelines' own loop); fastdiff runs the engine (fp16 / bf16) or its eager loop. Both
-start from the same unit-variance x_T. Deterministic samplers only (stochastic ones draw different noise by design).
+ships (``clip_sample: true``, no ``timestep_spacing``) and loaded as any local model is (``load_unet`` +
+``ScheduleConfig.from_diffusers``). diffusers runs the same weights in fp32 with ``Scheduler.from_config(saved)``
+and ``step`` with default arguments (its pipelines' own loop); fastdiff runs the engine (fp16 / bf16) or its eager
+loop. Both start from the same unit-variance x_T. Deterministic samplers only (stochastic ones draw different
+noise by design).
 
     PYTHONPATH=src python benchmarks/sampler_parity.py --device cuda --out benchmarks/results/sampler-parity-h100.json
 """

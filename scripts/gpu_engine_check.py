@@ -7,7 +7,7 @@ started after BUDGET_S seconds):
   timing_b1      ddpm-cifar10 (random weights), DDPM-1000 schedule, batch 1: ms/step of our eager fp16 loop,
                  of the engine running the eager model inside its graphs ("eng-eager"), and of the fused engine;
                  time to ready (first build in the process, then a second "warm" one), plan peak bytes,
-                 launches per step, per-layer choices ($OUT/layers_<model>_b<batch>.json);
+                 per-layer choices ($OUT/layers_<model>_b<batch>.json);
   full_run_b1    one complete 1000-step DDPM run at batch 1: s/image;
   quality_fp16   engine fp16 vs our eager fp32 (TF32 off), DDIM 100 steps, same x_T, batch 8: PSNR;
   timing_b256    as timing_b1 at batch 256 (img/s);
@@ -205,7 +205,6 @@ def timing(preset: str, batch: int, steps: int, repeats: int) -> dict:
             fused = engine.step_models[(id(model), batch, torch.float16)]
             row["plan_peak_mb"] = fused.plan.peak_bytes / 2**20
             row["plan_no_reuse_mb"] = fused.plan.total_bytes / 2**20
-            row["launches_per_step"] = fused.num_launches + 3  # + cast, noise select, sampler step
             table = fused.layer_table()
             row["sum_of_op_us"] = sum(min(r["times_us"].values()) for r in table if r["times_us"])
             (OUT / f"layers_{preset}_b{batch}.json").write_text(json.dumps(table, indent=1) + "\n")
@@ -289,8 +288,8 @@ def summary() -> None:
             q = s[name]
             print(f"{name}: PSNR mean {q['psnr_db_mean']:.1f} dB, min {q['psnr_db_min']:.1f} dB (target >= 40)")
     cols = ("eager_fp16_ms", "engine_eagerunet_ms", "engine_ms", "images_per_s_engine", "engine_ready_s",
-            "engine_ready_warm_s", "plan_peak_mb", "launches_per_step")  # fmt: skip
-    heads = ("eager16", "eng-eager", "engine", "img/s", "ready_s", "warm_s", "planMB", "launches")
+            "engine_ready_warm_s", "plan_peak_mb")  # fmt: skip
+    heads = ("eager16", "eng-eager", "engine", "img/s", "ready_s", "warm_s", "planMB")
     print(f"{'run':>13} " + " ".join(f"{h:>9}" for h in heads))
     for key in ("timing_b1", "timing_b256", "convnext_b1", "convnext_b256"):
         if s.get(key):

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
+import os
+import re
+import stat
 import subprocess
 import sys
 
@@ -9,16 +14,17 @@ import numpy as np
 import pytest
 import torch
 
-from fastdiff.cli import main
+import fastdiff
+from fastdiff import cli
+from fastdiff.cli import build_parser, main
 from fastdiff.errors import FastdiffError
 from fastdiff.pipeline import Pipeline
-
-diffusers = pytest.importorskip("diffusers")
 
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A tiny diffusers UNet2DModel (odd size 12, 1 channel) saved by diffusers itself, with a scheduler config."""
+    diffusers = pytest.importorskip("diffusers")
     torch.manual_seed(0)
     unet = diffusers.UNet2DModel(
         sample_size=12,
@@ -110,7 +116,7 @@ BAD_INPUTS = [
     (["--model", "/no/such/model"], "not found"),
     (["--steps", "0"], "must be positive"),
     (["--batch", "-2"], "must be positive"),
-    (["--sampler", "euler"], "invalid choice"),
+    (["--sampler", "no-such-sampler"], "invalid choice"),
     (["--dtype", "fp8"], "invalid choice"),
     (["--device", "tpu"], "device"),
     (["--model", "no-such-preset"], "unknown model"),
@@ -153,3 +159,129 @@ def test_directory_without_weights(tmp_path, capsys):
     rc = run_cli("sample", "--model", str(tmp_path / "m"), "--out", str(tmp_path / "g.png"))
     assert rc == 2 and "no weights" in capsys.readouterr().err
     assert not (tmp_path / "g.png").exists()
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        run_cli("--version")
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"fastdiff {fastdiff.__version__}\n"
+    assert fastdiff.__version__ == importlib.metadata.version("fastdiff")  # one version, the package's
+
+
+@pytest.mark.parametrize("command", ["sample", "train", "fid", "bench", "profile"])
+def test_help_names_each_default_once(command):
+    """ "(default: X)" once for every flag that has a default; never "(default: None)", never twice."""
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    parser = commands[command]
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.help in (None, argparse.SUPPRESS):
+            continue
+        text = formatter._expand_help(action)
+        assert text.count("(default") <= 1, text
+        assert "(default: None)" not in text and "(default: False)" not in text, text
+        if action.default not in (None, False, argparse.SUPPRESS) and not action.required:
+            assert f"(default: {action.default})" in text, text
+
+
+def test_save_dir_help_names_the_files_it_writes(tiny_model_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run_cli("sample", "--help")
+    example = re.search(r"seed (\d+): (\d+\.png)", " ".join(capsys.readouterr().out.split()))
+    assert example, "the --save-dir help gives an example file name"
+    seed, name = example.groups()
+    rc = run_cli("sample", "--model", str(tiny_model_dir), "--steps", "2", "--batch", "1", "--seed", seed,
+                 "--device", "cpu", "--out", str(tmp_path / "g.png"), "--save-dir", str(tmp_path / "each"),
+                 "--no-progress")  # fmt: skip
+    assert rc == 0 and os.listdir(tmp_path / "each") == [name]
+
+
+def test_output_files_have_the_umask_mode(tiny_model_dir, tmp_path, umask):
+    each = tmp_path / "each"
+    rc = run_cli("sample", "--model", str(tiny_model_dir), "--steps", "2", "--batch", "2", "--device", "cpu",
+                 "--out", str(tmp_path / "grid.png"), "--save-dir", str(each), "--no-progress")  # fmt: skip
+    assert rc == 0
+    files = [tmp_path / "grid.png", *sorted(each.iterdir())]
+    assert len(files) == 3
+    assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o666 & ~umask}  # 0o644 / 0o640, not mkstemp's 0o600
+
+
+def one_error_line(capsys) -> str:
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1, err
+    return err[0]
+
+
+def run_expecting_error(*argv: str) -> int:
+    """``main(argv)``; an argparse error (SystemExit) counts as its exit code."""
+    try:
+        return run_cli(*argv)
+    except SystemExit as exc:
+        return int(exc.code)
+
+
+def test_output_location_checked_before_any_work(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    (tmp_path / "file").write_text("x")
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the model was loaded before the output locations were checked")
+
+    monkeypatch.setattr(fastdiff.pipeline.Pipeline, "from_pretrained", no_work)
+    cases = [
+        (["--out", str(tmp_path / "file" / "grid.png")], "--out"),
+        (["--out", str(tmp_path / "file" / "sub" / "grid.png")], "--out"),
+        (["--out", str(tmp_path / "g.png"), "--save-dir", str(tmp_path / "file")], "--save-dir"),
+        (["--out", str(tmp_path / "g.png"), "--save-dir", str(tmp_path / "file" / "each")], "--save-dir"),
+    ]
+    for flags, flag in cases:
+        rc = run_cli("sample", "--model", str(tiny_model_dir), "--steps", "2", "--batch", "1", *flags)
+        assert rc == 2
+        line = one_error_line(capsys)
+        assert line.startswith(f"fastdiff: error: {flag} ") and "is a file, not a folder" in line, line
+    assert os.listdir(tmp_path) == ["file"] and (tmp_path / "file").read_text() == "x"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_unwritable_output_folder_is_refused_before_any_work(tiny_model_dir, tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        rc = run_cli("sample", "--model", str(tiny_model_dir), "--steps", "2", "--out", str(locked / "grid.png"))
+        assert rc == 2 and "permission denied" in one_error_line(capsys)
+        assert not os.listdir(locked)
+    finally:
+        locked.chmod(0o755)
+
+
+@pytest.mark.parametrize("nrow", ["0", "-1"])
+def test_nrow_must_be_positive(tiny_model_dir, tmp_path, capsys, nrow):
+    rc = run_expecting_error("sample", "--model", str(tiny_model_dir), "--out", str(tmp_path / "g.png"), "--nrow", nrow)
+    assert rc == 2 and "--nrow: must be positive" in one_error_line(capsys)
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 1, reason="needs a machine without a second GPU")
+def test_missing_gpu_is_named(tiny_model_dir, tmp_path, capsys):
+    rc = run_cli("sample", "--model", str(tiny_model_dir), "--device", "cuda:1", "--out", str(tmp_path / "g.png"))
+    assert rc == 2 and "cuda:1" in one_error_line(capsys)
+    assert not os.listdir(tmp_path)
+
+
+def test_batch_that_cannot_fit_is_refused_up_front(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "g.png"
+    rc = run_cli("sample", "--model", str(tiny_model_dir), "--steps", "1", "--device", "cpu", "--out", str(out),
+                 "--batch", "1000000000")  # fmt: skip
+    line = one_error_line(capsys)  # 10^9 images of 1x12x12: terabytes on any machine
+    assert rc == 2 and "--batch 1000000000 cannot fit in memory" in line and not out.exists()
+
+
+def test_batch_bound_is_the_largest_that_fits(monkeypatch):
+    monkeypatch.setattr(cli, "memory_bytes", lambda device: 50 * 2**20)
+    cpu = torch.device("cpu")
+    with pytest.raises(FastdiffError, match=r"at most 711 images could fit"):
+        cli.check_batch_fits(1000, (1, 12, 12), cpu)  # 4 bytes * 144 * 128 copies = 73728 per image; 52428800 / 73728
+    cli.check_batch_fits(711, (1, 12, 12), cpu)
+    with pytest.raises(FastdiffError, match="cannot fit"):
+        cli.check_batch_fits(712, (1, 12, 12), cpu)

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import math
-import os
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
+
+from fastdiff.atomic import write_atomic
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
@@ -32,7 +32,10 @@ def make_grid(images: Sequence[Image.Image], nrow: int | None = None, pad: int =
     """Tile PIL images into a grid with ``nrow`` images per row (default: about square)."""
     if not images:
         raise ValueError("make_grid needs at least one image")
-    nrow = nrow or math.ceil(math.sqrt(len(images)))
+    if nrow is None:
+        nrow = math.ceil(math.sqrt(len(images)))
+    elif nrow <= 0:
+        raise ValueError(f"make_grid needs a positive nrow, got {nrow}")
     rows = math.ceil(len(images) / nrow)
     w, h = images[0].size
     grid = Image.new(images[0].mode, (nrow * (w + pad) + pad, rows * (h + pad) + pad))
@@ -41,25 +44,11 @@ def make_grid(images: Sequence[Image.Image], nrow: int | None = None, pad: int =
     return grid
 
 
-def _write_png_atomic(write: Callable[[str], None], path: Path) -> None:
-    """``write(tmp)`` a PNG to a temporary file next to ``path``, then rename it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save_png_atomic(image: Image.Image, path: Path) -> None:
-    """Write ``image`` to a temporary file next to ``path`` and rename it into place."""
-    _write_png_atomic(lambda tmp: image.save(tmp, format="PNG"), path)
+    """Write ``image`` as a PNG to ``path`` all or nothing (``fastdiff.atomic.write_atomic``)."""
+    write_atomic(path, lambda tmp: image.save(tmp, format="PNG"))
 
 
 def save_figure_atomic(fig: Any, path: Path, dpi: int | None = None) -> None:
-    """Save a matplotlib ``Figure`` as PNG the same way (nothing half-written on failure)."""
-    _write_png_atomic(lambda tmp: fig.savefig(tmp, format="png", dpi=dpi), path)
+    """Save a matplotlib ``Figure`` as a PNG the same way."""
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=dpi))

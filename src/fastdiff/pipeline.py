@@ -30,8 +30,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise FastdiffError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N") from exc
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise FastdiffError("device cuda was asked for but no CUDA GPU is available (use --device cpu or auto)")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (dev.index or 0) >= count:
+            found = "no CUDA GPU is available" if count == 0 else f"this machine has {count} CUDA GPU(s)"
+            raise FastdiffError(f"device {device} was asked for but {found} (use --device cpu or auto)")
     if dev.type not in ("cpu", "cuda"):
         raise FastdiffError(f"unsupported device {device!r}: use auto, cpu, cuda or cuda:N")
     return dev
@@ -133,9 +136,9 @@ class Pipeline:
         """Sample ``batch_size`` images.
 
         seeds: one int per image, or one int ``s`` meaning ``s, s+1, ...``; default ``0..B-1``. Image b depends on
-        ``seeds[b]`` only (not on the batch size). latents: an optional unit-variance x_T [B, C, H, W], scaled inside by the
-        sampler's initial noise scale as diffusers pipelines do (step noise still comes
-        from the seeds). output_type: "pil" (list of PIL images), "np" (float32 [B, H, W, C] in [0, 1]) or
+        ``seeds[b]`` only (not on the batch size). latents: an optional unit-variance x_T [B, C, H, W], scaled
+        inside by the sampler's initial noise scale as diffusers pipelines do (step noise still comes from the
+        seeds). output_type: "pil" (list of PIL images), "np" (float32 [B, H, W, C] in [0, 1]) or
         "tensor" ([B, C, H, W] in [-1, 1], on the pipeline's device).
         """
         if output_type not in OUTPUT_TYPES:
@@ -170,6 +173,7 @@ class Pipeline:
         return to_pil(images)
 
 
+@torch.no_grad()
 def sample_loop(
     unet: nn.Module,
     sampler: Sampler,

@@ -41,7 +41,7 @@ def test_fused_matches_eager(tiny_name, tiny_model, impls):
         assert out.is_contiguous(memory_format=torch.channels_last)
 
 
-def test_layer_table_and_launches(tiny_model):
+def test_layer_table(tiny_model):
     fused = FusedUNet(tiny_model("attn_pad0", 1), 1, torch.float32, DEVICE, "triton", "triton")
     x_in = channels_last_empty(fused.x_in_value.shape, torch.float32, DEVICE).normal_()
     fused.forward(x_in, torch.tensor([5], device=DEVICE))
@@ -49,7 +49,6 @@ def test_layer_table_and_launches(tiny_model):
     assert len(rows) == len(fused.ops) and all(r["impl"] for r in rows)
     kinds = {r["kind"] for r in rows}
     assert kinds == {"conv", "group_norm", "attention"}  # no copies (concat parts are slices), upsample in the conv
-    assert fused.num_launches == len(rows) + 1
 
 
 @pytest.mark.parametrize("impls", [("triton", "triton"), ("cudnn", "sdpa")])

@@ -10,21 +10,10 @@ import torch
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.attention import OP, attention, attention_ref
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
-DTYPES = [
-    pytest.param(torch.float32, id="fp32"),
-    pytest.param(torch.float16, id="fp16", marks=needs_cuda),
-    pytest.param(torch.bfloat16, id="bf16", marks=needs_cuda),
-]
+from .conftest import CUDA, DEVICE, DTYPES, needs_cuda, rel_err
+
 # fp32 on the GPU runs both products in tf32 (~3e-4); the probabilities go to the tensor cores in 16 bits.
 TOLERANCE = {torch.float32: 2e-3 if CUDA else 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not out.isnan().any(), "output has NaN"
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def make_qkv(batch, heads, lq, lk, head_dim, projected, dtype, seed):

@@ -10,25 +10,10 @@ import torch
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.attention_gate import OP, attention_gate, attention_gate_ref
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
-DTYPES = [
-    pytest.param(torch.float32, id="fp32"),
-    pytest.param(torch.float16, id="fp16", marks=needs_cuda),
-    pytest.param(torch.bfloat16, id="bf16", marks=needs_cuda),
-]
+from .conftest import CUDA, DEVICE, DTYPES, float64, needs_cuda, rel_err
+
 # Both 1x1 convs are tensor-core dots: tf32 for fp32 on the GPU, fp32 accumulation for the 16-bit types.
 TOLERANCE = {torch.float32: 1e-3 if CUDA else 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not out.isnan().any(), "output has NaN"
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def float64(value):
-    return value.double() if isinstance(value, torch.Tensor) else value
 
 
 def make_inputs(n, cx, cg, inter, h, w, biases, dtype, seed):
@@ -90,7 +75,12 @@ def test_matches_the_model_module() -> None:
 def test_example_inputs_and_cost() -> None:
     args, kwargs = OP.example_inputs("small", torch.float32, DEVICE, 0)
     flops, moved = OP.cost(args, kwargs)
-    assert flops > 0 and moved > 2 * args[0].numel() * 4 + args[1].numel() * 4
+    x, g, w_x = args[0], args[1], args[2]  # all three biases given
+    n, cx, h, w = x.shape
+    pixels, cg, inter = n * h * w, g.shape[1], w_x.shape[0]
+    # per pixel: 1x1 convs to inter and to 1; per hidden element 2 biases, the sum, ReLU; psi bias, sigmoid; * x
+    assert flops == pixels * (2 * inter * (cx + cg) + 2 * inter + 4 * inter + 1 + 4 + cx)
+    assert moved == 4 * (pixels * (2 * cx + cg) + inter * (cx + cg + 1) + 2 * inter + 1)
 
 
 def test_wrong_weight_shape_raises() -> None:

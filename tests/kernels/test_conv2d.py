@@ -10,25 +10,10 @@ import torch
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.conv2d import OP, conv2d, conv2d_ref, pack_conv_weight, unpack_conv_weight
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
-DTYPES = [
-    pytest.param(torch.float32, id="fp32"),
-    pytest.param(torch.float16, id="fp16", marks=needs_cuda),
-    pytest.param(torch.bfloat16, id="bf16", marks=needs_cuda),
-]
+from .conftest import CUDA, DEVICE, DTYPES, float64, needs_cuda, rel_err
+
 # fp32 on the GPU is a tf32 dot (~3e-4); the interpreter computes fp32 exactly.
 TOLERANCE = {torch.float32: 1e-3 if CUDA else 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not out.isnan().any(), "output has NaN"
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def float64(value):
-    return value.double() if isinstance(value, torch.Tensor) else value
 
 
 def reference(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -131,10 +116,12 @@ def test_example_inputs_small_and_cost() -> None:
     args, kwargs = OP.example_inputs("small", torch.float32, DEVICE, 3)
     assert rel_err(OP.triton(*args, **kwargs), reference(args, kwargs)) < TOLERANCE[torch.float32]
     flops, moved = OP.cost(args, kwargs)
-    n, cin, h, w = args[0].shape
+    n, cin, h, w = args[0].shape  # 3x3 'same' conv + bias + time embedding
     cout = args[1].shape[1]
-    assert flops == 2 * n * h * w * cout * cin * 9
-    assert moved == 4 * (n * cin * h * w + 9 * cin * cout + cout + n * cout + n * cout * h * w)
+    out = n * cout * h * w
+    assert flops == 2 * out * cin * 9 + 2 * out  # multiply-adds, then the bias and time-embedding adds
+    assert moved == 4 * (n * cin * h * w + 9 * cin * cout + cout + n * cout + out)
+    assert (flops, moved) == (549360, 25008)  # (2, 12, 7, 9) -> 20 channels, by hand
 
 
 @needs_cuda

@@ -15,25 +15,10 @@ from fastdiff.kernels.depthwise_conv2d import (
     pack_depthwise_weight,
 )
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
-DTYPES = [
-    pytest.param(torch.float32, id="fp32"),
-    pytest.param(torch.float16, id="fp16", marks=needs_cuda),
-    pytest.param(torch.bfloat16, id="bf16", marks=needs_cuda),
-]
+from .conftest import DEVICE, DTYPES, float64, needs_cuda, rel_err
+
 # No dot here: fp32 FMAs on every device, so only output rounding separates the 16-bit results from the ref.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not out.isnan().any(), "output has NaN"
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def float64(value):
-    return value.double() if isinstance(value, torch.Tensor) else value
 
 
 def reference(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -82,8 +67,8 @@ def test_example_inputs_small_and_cost() -> None:
     args, kwargs = OP.example_inputs("small", torch.float32, DEVICE, 4)
     assert rel_err(OP.triton(*args, **kwargs), reference(args, kwargs)) < TOLERANCE[torch.float32]
     flops, moved = OP.cost(args, kwargs)
-    n, c, h, w = args[0].shape
-    assert flops == 2 * 49 * n * c * h * w
+    n, c, h, w = args[0].shape  # + bias + time embedding
+    assert flops == 2 * 49 * n * c * h * w + 2 * n * c * h * w
     assert moved == 4 * (2 * n * c * h * w + 49 * c + c + n * c)
 
 

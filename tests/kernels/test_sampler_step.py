@@ -8,116 +8,126 @@ import pytest
 import torch
 
 from fastdiff.errors import FastdiffError
-from fastdiff.kernels.sampler_step import OP, sampler_step, sampler_step_ref
+from fastdiff.kernels.philox_noise import gaussian_noise_ref
+from fastdiff.kernels.sampler_step import COLUMNS, OP, sampler_step, sampler_step_ref
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
-DTYPES = [
-    pytest.param(torch.float32, id="fp32"),
-    pytest.param(torch.float16, id="fp16", marks=needs_cuda),
-    pytest.param(torch.bfloat16, id="bf16", marks=needs_cuda),
-]
+from .conftest import DEVICE, DTYPES, float64, needs_cuda, rel_err
+
 TOLERANCE = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not out.isnan().any(), "output has NaN"
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def make_inputs(shape, dtype, seed, channels_last=True):
+def make_inputs(shape, dtype, seed, channels_last, guided):
     gen = torch.Generator().manual_seed(seed)
 
-    def draw(scale: float) -> torch.Tensor:
-        t = (scale * torch.randn(shape, generator=gen)).to(device=DEVICE, dtype=dtype)
+    def draw(scale: float, rows: int = 1) -> torch.Tensor:
+        t = (scale * torch.randn((rows * shape[0], *shape[1:]), generator=gen)).to(device=DEVICE, dtype=dtype)
         return t.contiguous(memory_format=torch.channels_last) if channels_last else t
 
-    x, model_output, x0_prev, noise = draw(1.5), draw(1.0), draw(0.8), draw(1.0)
-    coefs = (torch.rand((7, 6), generator=gen) * 2 - 1).to(DEVICE)
-    return x, model_output, x0_prev, noise, coefs
-
-
-def reference(x, model_output, x0_prev, noise, coefs, i, clip_range):
-    as64 = [None if t is None else t.double() for t in (x, model_output, x0_prev, noise, coefs)]
-    return sampler_step_ref(*as64, i, clip_range)
+    tensors = {"x": draw(1.5), "model_output": draw(1.0, 2 if guided else 1), "h1": draw(0.8), "h2": draw(0.7),
+               "aux": draw(1.2), "noise": draw(1.0)}  # fmt: skip
+    coefs = (torch.rand((7, len(COLUMNS)), generator=gen) * 2 - 1).to(DEVICE)
+    guidance = (torch.rand(shape[0], generator=gen) * 8).to(DEVICE) if guided else None
+    return tensors, coefs, guidance
 
 
 CASES = [
-    pytest.param(((2, 3, 7, 9), 0, True, True, 1.0, "int"), id="c3_7x9_b2_all_terms_clip"),
-    pytest.param(((1, 3, 7, 9), 6, False, True, None, "tensor"), id="c3_b1_no_x0_prev_step_tensor"),
-    pytest.param(((5, 33, 7, 9), 3, True, False, 0.5, "tensor"), id="c33_b5_no_noise_clip"),
-    pytest.param(((1, 4, 32, 32), 2, False, False, None, "int"), id="c4_32x32_first_order"),
-    pytest.param(((2, 4, 64, 64), 5, True, True, None, "tensor"), id="sd15_latents", marks=needs_cuda),
-    pytest.param(((256, 3, 32, 32), 1, True, True, 1.0, "tensor"), id="cifar_b256", marks=needs_cuda),
+    # shape, step, history (h1, h2, aux), noise ("tensor", "seeds", None), clip, index kind, channels-last, guided
+    pytest.param(((2, 3, 7, 9), 0, (True, True, True), "seeds", 1.0, "int", True, False), id="c3_7x9_unipc_seeds"),
+    pytest.param(((1, 3, 7, 9), 6, (False, False, False), "tensor", None, "tensor", True, False), id="ddpm_b1"),
+    pytest.param(((5, 33, 7, 9), 3, (True, False, False), None, 0.5, "tensor", False, False), id="c33_nchw_dpm"),
+    pytest.param(((3, 4, 6, 10), 2, (True, False, False), "seeds", None, "int", True, True), id="cfg_sde_b3"),
+    pytest.param(((1, 1, 5, 13), 4, (True, True, True), "tensor", None, "tensor", False, True), id="c1_cfg_unipc"),
+    pytest.param(
+        ((2, 4, 64, 64), 5, (True, True, True), "seeds", None, "tensor", True, True),
+        id="sd15_latents",
+        marks=needs_cuda,
+    ),  # fmt: skip
+    pytest.param(
+        ((256, 3, 32, 32), 1, (True, False, False), "seeds", 1.0, "tensor", True, False),
+        id="cifar_b256",
+        marks=needs_cuda,
+    ),  # fmt: skip
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES)
 def test_sampler_step_matches_ref(case: tuple, dtype: torch.dtype) -> None:
-    shape, step, with_x0_prev, with_noise, clip_range, index_kind = case
-    x, model_output, x0_prev, noise, coefs = make_inputs(shape, dtype, zlib.crc32(repr((case, str(dtype))).encode()))
-    x0_prev = x0_prev if with_x0_prev else None
-    noise = noise if with_noise else None
-    i = torch.tensor(step, device=DEVICE) if index_kind == "tensor" else step
-    out = (torch.full_like(x, float("nan")), torch.full_like(x, float("nan")))
-    x_next, x0 = sampler_step(x, model_output, x0_prev, noise, coefs, i, clip_range, out=out)
-    assert x_next.data_ptr() == out[0].data_ptr() and x0.data_ptr() == out[1].data_ptr()
-    ref_next, ref_x0 = reference(x, model_output, x0_prev, noise, coefs, step, clip_range)
-    assert rel_err(x_next, ref_next) < TOLERANCE[dtype]
-    assert rel_err(x0, ref_x0) < TOLERANCE[dtype]
+    shape, step, (with_h1, with_h2, with_aux), noise_kind, clip_range, index_kind, channels_last, guided = case
+    seed = zlib.crc32(repr((case, str(dtype))).encode())
+    t, coefs, guidance = make_inputs(shape, dtype, seed, channels_last, guided)
+    history = [t["h1"] if with_h1 else None, t["h2"] if with_h2 else None, t["aux"] if with_aux else None]
+    seeds = torch.arange(shape[0], dtype=torch.int64, device=DEVICE) * 131 + seed if noise_kind == "seeds" else None
+    kwargs = {"noise": t["noise"] if noise_kind == "tensor" else None, "seeds": seeds, "guidance": guidance,
+              "clip_range": clip_range}  # fmt: skip
+    i = step if index_kind == "int" else torch.tensor(step, device=DEVICE)
+    n_out = 2 + with_h2 + with_aux
+    out = tuple(torch.full_like(t["x"], float("nan")) for _ in range(n_out))
+    input_dtype = torch.float16 if dtype == torch.float32 else dtype  # the engine: fp32 state, fp16 model input
+    model_input = torch.full_like(t["model_output"], float("nan"), dtype=input_dtype)
+    got = sampler_step(t["x"], t["model_output"], coefs, i, *history, **kwargs, out=out, model_input=model_input)
+    ref = sampler_step_ref(*[float64(a) for a in (t["x"], t["model_output"], coefs)], step,
+                           *[float64(h) for h in history], **{k: float64(v) for k, v in kwargs.items()})  # fmt: skip
+    assert len(got) == len(ref) == n_out and all(g is o for g, o in zip(got, out, strict=True))
+    for name, g, r in zip(("x_next", "x0", "h1 -> h2", "xc -> aux"), got, ref, strict=False):
+        assert g.dtype == dtype and g.stride() == t["x"].stride()
+        err = rel_err(g, r)
+        assert err < TOLERANCE[dtype], f"{name}: {err:.2e}"
     if clip_range is not None:
-        assert x0.abs().max().item() <= clip_range
+        assert got[1].abs().max().item() <= clip_range
+    expected_input = torch.cat([got[0]] * (2 if guided else 1)).to(input_dtype)
+    assert torch.equal(model_input, expected_input)  # the next model input: x_next cast, both CFG halves
 
 
-def test_mixed_layouts_and_int32_step() -> None:
-    """Channels-last x with contiguous model_output / noise; the step index as a one-element int32 tensor."""
-    x, model_output, x0_prev, noise, coefs = make_inputs((2, 5, 6, 7), torch.float32, seed=11)
-    i = torch.tensor([4], device=DEVICE, dtype=torch.int32)
-    x_next, x0 = sampler_step(x, model_output.contiguous(), x0_prev, noise.contiguous(), coefs, i, 2.0)
-    assert x_next.is_contiguous(memory_format=torch.channels_last)
-    ref_next, ref_x0 = reference(x, model_output, x0_prev, noise, coefs, 4, 2.0)
-    assert rel_err(x_next, ref_next) < 1e-6 and rel_err(x0, ref_x0) < 1e-6
+def test_in_place_state_update_equals_functional() -> None:
+    """out=(x, h1, h2, aux) aliasing the inputs updates the whole state as the functional call would."""
+    t, coefs, _ = make_inputs((2, 3, 5, 6), torch.float32, 7, True, False)
+    state = [t["x"].clone(), t["h1"].clone(), t["h2"].clone(), t["aux"].clone()]
+    expected = sampler_step(*state[:1], t["model_output"], coefs, 2, *state[1:], noise=t["noise"])
+    sampler_step(state[0], t["model_output"], coefs, 2, *state[1:], noise=t["noise"], out=tuple(state))
+    for got, exp in zip(state, expected, strict=True):
+        torch.testing.assert_close(got, exp, rtol=0, atol=0)
 
 
-def test_in_place_into_x_and_x0_prev() -> None:
-    x, model_output, x0_prev, noise, coefs = make_inputs((3, 4, 5, 6), torch.float32, seed=12, channels_last=False)
-    ref_next, ref_x0 = reference(x, model_output, x0_prev, noise, coefs, 2, None)
-    x_next, x0 = sampler_step(x, model_output, x0_prev, noise, coefs, 2, None, out=(x, x0_prev))
-    assert x_next.data_ptr() == x.data_ptr() and x0.data_ptr() == x0_prev.data_ptr()
-    assert rel_err(x_next, ref_next) < 1e-6 and rel_err(x0, ref_x0) < 1e-6
+def test_seeded_noise_is_the_counter_draw_of_step_plus_one() -> None:
+    """With only the noise term (F = 1), x_next is draw i + 1 of each image's seed: image b depends on seed b only."""
+    shape = (3, 2, 5, 7)
+    coefs = torch.zeros((9, len(COLUMNS)), device=DEVICE)
+    coefs[:, COLUMNS.index("F")] = 1.0
+    x = torch.randn(shape, device=DEVICE).contiguous(memory_format=torch.channels_last)
+    seeds = torch.tensor([5, 2**40 + 3, 77], device=DEVICE)
+    got = sampler_step(x, x, coefs, torch.tensor(4, device=DEVICE), seeds=seeds)[0]
+    torch.testing.assert_close(got, gaussian_noise_ref(seeds, 5, shape[1:]), rtol=1e-5, atol=1e-5)
+    alone = sampler_step(x[1:2], x[1:2], coefs, 4, seeds=seeds[1:2])[0]
+    torch.testing.assert_close(alone, got[1:2], rtol=0, atol=0)
 
 
-@needs_cuda
-def test_cuda_graph_replays_with_a_new_step_index() -> None:
-    x, model_output, x0_prev, noise, coefs = make_inputs((2, 4, 16, 16), torch.float16, seed=13)
-    i = torch.tensor(0, device=DEVICE)
-    out = (torch.empty_like(x), torch.empty_like(x))
-    sampler_step(x, model_output, x0_prev, noise, coefs, i, 1.0, out=out)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        sampler_step(x, model_output, x0_prev, noise, coefs, i, 1.0, out=out)
-    for step in (3, 6):
-        out[0].fill_(float("nan"))
-        i.fill_(step)
-        graph.replay()
-        torch.cuda.synchronize()
-        ref_next, _ = reference(x, model_output, x0_prev, noise, coefs, step, 1.0)
-        assert rel_err(out[0], ref_next) < TOLERANCE[torch.float16]
-
-
-def test_example_inputs_and_cost() -> None:
+def test_registry_example_runs() -> None:
     args, kwargs = OP.example_inputs("small", torch.float32, DEVICE, 0)
+    got = sampler_step(*args, **kwargs)
+    ref = sampler_step_ref(*[float64(a) for a in args], **{k: float64(v) for k, v in kwargs.items()})
+    for g, r in zip(got, ref, strict=True):
+        assert rel_err(g, r) < 1e-6
     flops, moved = OP.cost(args, kwargs)
-    assert flops == 10.0 * args[0].numel() and moved == 6 * args[0].numel() * 4 + 24
+    assert flops >= 14 * args[0].numel() and moved >= 8 * args[0].numel() * 4
 
 
-def test_bad_arguments_raise() -> None:
-    x, model_output, x0_prev, noise, coefs = make_inputs((1, 3, 4, 4), torch.float32, seed=0)
-    with pytest.raises(FastdiffError):
-        sampler_step(x, model_output, x0_prev, noise, coefs, 7, None)  # table has 7 rows: 0..6
-    with pytest.raises(FastdiffError):
-        sampler_step(x, model_output, x0_prev, noise, coefs[:, :5], 0, None)
-    with pytest.raises(FastdiffError):
-        sampler_step(x, model_output[:, :2], x0_prev, noise, coefs, 0, None)
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"coefs": torch.zeros(3, 6)}, "coefs"),
+        ({"i": 9}, "outside"),
+        ({"clip_range": 0.0}, "clip_range"),
+        ({"model_output": torch.zeros(2, 3, 4, 4)}, "model_output"),
+        ({"h2": torch.zeros(1, 3, 4, 4)}, "h2"),
+        ({"noise": torch.zeros(1, 3, 4, 4), "seeds": torch.zeros(1, dtype=torch.int64)}, "either noise or seeds"),
+        ({"seeds": torch.zeros(2, dtype=torch.int64)}, "seeds"),
+        ({"guidance": torch.ones(1)}, "model_output"),
+    ],
+)
+def test_bad_arguments_raise(kwargs: dict, message: str) -> None:
+    args = {"x": torch.zeros(1, 3, 4, 4), "model_output": torch.zeros(1, 3, 4, 4),
+            "coefs": torch.zeros(9, len(COLUMNS)), "i": 0} | kwargs  # fmt: skip
+    args = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    with pytest.raises(FastdiffError, match=message):
+        sampler_step(**args)

@@ -13,8 +13,6 @@ from fastdiff.errors import FastdiffError
 from fastdiff.models import load_unet
 from fastdiff.models.ddpm_unet import DDPM_PRESETS, DDPMUNet, DDPMUNetConfig
 
-diffusers = pytest.importorskip("diffusers")
-
 TOL = 1e-4  # fp32 max abs diff; observed <= 1e-6 (outputs are O(1))
 
 CASES = {
@@ -83,7 +81,9 @@ CASES = {
 
 
 def random_diffusers_unet(kwargs: dict, seed: int) -> nn.Module:
-    """A diffusers UNet2DModel whose every parameter (GroupNorm affines included) is random."""
+    """A diffusers UNet2DModel whose every parameter (GroupNorm affines included) is random (skips without
+    diffusers)."""
+    diffusers = pytest.importorskip("diffusers")
     torch.manual_seed(seed)
     model = diffusers.UNet2DModel(**kwargs).eval()
     with torch.no_grad():
@@ -164,6 +164,7 @@ def test_old_attention_keys_are_converted(tmp_path):
 @pytest.mark.parametrize("preset", list(DDPM_PRESETS))
 def test_preset_layout_matches_diffusers(preset):
     """Every parameter name and shape of a preset equals diffusers' UNet2DModel with the same config."""
+    diffusers = pytest.importorskip("diffusers")
     config = DDPM_PRESETS[preset]
     with torch.device("meta"):
         ours = DDPMUNet(config)

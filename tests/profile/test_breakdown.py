@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from fastdiff.models.ddpm_unet import DDPMUNet, DDPMUNetConfig
-from fastdiff.profile.breakdown import OP_CLASSES, classify, plot_breakdown, profile_breakdown, sampler_range
+from fastdiff.profile.breakdown import (
+    OP_CLASSES,
+    breakdown_figure,
+    classify,
+    plot_breakdown,
+    profile_breakdown,
+    sampler_range,
+)
 from fastdiff.samplers import ScheduleConfig, make_sampler
 
 NAMES = {
@@ -113,7 +121,7 @@ def _tiny_step():
     def run_step() -> None:
         out = model(x, sampler.timesteps[0])
         with sampler_range():
-            sampler.step(0, x, out)
+            sampler.step(0, x, out, sampler.new_state(x))
 
     return run_step
 
@@ -127,6 +135,9 @@ def test_profile_breakdown_cpu():
     assert per_class["transfer"] == 0
     assert sum(per_class.values()) == pytest.approx(result["total_ms"], rel=0.01)
     assert 0 < result["total_ms"] <= result["wall_ms"]
+    # the classes and the idle remainder make up the profiled step: shares of it never pass 100 %
+    assert result["idle_ms"] == pytest.approx(result["wall_ms"] - result["total_ms"])
+    assert sum(per_class.values()) + result["idle_ms"] == pytest.approx(result["wall_ms"])
     assert result["kernels_seen"] == 0
     assert "self CPU time" in result["method"]
     events = result["events"]
@@ -139,12 +150,33 @@ def test_profile_breakdown_cpu():
     assert sum(e["ms_per_step"] for e in events) <= result["total_ms"] * 1.001
 
 
+ROWS = {
+    "eager": {"convolution": 3.0, "normalisation": 1.0, "attention": 0.5, "elementwise": 1.2, "sampler": 0.1},
+    "compile": {"convolution": 2.5, "normalisation": 0.6, "attention": 0.4, "elementwise": 0.3, "other": 0.2},
+    "engine": dict.fromkeys(OP_CLASSES, 0.25),
+}
+
+
+@pytest.mark.parametrize("rows", [ROWS, {"eager": ROWS["eager"]}], ids=["three_backends", "one_backend"])
+def test_breakdown_legend_covers_no_bar(rows):
+    fig = breakdown_figure(rows, "tiny U-Net, one step")
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    legends = fig.legends + [child for ax in fig.axes if (child := ax.get_legend()) is not None]
+    assert len(legends) == 1
+    legend = legends[0].get_window_extent(renderer)
+    ax = fig.axes[0]
+    drawn = [p for p in ax.patches if p.get_width() > 0] + list(ax.texts)
+    assert len(drawn) >= len(rows)
+    for artist in drawn:
+        box = artist.get_window_extent(renderer)
+        assert not legend.overlaps(box), f"the legend covers {artist}"
+    assert fig.bbox.contains(legend.x0, legend.y0) and fig.bbox.contains(legend.x1, legend.y1)
+
+
 def test_plot_breakdown(tmp_path):
-    rows = {
-        "eager": {"convolution": 3.0, "normalisation": 1.0, "attention": 0.5, "elementwise": 1.2, "sampler": 0.1},
-        "compile": {"convolution": 2.5, "normalisation": 0.6, "attention": 0.4, "elementwise": 0.3, "other": 0.2},
-        "engine": dict.fromkeys(OP_CLASSES, 0.25),
-    }
+    rows = ROWS
     path = tmp_path / "sub" / "breakdown.png"
     plot_breakdown(rows, path, "tiny U-Net, one step")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

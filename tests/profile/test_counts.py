@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from fastdiff.engine.fused_unet import Op, Value
-from fastdiff.profile.counts import (
+from fastdiff.kernels import REGISTRY
+from fastdiff.kernels.cost_model import (
     Cost,
-    aten_op_cost,
     attention_cost,
     conv2d_cost,
     elementwise_cost,
-    engine_op_cost,
     group_norm_cost,
     matmul_cost,
 )
+from fastdiff.profile.counts import aten_op_cost, engine_op_cost
 from fastdiff.profile.roofline import measure_ceilings, plot_roofline, roofline_point
 
 
@@ -67,10 +67,13 @@ def test_matmul():
 def test_group_norm():
     # B=2, C=6, 4x5: 240 elements at 7 FLOPs = 1680; bytes (240 read + 240 written + 12 gamma/beta) * 2 = 984
     assert group_norm_cost(2, 6, 20) == Cost(1680, 984)
-    # + SiLU: 240 * 11 = 2640 FLOPs, same bytes
-    assert group_norm_cost(2, 6, 20, act=True) == Cost(2640, 984)
+    # + SiLU: 240 * 11 = 2640 FLOPs, same bytes; + ReLU instead: 240 * 8 = 1920
+    assert group_norm_cost(2, 6, 20, act="silu") == Cost(2640, 984)
+    assert group_norm_cost(2, 6, 20, act="relu") == Cost(1920, 984)
     # + SiLU + residual: 240 * 12 = 2880 FLOPs; bytes (720 + 12) * 2 = 1464
-    assert group_norm_cost(2, 6, 20, act=True, residual=True) == Cost(2880, 1464)
+    assert group_norm_cost(2, 6, 20, act="silu", residual=True) == Cost(2880, 1464)
+    # no affine: 240 * 5 = 1200 FLOPs; bytes 480 * 2 = 960
+    assert group_norm_cost(2, 6, 20, affine=False) == Cost(1200, 960)
 
 
 def test_attention_and_elementwise():
@@ -127,6 +130,44 @@ def test_engine_gate_and_other_ops():
     assert engine_op_cost(center, 2) == Cost(96, 192)  # 48 elements * (mul, sub); 96 elements * 2 bytes
     with pytest.raises(ValueError, match="mystery"):
         engine_op_cost(Op("m", "mystery", [x], out, {}), 2)
+
+
+def kernel_cost(name: str, *args, **kwargs) -> Cost:
+    """``REGISTRY[name].cost`` of a call on fp16 tensors of the given shapes (only shapes and dtypes count)."""
+    tensors = [torch.empty(a, dtype=torch.float16) if isinstance(a, tuple) else a for a in args]
+    named = {k: torch.empty(v, dtype=torch.float16) if isinstance(v, tuple) else v for k, v in kwargs.items()}
+    return Cost(*REGISTRY[name].cost(tuple(tensors), named))
+
+
+def test_kernel_costs_are_the_engine_costs():
+    """One formula per op: each kernel's ``OP.cost`` equals the engine op's cost and the hand counts above."""
+    # conv with time embedding (no bias), residual, SiLU and scale: 38430 FLOPs, 3566 bytes (test_engine_conv_ops)
+    conv = kernel_cost("conv2d", (2, 3, 7, 9), (27, 5), None, padding=1, time_emb=(2, 5), residual=(2, 5, 7, 9),
+                       activation="silu", out_scale=0.5)  # fmt: skip
+    op = conv_op((2, 3, 7, 9), (2, 5, 7, 9), residual=True, temb=0, act="silu", scale=0.5)
+    assert conv == engine_op_cost(op, 2) == Cost(38430, 3566)
+    # nearest x2 upsampling conv + bias: 26280 FLOPs, 1284 bytes; stride 2: 11000 FLOPs, 1436 bytes at fp16
+    upsample = kernel_cost("conv2d", (1, 4, 3, 5), (6, 4, 3, 3), (6,), padding=1, upsample=2)
+    assert upsample == engine_op_cost(conv_op((1, 4, 3, 5), (1, 6, 6, 10), upsample=2), 2) == Cost(26280, 1284)
+    strided = kernel_cost("conv2d", (2, 3, 7, 9), (27, 5), (5,), stride=2, padding=1)
+    assert strided == engine_op_cost(conv_op((2, 3, 7, 9), (2, 5, 4, 5), stride=2), 2) == Cost(11000, 1436)
+    # the Winograd kernel counts as the 3x3 conv it computes (raw weights, not its 6x6 transform)
+    winograd = kernel_cost("winograd_conv3x3", (2, 3, 7, 9), (36, 3, 5), (5,))
+    assert winograd == conv2d_cost(2, 3, 5, 7, 9, 3) == Cost(34650, 2296)
+    dw = Op("dw", "depthwise", [Value("x", (1, 4, 5, 6))], Value("y", (1, 4, 5, 6)), {"temb": 0})
+    depthwise = kernel_cost("depthwise_conv2d", (1, 4, 5, 6), (49, 4), None, time_emb=(1, 4))
+    assert depthwise == engine_op_cost(dw, 2) == Cost(11880, 880)
+    gate = Op("gate", "gate", [Value("x", (1, 4, 3, 5)), Value("g", (1, 6, 3, 5))], Value("o", (1, 4, 3, 5)),
+              {"inter": 3})  # fmt: skip
+    gate_kernel = kernel_cost("attention_gate", (1, 4, 3, 5), (1, 6, 3, 5), (3, 4, 1, 1), (3, 6, 1, 1), (3,),
+                              (1, 3, 1, 1), (1,), b_x=(3,))  # fmt: skip
+    assert gate_kernel == engine_op_cost(gate, 2) == Cost(1305, 500)
+    attn = Op("a", "attention", [Value("qkv", (2, 36, 2, 5))], Value("o", (2, 12, 2, 5)), {"heads": 3, "head_dim": 4})
+    assert kernel_cost("attention", (2, 3, 10, 4), (2, 3, 10, 4), (2, 3, 10, 4)) == engine_op_cost(attn, 2)
+    assert engine_op_cost(attn, 2) == Cost(9600, 1920)
+    gn = Op("gn", "group_norm", [Value("x", (2, 6, 4, 5))], Value("y", (2, 6, 4, 5)), {"groups": 3, "act": "silu"})
+    gn_kernel = kernel_cost("group_norm_act", (2, 6, 4, 5), 3, (6,), (6,), 1e-5, activation="silu")
+    assert gn_kernel == engine_op_cost(gn, 2) == Cost(2640, 984)
 
 
 def test_aten_convolution_shapes():

@@ -11,18 +11,18 @@ import torch
 from torch import nn
 
 from fastdiff.cli import main
+from fastdiff.kernels.cost_model import conv2d_cost
 from fastdiff.profile import report
 from fastdiff.profile.breakdown import OP_CLASSES
-from fastdiff.profile.counts import conv2d_cost
 from fastdiff.profile.report import ProfileConfig, aten_kernel_rows, run_profile
 
-diffusers = pytest.importorskip("diffusers")
 CUDA = torch.cuda.is_available()
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A tiny UNet2DModel (odd size 12, 3 channels, attention) saved by diffusers, with a scheduler config."""
+    diffusers = pytest.importorskip("diffusers")
     torch.manual_seed(0)
     unet = diffusers.UNet2DModel(
         sample_size=12, in_channels=3, out_channels=3, block_out_channels=(8, 16), layers_per_block=1,

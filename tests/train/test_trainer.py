@@ -4,6 +4,8 @@ a checkpoint, export round-trips through load_unet and the Pipeline, and bad inp
 from __future__ import annotations
 
 import json
+import logging
+import stat
 from pathlib import Path
 
 import pytest
@@ -174,6 +176,30 @@ def test_export_loads_with_load_unet_and_samples(tmp_path):
     pipe = Pipeline.from_pretrained(dest, device="cpu", steps=4)
     images = pipe(batch_size=2, output_type="tensor", progress=False)
     assert images.shape == (2, 1, 16, 16) and torch.isfinite(images).all()
+
+
+def test_files_have_the_umask_mode(tmp_path, umask):
+    run, dest = tmp_path / "run", tmp_path / "model"
+    train(tiny_config(run, max_steps=2, sample_every=2, checkpoint_every=1), squares(32))
+    export_model(run, dest, dtype=torch.float16)
+    files = [p for p in (*run.rglob("*"), *dest.rglob("*")) if p.is_file()]
+    names = {p.name for p in files}
+    assert {"checkpoint.pt", "loss.jsonl", "loss.png", "summary.json", "step_000002.png"} <= names
+    assert {"config.json", "model.safetensors"} <= names
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == dict.fromkeys(names, 0o666 & ~umask)
+
+
+def test_final_loss_is_the_step_weighted_mean_it_says(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="fastdiff.train.trainer"):
+        summary = train(tiny_config(tmp_path, max_steps=7, log_every=3), squares(32))
+    records = [json.loads(line) for line in (tmp_path / "loss.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss_steps"]) for r in records] == [(3, 3), (6, 3), (7, 1)]
+    expected = (3 * records[0]["loss"] + 3 * records[1]["loss"] + records[2]["loss"]) / 7
+    assert summary["final_loss"] == pytest.approx(expected, abs=1e-6) and summary["final_loss_steps"] == 7
+    last = caplog.records[-1].getMessage()
+    assert f"final loss {expected:.4f} (mean over the last 7 steps)" in last, last
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 7 ")]
+    assert len(progress) == 1 and f"mean loss {records[2]['loss']:.4f} over the last 1 steps" in progress[0]
 
 
 def test_bad_input_raises_one_line_errors(tmp_path):

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from pathlib import Path
 
-from fastdiff.bench.runner import ALL_SYSTEMS, BenchConfig, result_path, run_bench, write_json_atomic
+from fastdiff.atomic import write_text_atomic
+from fastdiff.bench.runner import ALL_SYSTEMS, BenchConfig, result_path, run_bench
+from fastdiff.cli import HelpFormatter
 from fastdiff.errors import FastdiffError
 
 log = logging.getLogger(__name__)
@@ -19,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Run every system on the same model, weights, seeds and x_T in one process: ms/step, "
         "s/image, images/s, time-to-ready, peak GPU memory, NVML energy per image, and paired PSNR vs "
         "eager-fp32. Writes a JSON result and prints a Markdown table.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--model", default="ddpm-cifar10", help="preset name or model directory")
     p.add_argument("--batch", type=int, default=1, help="images per batch")
@@ -60,7 +63,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     )
     result = run_bench(cfg)
     path = result_path(result, args.out_dir, args.name)
-    write_json_atomic(result, path)
+    write_text_atomic(path, json.dumps(result, indent=1) + "\n")
     if args.plot:
         plot_result(result, path.with_suffix(".png"))
     print(markdown_table(result))

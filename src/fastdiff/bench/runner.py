@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import statistics
@@ -18,14 +17,14 @@ from fastdiff.bench.systems import CompileSystem, DiffusersSystem, EagerSystem, 
 from fastdiff.errors import FastdiffError
 from fastdiff.models import PRESETS, load_unet
 from fastdiff.quality.psnr import psnr
-from fastdiff.samplers import ScheduleConfig, make_sampler
-from fastdiff.samplers.noise import draw_noise
+from fastdiff.samplers import ScheduleConfig, initial_noise, make_sampler, seed_tensor
 
 log = logging.getLogger(__name__)
 
 SCHEMA = "fastdiff.bench/1"
 ALL_SYSTEMS = (
     "eager-fp32",
+    "diffusers-fp32",
     "eager-fp16",
     "diffusers-fp16",
     "compile-fp16",
@@ -115,7 +114,7 @@ def build_system(name: str, cfg: BenchConfig, device: torch.device, warmup_x: to
 
 def skip_reason(name: str, device: torch.device, model_class: str) -> str | None:
     """Why a system cannot run here (None if it can)."""
-    if device.type != "cuda" and not name.startswith("eager-"):
+    if device.type != "cuda" and name not in ("eager-fp32", "diffusers-fp32"):
         return "needs CUDA"
     if device.type != "cuda" and name == "eager-fp16":
         return "fp16 on CPU is not a meaningful baseline"
@@ -151,15 +150,15 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     sampler = make_sampler(cfg.sampler, schedule, cfg.steps, device=device)
     q_sampler = make_sampler(cfg.quality_sampler, schedule, cfg.quality_steps, device=device)
-    seeds = list(range(cfg.seed, cfg.seed + cfg.batch))
+    seeds = seed_tensor(range(cfg.seed, cfg.seed + cfg.batch), device)
     timed = min(cfg.timed_steps, cfg.steps)
-    x_t, noise = draw_noise(seeds, shape, timed if sampler.needs_noise else 0, device)
-    q_noise = None  # quality runs use the deterministic quality sampler (DDIM eta=0)
+    x_t = initial_noise(seeds, shape, device)
 
     meter = EnergyMeter(device.index or 0) if device.type == "cuda" else None
     idle_w = meter.idle_watts() if meter is not None and meter.available else None
     rows: list[Row] = []
-    reference: torch.Tensor | None = None
+    reference: torch.Tensor | None = None  # eager fp32: fastdiff's own loop
+    diffusers_reference: torch.Tensor | None = None  # diffusers fp32: the scheduler users run, default options
     for name in cfg.systems:
         dtype_name = name.rpartition("-")[2]
         row = Row(system=name.rpartition("-")[0], dtype=dtype_name)
@@ -171,14 +170,17 @@ def run_bench(cfg: BenchConfig) -> dict:
             continue
         try:
             measure_system(row, build_system(name, cfg, device, x_t, schedule), cfg, device, sampler, q_sampler,
-                           x_t, noise, q_noise, timed, meter, idle_w)  # fmt: skip
+                           x_t, seeds, timed, meter, idle_w)  # fmt: skip
+            final = row.extra.pop("final").clamp(-1, 1)
             if name == "eager-fp32":
-                reference = row.extra.pop("final")
-            else:
-                final = row.extra.pop("final")
-                if reference is not None:
-                    row.psnr_db = float(psnr(final.clamp(-1, 1), reference.clamp(-1, 1)).mean())
-                    row.max_abs_diff = float((final.clamp(-1, 1) - reference.clamp(-1, 1)).abs().max())
+                reference = final
+            elif reference is not None:
+                row.psnr_db = float(psnr(final, reference).mean())
+                row.max_abs_diff = float((final - reference).abs().max())
+            if name == "diffusers-fp32":
+                diffusers_reference = final
+            elif diffusers_reference is not None:
+                row.extra["psnr_vs_diffusers_fp32_db"] = float(psnr(final, diffusers_reference).mean())
         except Exception as exc:  # a baseline that fails here is reported, not fatal
             log.exception("%s failed", name)
             row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
@@ -200,19 +202,19 @@ def run_bench(cfg: BenchConfig) -> dict:
     }
 
 
-def measure_energy(system, meter: EnergyMeter, x_t, noise, sampler, timed: int, ms_step: float, seconds: float,
+def measure_energy(system, meter: EnergyMeter, x_t, seeds, sampler, timed: int, ms_step: float, seconds: float,
                    device: torch.device) -> int:  # fmt: skip
     """Run ``timed``-step loops for at least ``seconds`` (from the measured ``ms_step``) inside ``meter``; returns
     the steps run (``meter.joules``/``meter.seconds`` hold the window)."""
     runs = max(1, math.ceil(seconds * 1e3 / (ms_step * timed)))
     with meter:
         for _ in range(runs):
-            system.run(x_t, noise, sampler, timed)
+            system.run(x_t, seeds, sampler, timed)
         _sync(device)
     return runs * timed
 
 
-def measure_system(row, system, cfg, device, sampler, q_sampler, x_t, noise, q_noise, timed, meter, idle_w):
+def measure_system(row, system, cfg, device, sampler, q_sampler, x_t, seeds, timed, meter, idle_w):
     """Fill ``row`` with time-to-ready, ms/step, memory, energy and the quality-run output (``extra["final"]``)."""
     row.notes = system.notes
     _sync(device)
@@ -223,20 +225,20 @@ def measure_system(row, system, cfg, device, sampler, q_sampler, x_t, noise, q_n
     _sync(device)
     row.time_to_ready_s = time.perf_counter() - t0
     row.extra.update(system.facts)
-    system.run(x_t, noise, sampler, min(3, timed))  # warm-up (kernels compiled, caches hot)
+    system.run(x_t, seeds, sampler, min(3, timed))  # warm-up (kernels compiled, caches hot)
     _sync(device)
-    times = [time_ms(lambda: system.run(x_t, noise, sampler, timed), device) for _ in range(cfg.repeats)]
+    times = [time_ms(lambda: system.run(x_t, seeds, sampler, timed), device) for _ in range(cfg.repeats)]
     ms_step = statistics.median(times) / timed
     row.ms_per_step = ms_step
     row.s_per_image = ms_step * cfg.steps / 1e3 / cfg.batch
     row.images_per_s = 1.0 / row.s_per_image
     if meter is not None and meter.available:
-        steps_done = measure_energy(system, meter, x_t, noise, sampler, timed, ms_step, cfg.energy_seconds, device)
+        steps_done = measure_energy(system, meter, x_t, seeds, sampler, timed, ms_step, cfg.energy_seconds, device)
         row.avg_power_w = meter.joules / meter.seconds
         row.energy_j_per_image = meter.joules / steps_done * cfg.steps / cfg.batch
         row.extra["energy_window_s"] = meter.seconds
         row.extra["idle_watts"] = idle_w
-    row.extra["final"] = system.run(x_t, q_noise, q_sampler, q_sampler.num_steps).float().cpu()
+    row.extra["final"] = system.run(x_t, seeds, q_sampler, q_sampler.num_steps).float().cpu()
     if device.type == "cuda":
         row.peak_mem_mb = torch.cuda.max_memory_allocated() / 2**20
 
@@ -247,10 +249,3 @@ def result_path(result: dict, out_dir: Path, name: str | None = None) -> Path:
     date = result["env"]["date"][:10]
     name = name or f"{cfg['model']}-b{cfg['batch']}-{cfg['sampler']}{cfg['steps']}"
     return out_dir / f"{name}-{gpu}-{date}.json"
-
-
-def write_json_atomic(data: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)

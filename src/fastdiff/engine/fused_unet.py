@@ -43,12 +43,14 @@ import torch.nn.functional as F
 import triton
 from torch import nn
 
+from fastdiff.atomic import write_text_atomic
 from fastdiff.engine.plan import BufferSpec, MemoryPlan, plan_memory
 from fastdiff.engine.weights import WeightStreamer, normalize_device
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.attention import attention
 from fastdiff.kernels.attention_gate import attention_gate
-from fastdiff.kernels.conv2d import activation_ref, conv2d, pack_conv_weight
+from fastdiff.kernels.common import activation_ref
+from fastdiff.kernels.conv2d import conv2d, pack_conv_weight
 from fastdiff.kernels.depthwise_conv2d import depthwise_conv2d, pack_depthwise_weight
 from fastdiff.kernels.group_norm_act import group_norm_act
 from fastdiff.models import convnext_unet
@@ -83,10 +85,7 @@ def _load_tuning_cache() -> None:
 def _save_tuning_cache() -> None:
     path = tuning_cache_path()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(TUNING_CACHE, indent=0, sort_keys=True))
-        tmp.replace(path)
+        write_text_atomic(path, json.dumps(TUNING_CACHE, indent=0, sort_keys=True))
     except OSError as exc:
         log.warning("could not write the tuning cache %s: %s", path, exc)
 
@@ -665,13 +664,6 @@ class FusedUNet:
             rows.append(dict(name=op.name, kind=op.kind, shape=list(out.shape), impl=op.impl, why=op.why,
                              times_us=op.times_us, output=where))  # fmt: skip
         return rows
-
-    @property
-    def num_launches(self) -> int:
-        """Kernel launches per forward (a cuDNN conv or SDPA counts two: its epilogue / copy is a second op;
-        three with a time embedding or activation), plus the time-row select."""
-        extra = {"cudnn": 2, "sdpa": 2}
-        return 1 + sum(extra.get(op.impl, 1) for op in self.ops)
 
 
 def time_call_us(call: Callable[[], None], reps: int) -> float:

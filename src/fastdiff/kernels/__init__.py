@@ -1,5 +1,7 @@
 """Triton kernels: each module holds ``<op>_ref`` (plain torch, the definition), the kernel(s), the wrapper
-``<op>`` and ``OP = KernelOp(...)``. ``REGISTRY`` maps op name -> KernelOp (tests, benchmarks, engine).
+``<op>`` and ``OP = KernelOp(...)``. ``REGISTRY`` maps op name -> KernelOp (for the tests and benchmarks; the
+engine imports the kernel functions themselves). Shared helpers live in ``common``, the FLOP/byte formulas in
+``cost_model``.
 
 Conventions: activations are logical ``[N, C, H, W]`` tensors in channels-last memory (NHWC); attention takes
 ``[B, heads, L, head_dim]``. On the GPU the kernels run fp16/bf16 with fp32 accumulation and statistics; on
@@ -12,6 +14,7 @@ from fastdiff.kernels import (
     conv2d,
     depthwise_conv2d,
     group_norm_act,
+    philox_noise,
     sampler_step,
     winograd_conv3x3,
 )
@@ -27,6 +30,7 @@ REGISTRY: dict[str, KernelOp] = {
         attention,
         attention_gate,
         sampler_step,
+        philox_noise,
     )
 }
 """Op name -> KernelOp, in the order a U-Net forward meets them."""

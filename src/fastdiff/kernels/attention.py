@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from fastdiff.errors import FastdiffError
-from fastdiff.kernels.conv2d import num_sms
+from fastdiff.kernels import cost_model
+from fastdiff.kernels.common import num_sms
 from fastdiff.kernels.registry import KernelOp
 
 log = logging.getLogger(__name__)
@@ -304,12 +305,11 @@ def attention_example_inputs(
 
 
 def attention_cost(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float, float]:
-    """(4 * B * heads * Lq * Lk * d for the two products, q + k + v read once + o written once)."""
-    q, k, v = args[:3]
+    """(FLOPs, bytes) of one call by :func:`fastdiff.kernels.cost_model.attention_cost`."""
+    q, k = args[:2]
     batch, heads, lq, head_dim = q.shape
-    flops = 4.0 * batch * heads * lq * k.shape[2] * head_dim
-    moved = sum(t.numel() * t.element_size() for t in (q, k, v, q))
-    return flops, float(moved)
+    cost = cost_model.attention_cost(batch, heads, lq, k.shape[2], head_dim, q.element_size())
+    return cost.flops, cost.bytes
 
 
 OP = KernelOp(

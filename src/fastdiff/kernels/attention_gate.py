@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from fastdiff.errors import FastdiffError
-from fastdiff.kernels.conv2d import channels_last_randn, num_sms
+from fastdiff.kernels import cost_model
+from fastdiff.kernels.common import channels_last_randn, num_sms
 from fastdiff.kernels.registry import KernelOp
 
 log = logging.getLogger(__name__)
@@ -262,14 +263,14 @@ def attention_gate_example_inputs(
 
 
 def attention_gate_cost(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float, float]:
-    """(2 * pixels * (Cx + Cg + 1) * inter + pixels * Cx; x, g, weights read once, out written once)."""
-    x, g, w_x = args[0], args[1], args[2]
-    pixels = x.shape[0] * x.shape[2] * x.shape[3]
-    inter = w_x.shape[0]
-    flops = 2.0 * pixels * (x.shape[1] + g.shape[1] + 1) * inter + pixels * x.shape[1]
-    tensors = (x, x, *(a for a in args[1:] if a is not None), kwargs.get("b_x"))
-    moved = sum(t.numel() * t.element_size() for t in tensors if t is not None)
-    return flops, float(moved)
+    """(FLOPs, bytes) of one call by :func:`fastdiff.kernels.cost_model.attention_gate_cost`."""
+    x, g, w_x, _, b_g, _, b_psi = args[:7]
+    n, c_x, h, w = x.shape
+    hidden_biases = int(b_g is not None) + int(kwargs.get("b_x") is not None)
+    cost = cost_model.attention_gate_cost(
+        n * h * w, c_x, g.shape[1], w_x.shape[0], x.element_size(), hidden_biases, b_psi is not None
+    )
+    return cost.flops, cost.bytes
 
 
 OP = KernelOp(

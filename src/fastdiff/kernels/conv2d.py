@@ -27,10 +27,16 @@ import triton
 import triton.language as tl
 
 from fastdiff.errors import FastdiffError
+from fastdiff.kernels import cost_model
+from fastdiff.kernels.common import (
+    ACTIVATIONS,
+    activation_ref,
+    apply_activation,
+    channels_last_randn,
+    check_activation,
+    num_sms,
+)
 from fastdiff.kernels.registry import KernelOp
-
-ACTIVATIONS: dict[str | None, int] = {None: 0, "silu": 1, "gelu": 2, "relu": 3}
-"""Activation name -> the constexpr code the kernels branch on."""
 
 
 def pack_conv_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -56,19 +62,6 @@ def _packed_kernel_size(packed: torch.Tensor, cin: int) -> int:
             f"packed conv weight shape {tuple(packed.shape)} does not match [KH*KW*Cin, Cout] for Cin={cin}"
         )
     return ksize
-
-
-def activation_ref(y: torch.Tensor, activation: str | None) -> torch.Tensor:
-    """The epilogue activations in plain torch (gelu is the exact erf form)."""
-    if activation is None:
-        return y
-    if activation == "silu":
-        return F.silu(y)
-    if activation == "gelu":
-        return F.gelu(y)
-    if activation == "relu":
-        return F.relu(y)
-    raise FastdiffError(f"unknown activation {activation!r}; expected one of None, 'silu', 'gelu', 'relu'")
 
 
 def epilogue_ref(
@@ -152,12 +145,7 @@ def fused_epilogue(
     if HAS_TEMB:
         temb_ptrs = temb_ptr + n_idx[:, None] * stride_tn + offs_c[None, :] * stride_tc
         acc += tl.load(temb_ptrs, mask=mask, other=0.0).to(tl.float32)
-    if ACT == 1:
-        acc = acc / (1.0 + tl.exp(-acc))
-    elif ACT == 2:
-        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
-    elif ACT == 3:
-        acc = tl.maximum(acc, 0.0)
+    acc = apply_activation(acc, ACT)
     if HAS_RES:
         acc += tl.load(res_row_ptrs[:, None] + offs_c[None, :] * stride_rc, mask=mask, other=0.0).to(tl.float32)
     if HAS_SCALE:
@@ -259,16 +247,6 @@ def _conv2d_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; 1 elsewhere.
-
-    The interpreter runs programs one by one, so the fewest, largest programs are fastest there.
-    """
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
-
-
 def _pow2_at_least(value: int, low: int, high: int) -> int:
     return max(low, min(high, triton.next_power_of_2(max(value, 1))))
 
@@ -307,8 +285,7 @@ def check_epilogue_args(
     out: torch.Tensor | None,
 ) -> None:
     """Raise FastdiffError for epilogue operands whose shape or device does not fit [n, cout, *out_hw]."""
-    if activation not in ACTIVATIONS:
-        raise FastdiffError(f"unknown activation {activation!r}; expected one of None, 'silu', 'gelu', 'relu'")
+    check_activation(activation)
     expected = {
         "bias": (cout,),
         "time_emb": (n, cout),
@@ -411,14 +388,6 @@ def conv_shape(size: str) -> tuple[int, int, int, int, int]:
     return CONV_SHAPES[size]
 
 
-def channels_last_randn(
-    shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device, gen: torch.Generator
-) -> torch.Tensor:
-    """Standard-normal [N, C, H, W] tensor (drawn on the CPU for reproducibility) in channels-last memory."""
-    t = torch.randn(shape, generator=gen, dtype=torch.float32)
-    return t.to(device=device, dtype=dtype).contiguous(memory_format=torch.channels_last)
-
-
 def conv2d_example_inputs(
     size: str, dtype: torch.dtype, device: str | torch.device, seed: int = 0
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -434,25 +403,24 @@ def conv2d_example_inputs(
     return (x, packed, bias.to(device=device, dtype=dtype)), kwargs
 
 
-def _nbytes(*tensors: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
 def conv2d_cost(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float, float]:
-    """(2 * MACs, bytes of x, weight, bias, time_emb, residual read once + output written once)."""
+    """(FLOPs, bytes) of one call by :func:`fastdiff.kernels.cost_model.conv2d_cost`: the input read at its stored
+    resolution, the output at the (upsampled) conv's, the epilogue operands that are given."""
     x, weight = args[0], args[1]
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
     n, cin, h, w = x.shape
     taps = weight.shape[0] // cin if weight.dim() == 2 else weight.shape[2] * weight.shape[3]
     cout = weight.shape[1] if weight.dim() == 2 else weight.shape[0]
     ksize = round(taps**0.5)
-    stride, padding = kwargs.get("stride", 1), kwargs.get("padding", 0)
-    ho = (h + 2 * padding - ksize) // stride + 1
-    wo = (w + 2 * padding - ksize) // stride + 1
-    flops = 2.0 * n * ho * wo * cout * cin * taps
-    out_bytes = n * cout * ho * wo * x.element_size()
-    moved = _nbytes(x, weight, bias, kwargs.get("time_emb"), kwargs.get("residual")) + out_bytes
-    return flops, float(moved)
+    stride, padding, upsample = kwargs.get("stride", 1), kwargs.get("padding", 0), kwargs.get("upsample", 1)
+    ho = (h * upsample + 2 * padding - ksize) // stride + 1
+    wo = (w * upsample + 2 * padding - ksize) // stride + 1
+    cost = cost_model.conv2d_cost(
+        n, cin, cout, ho, wo, ksize, 1, x.element_size(), h, w, bias=bias is not None,
+        residual=kwargs.get("residual") is not None, temb=kwargs.get("time_emb") is not None,
+        act=kwargs.get("activation"), scale=kwargs.get("out_scale") is not None,
+    )  # fmt: skip
+    return cost.flops, cost.bytes
 
 
 OP = KernelOp(

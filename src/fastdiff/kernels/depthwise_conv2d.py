@@ -18,7 +18,9 @@ import triton
 import triton.language as tl
 
 from fastdiff.errors import FastdiffError
-from fastdiff.kernels.conv2d import channels_last_randn, conv_shape
+from fastdiff.kernels import cost_model
+from fastdiff.kernels.common import channels_last_randn
+from fastdiff.kernels.conv2d import conv_shape
 from fastdiff.kernels.registry import KernelOp
 
 KERNEL_SIZE = 7
@@ -204,12 +206,15 @@ def depthwise_conv2d_example_inputs(
 
 
 def depthwise_conv2d_cost(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float, float]:
-    """(2 * 49 MACs per output element, bytes of x, weight, bias, time_emb read once + output written)."""
-    x, weight = args[0], args[1]
+    """(FLOPs, bytes) of one call by :func:`fastdiff.kernels.cost_model.conv2d_cost` with one group per channel."""
+    x = args[0]
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
-    moved = sum(t.numel() * t.element_size() for t in (x, weight, bias, kwargs.get("time_emb")) if t is not None)
-    moved += x.numel() * x.element_size()
-    return 2.0 * KERNEL_SIZE * KERNEL_SIZE * x.numel(), float(moved)
+    n, channels, h, w = x.shape
+    cost = cost_model.conv2d_cost(
+        n, channels, channels, h, w, KERNEL_SIZE, channels, x.element_size(), bias=bias is not None,
+        temb=kwargs.get("time_emb") is not None,
+    )  # fmt: skip
+    return cost.flops, cost.bytes
 
 
 OP = KernelOp(

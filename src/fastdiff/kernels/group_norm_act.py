@@ -34,7 +34,15 @@ import triton
 import triton.language as tl
 
 from fastdiff.errors import FastdiffError
-from fastdiff.kernels.conv2d import ACTIVATIONS, activation_ref, channels_last_randn, num_sms
+from fastdiff.kernels import cost_model
+from fastdiff.kernels.common import (
+    ACTIVATIONS,
+    activation_ref,
+    apply_activation,
+    channels_last_randn,
+    check_activation,
+    num_sms,
+)
 from fastdiff.kernels.registry import KernelOp
 
 log = logging.getLogger(__name__)
@@ -169,13 +177,7 @@ def _scale_shift(w_ptr, b_ptr, offs_c, c_mask, mean, rstd, HAS_W: tl.constexpr, 
 @triton.jit
 def _finish_tile(tile, scale, shift, y_ptr, r_ptr, offs, mask, ACT: tl.constexpr, HAS_RES: tl.constexpr):
     """y = act(tile * scale + shift) (+ residual), stored at ``offs``."""
-    y = tile.to(tl.float32) * scale[None, :] + shift[None, :]
-    if ACT == 1:
-        y = y / (1.0 + tl.exp(-y))
-    elif ACT == 2:
-        y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
-    elif ACT == 3:
-        y = tl.maximum(y, 0.0)
+    y = apply_activation(tile.to(tl.float32) * scale[None, :] + shift[None, :], ACT)
     if HAS_RES:
         y += tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -405,8 +407,7 @@ def _check_inputs(
     channels = x.shape[1]
     if num_groups < 1 or channels % num_groups != 0:
         raise FastdiffError(f"num_groups={num_groups} must be >= 1 and divide the {channels} channels")
-    if activation not in ACTIVATIONS:
-        raise FastdiffError(f"unknown activation {activation!r}; expected one of {list(ACTIVATIONS)}")
+    check_activation(activation)
     if design not in ("auto", "single_pass", "two_phase"):
         raise FastdiffError(f"unknown group_norm_act design {design!r}; expected auto, single_pass or two_phase")
     for name, tensor, shape in (
@@ -519,12 +520,14 @@ def group_norm_act_example_inputs(
 
 
 def group_norm_act_cost(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float, float]:
-    """(~10 FLOPs per element; x, weight, bias, residual read once, y written once)."""
-    x = args[0]
-    weight, bias = args[2], args[3]
-    residual = kwargs.get("residual")
-    moved = sum(t.numel() * t.element_size() for t in (x, x, weight, bias, residual) if t is not None)
-    return 10.0 * x.numel(), float(moved)
+    """(FLOPs, bytes) of one call by :func:`fastdiff.kernels.cost_model.group_norm_cost`."""
+    x, weight, bias = args[0], args[2], args[3]
+    n, channels, h, w = x.shape
+    cost = cost_model.group_norm_cost(
+        n, channels, h * w, x.element_size(), act=kwargs.get("activation"),
+        residual=kwargs.get("residual") is not None, affine=weight is not None or bias is not None,
+    )  # fmt: skip
+    return cost.flops, cost.bytes
 
 
 OP = KernelOp(

@@ -1,4 +1,5 @@
-"""The kernel registry: op name -> KernelOp(triton, ref, example_inputs). Tests, benchmarks and the engine read it."""
+"""The kernel registry: op name -> KernelOp(triton, ref, example_inputs, cost). The tests and
+``benchmarks/kernels.py`` read it; the engine calls the kernel functions directly."""
 
 from __future__ import annotations
 

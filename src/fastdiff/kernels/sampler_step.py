@@ -224,7 +224,10 @@ def sampler_step(
     if not (x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))):
         x = x.contiguous()
     model_output = _like("model_output", model_output, x, 2 if guidance is not None else 1)
-    h1, h2, aux, noise = (None if t is None else _like(n, t, x) for n, t in zip(("h1", "h2", "aux", "noise"), (h1, h2, aux, noise), strict=True))  # fmt: skip
+    h1, h2, aux, noise = (
+        None if t is None else _like(n, t, x)
+        for n, t in zip(("h1", "h2", "aux", "noise"), (h1, h2, aux, noise), strict=True)
+    )
     if model_input is not None:
         rows = 2 if guidance is not None else 1
         if tuple(model_input.shape) != (rows * x.shape[0], *x.shape[1:]) or model_input.stride()[1:] != x.stride()[1:]:

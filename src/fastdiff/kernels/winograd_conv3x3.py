@@ -32,10 +32,10 @@ import triton
 import triton.language as tl
 
 from fastdiff.errors import FastdiffError
+from fastdiff.kernels import cost_model
+from fastdiff.kernels.common import ACTIVATIONS, channels_last_randn
 from fastdiff.kernels.conv2d import (
-    ACTIVATIONS,
     _gemm_blocks,
-    channels_last_randn,
     check_epilogue_args,
     conv2d,
     conv2d_ref,
@@ -497,15 +497,17 @@ def winograd_conv3x3_example_inputs(
 
 
 def winograd_conv3x3_cost(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float, float]:
-    """(2 * MACs of the equivalent direct 3x3 conv, bytes of x, U, bias, time_emb, residual + output)."""
+    """(FLOPs, bytes) of the op it computes, a 3x3 'same' conv (:func:`fastdiff.kernels.cost_model.conv2d_cost`):
+    useful work, not the transform arithmetic, and the raw 3x3 weights, not the 6x6 ``U`` the kernel reads."""
     x, u = args[0], args[1]
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
     n, cin, h, w = x.shape
-    cout = u.shape[2]
-    flops = 2.0 * n * h * w * cout * cin * 9
-    inputs = (x, u, bias, kwargs.get("time_emb"), kwargs.get("residual"))
-    moved = sum(t.numel() * t.element_size() for t in inputs if t is not None) + n * cout * h * w * x.element_size()
-    return flops, float(moved)
+    cost = cost_model.conv2d_cost(
+        n, cin, u.shape[2], h, w, 3, 1, x.element_size(), bias=bias is not None,
+        residual=kwargs.get("residual") is not None, temb=kwargs.get("time_emb") is not None,
+        act=kwargs.get("activation"), scale=kwargs.get("out_scale") is not None,
+    )  # fmt: skip
+    return cost.flops, cost.bytes
 
 
 OP = KernelOp(

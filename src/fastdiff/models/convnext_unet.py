@@ -22,7 +22,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fastdiff.atomic import write_atomic
 from fastdiff.errors import FastdiffError
 from fastdiff.models.weights import WEIGHT_NAMES, find_weights, load_state_dict_checked, read_state_dict
 
@@ -246,7 +246,7 @@ def save_convnext_unet(
     dtype: torch.dtype | None = None,
 ) -> None:
     """Write config.json (with ``_class_name``), model.safetensors (floats cast to ``dtype`` if given) and
-    scheduler_config.json if given. Files go to temporary names first; config.json is renamed last."""
+    scheduler_config.json if given, each all or nothing (``fastdiff.atomic``); config.json is written last."""
     from safetensors.torch import save_file
 
     if not isinstance(model, ConvNeXtUNet):
@@ -263,17 +263,10 @@ def save_convnext_unet(
     if scheduler_config is not None:
         outputs["scheduler_config.json"] = lambda p: _write_json(p, scheduler_config)
     outputs["config.json"] = lambda p: _write_json(p, config)
-    temps = {name: directory / f".{name}.tmp-{os.getpid()}" for name in outputs}
-    try:
-        for name, write in outputs.items():
-            write(temps[name])
-        for stale in WEIGHT_NAMES:
-            if stale != WEIGHTS_FILE and (directory / stale).is_file():
-                log.warning("removing stale %s from %s (it would shadow %s)", stale, directory, WEIGHTS_FILE)
-                (directory / stale).unlink()
-        for name in outputs:
-            os.replace(temps[name], directory / name)
-    finally:
-        for temp in temps.values():
-            temp.unlink(missing_ok=True)
+    for stale in WEIGHT_NAMES:
+        if stale != WEIGHTS_FILE and (directory / stale).is_file():
+            log.warning("removing stale %s from %s (it would shadow %s)", stale, directory, WEIGHTS_FILE)
+            (directory / stale).unlink()
+    for name, write in outputs.items():
+        write_atomic(directory / name, write)
     log.info("saved ConvNeXtUNet (%s) to %s", dtype or "native dtype", directory)

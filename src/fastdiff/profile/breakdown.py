@@ -139,7 +139,7 @@ def _method(cuda: bool, steps: int, warmup: int) -> str:
         "device time of every kernel/memcpy/memset event (not GPU idle gaps or host time; kernels replayed from a "
         "CUDA graph count if the profiler recorded them, see kernels_seen, and have no launching op)"
         if cuda
-        else "self CPU time of every op (its time minus its children's, so nothing counts twice; not Python time)"
+        else "self CPU time of every op (its time minus its children's, so nested ops count once)"
     )
     return (
         f"torch.profiler trace of {steps} steps after {warmup} warm-up steps: {what}, summed per class and divided "
@@ -156,10 +156,14 @@ def profile_breakdown(
     ``run_step`` should wrap its sampler update in ``sampler_range()``. On CUDA the times are device kernel
     times, on the CPU self CPU times of ops (see the returned "method"). Returns ``method``, ``per_class_ms``
     (ms per step, every class of ``OP_CLASSES``), ``total_ms`` (their sum), ``wall_ms`` (wall time per profiled
-    step, profiler overhead included), ``kernels_seen`` (device kernel events in the window; 0 on CUDA means the
+    step, profiler overhead included), ``idle_ms`` (``wall_ms - total_ms``: the profiled step's time outside every
+    counted kernel or op), ``kernels_seen`` (device kernel events in the window; 0 on CUDA means the
     profiler did not see the kernels, e.g. of a CUDA-graph replay: profile a run without graphs) and ``events``
     (the ``top`` (name, class) pairs by time: ``name``, ``class``, ``ms_per_step``, ``calls_per_step`` and the
     ``input_shapes`` of the first call's op, [] for a kernel with no launching op).
+
+    On the CPU the profiler slows every op down, so ``per_class_ms`` add up to ``wall_ms`` (with ``idle_ms``), not
+    to a step timed without the profiler: shares of the step must be taken of ``wall_ms``.
     """
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -198,12 +202,14 @@ def profile_breakdown(
         group[1] += 1
     scale = 1e-3 / steps  # us in the window -> ms per step
     ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    total_ms, wall_ms = sum(per_class.values()) * scale, wall_s * 1e3 / steps
     return {
         "method": _method(cuda, steps, warmup),
         "device": str(device),
         "per_class_ms": {cls: us * scale for cls, us in per_class.items()},
-        "total_ms": sum(per_class.values()) * scale,
-        "wall_ms": wall_s * 1e3 / steps,
+        "total_ms": total_ms,
+        "wall_ms": wall_ms,
+        "idle_ms": max(wall_ms - total_ms, 0.0),
         "kernels_seen": kernels_seen,
         "events": [
             {"name": name, "class": cls, "ms_per_step": us * scale, "calls_per_step": n / steps, "input_shapes": shp}
@@ -212,15 +218,13 @@ def profile_breakdown(
     }
 
 
-def plot_breakdown(rows: dict[str, dict[str, float]], path: Path, title: str) -> None:
-    """Stacked horizontal bars, one per backend (``rows``: label -> per-class ms), written atomically to ``path``."""
-    from matplotlib.figure import Figure  # Agg canvas, no pyplot state
+def breakdown_figure(rows: dict[str, dict[str, float]], title: str) -> Any:
+    """Stacked horizontal bars, one per backend (``rows``: label -> per-class ms), each labelled with its total;
+    the legend sits below the axes, clear of every bar. Returns the matplotlib ``Figure`` (Agg, no pyplot)."""
+    from matplotlib.figure import Figure
 
-    from fastdiff.images import save_figure_atomic
-
-    path = Path(path)
     labels = list(rows)
-    fig = Figure(figsize=(9, 1.2 + 0.6 * max(len(labels), 1)), layout="constrained")
+    fig = Figure(figsize=(9, 1.6 + 0.6 * max(len(labels), 1)), layout="constrained")
     ax = fig.add_subplot()
     left = [0.0] * len(labels)
     for i, cls in enumerate(OP_CLASSES):
@@ -233,5 +237,12 @@ def plot_breakdown(rows: dict[str, dict[str, float]], path: Path, title: str) ->
     ax.set_xlabel("ms per step")
     ax.set_xlim(0, max(left, default=0.0) * 1.15 or 1.0)
     ax.set_title(title)
-    ax.legend(ncols=4, fontsize="small", loc="lower right")
-    save_figure_atomic(fig, path, dpi=120)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncols=len(OP_CLASSES), fontsize="small")
+    return fig
+
+
+def plot_breakdown(rows: dict[str, dict[str, float]], path: Path, title: str) -> None:
+    """:func:`breakdown_figure` written to ``path`` as a PNG, all or nothing."""
+    from fastdiff.images import save_figure_atomic
+
+    save_figure_atomic(breakdown_figure(rows, title), Path(path), dpi=120)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from fastdiff.cli import HelpFormatter
 from fastdiff.errors import FastdiffError
 from fastdiff.profile.report import BACKENDS, ProfileConfig, markdown_report, run_profile, write_report
 
@@ -22,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "PNG charts: time per op class, weight load to first step (sync copy, async copy, the engine's early "
         "start), latency, peak memory, NVML power and energy per image, and a roofline against ceilings this "
         "command measures. On the CPU: the eager backend, times from time.perf_counter.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--model", default="ddpm-cifar10", help="preset name or model directory")
     p.add_argument("--batch", type=int, default=1, help="images per batch")

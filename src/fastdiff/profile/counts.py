@@ -1,103 +1,26 @@
-"""FLOP and byte counts of U-Net kernels, from shapes only.
-
-Conventions (every function below):
-
-* FLOPs: a multiply-add is 2 FLOPs; every other add, multiply, subtract or compare is 1; an activation
-  (SiLU, GELU, sigmoid) is ``ACT_FLOPS`` = 4 per element, ReLU is 1. Per-channel / per-group scalar work
-  (a group's mean and rsqrt, softmax row maxima) is not counted.
-* Bytes: the ideal minimum traffic: each input tensor read once, each output written once, weights read once,
-  all in the element size given. Intermediates a fused kernel keeps on chip (attention scores, the gate's hidden
-  activation) are never counted, and neither is re-reading from caches.
-"""
+"""FLOP and byte counts of what one U-Net step runs: the engine's ops and the eager model's profiler events,
+mapped onto the per-op formulas of :mod:`fastdiff.kernels.cost_model` (its docstring states the conventions)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from fastdiff.kernels.cost_model import (
+    ACT_FLOPS,
+    Cost,
+    attention_cost,
+    attention_gate_cost,
+    conv2d_cost,
+    elementwise_cost,
+    group_norm_cost,
+    matmul_cost,
+)
+
 if TYPE_CHECKING:
     from fastdiff.engine.fused_unet import Op
-
-ACT_FLOPS = 4
-"""FLOPs per element of SiLU, GELU or sigmoid (the convention; ReLU counts 1)."""
-
-
-@dataclass(frozen=True)
-class Cost:
-    """FLOPs and bytes of one kernel (or a sum of kernels)."""
-
-    flops: float
-    bytes: float
-
-    @property
-    def intensity(self) -> float:
-        """Arithmetic intensity in FLOP/byte (0 when no bytes move)."""
-        return self.flops / self.bytes if self.bytes else 0.0
-
-    def __add__(self, other: Cost) -> Cost:
-        return Cost(self.flops + other.flops, self.bytes + other.bytes)
-
-
-def _act_flops(act: str | None) -> int:
-    return 0 if act is None else (1 if act == "relu" else ACT_FLOPS)
-
-
-def conv2d_cost(
-    batch: int, c_in: int, c_out: int, h_out: int, w_out: int, kernel: int | tuple[int, int], groups: int = 1,
-    elem_bytes: int = 2, h_in: int | None = None, w_in: int | None = None, bias: bool = True,
-    residual: bool = False, temb: bool = False,
-) -> Cost:  # fmt: skip
-    """A 2-D convolution with an optional fused epilogue.
-
-    FLOPs = 2*B*Cout*Hout*Wout*(Cin/groups)*kh*kw, plus B*Cout*Hout*Wout for each epilogue add (``bias``,
-    ``residual``, ``temb``: a per-(sample, channel) time-embedding addend). Bytes = (input B*Cin*Hin*Win
-    + weights Cout*(Cin/groups)*kh*kw + output B*Cout*Hout*Wout + residual (the output's size) + bias Cout
-    + temb B*Cout) * elem_bytes. ``h_in``/``w_in`` default to ``h_out``/``w_out`` (a stride-1 'same' conv).
-    """
-    kh, kw = (kernel, kernel) if isinstance(kernel, int) else kernel
-    h_in, w_in = h_out if h_in is None else h_in, w_out if w_in is None else w_in
-    out = batch * c_out * h_out * w_out
-    weights = c_out * (c_in // groups) * kh * kw
-    flops = 2 * out * (c_in // groups) * kh * kw + out * (int(bias) + int(residual) + int(temb))
-    elems = batch * c_in * h_in * w_in + weights + out * (1 + int(residual)) + c_out * bias + batch * c_out * temb
-    return Cost(float(flops), float(elems * elem_bytes))
-
-
-def matmul_cost(m: int, n: int, k: int, elem_bytes: int = 2, bias: bool = False) -> Cost:
-    """[m, k] @ [k, n]: 2*m*n*k FLOPs (+ m*n for a bias row added to every output row); bytes
-    (m*k + k*n + m*n (+ n for the bias)) * elem_bytes."""
-    return Cost(float(2 * m * n * k + m * n * bias), float((m * k + k * n + m * n + n * bias) * elem_bytes))
-
-
-def group_norm_cost(
-    batch: int, channels: int, hw: int, elem_bytes: int = 2, act: bool = False, residual: bool = False
-) -> Cost:
-    """GroupNorm (+ an optional activation, + an optional residual add) over ``batch*channels*hw`` elements.
-
-    FLOPs per element: 7 = statistics 3 (add to the sum, square, add to the sum of squares) + normalise 2
-    (subtract the mean, multiply by rstd) + affine 2 (times gamma, plus beta); + ACT_FLOPS (4) with an activation;
-    + 1 with a residual. Bytes = (x read once + y written once (+ residual read) + gamma and beta 2*C) * elem_bytes.
-    """
-    n = batch * channels * hw
-    flops = n * (7 + ACT_FLOPS * int(act) + int(residual))
-    return Cost(float(flops), float((n * (2 + int(residual)) + 2 * channels) * elem_bytes))
-
-
-def attention_cost(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, elem_bytes: int = 2) -> Cost:
-    """Flash-style attention: FLOPs = 4*B*H*Lq*Lkv*D (Q K^T and P V; softmax and scaling not counted).
-    Bytes = (Q and O: 2*B*H*Lq*D, K and V: 2*B*H*Lkv*D) * elem_bytes; the score matrix is never written."""
-    flops = 4 * batch * heads * q_len * kv_len * head_dim
-    return Cost(float(flops), float(2 * batch * heads * (q_len + kv_len) * head_dim * elem_bytes))
-
-
-def elementwise_cost(
-    elements: int, inputs: int = 1, outputs: int = 1, flops_per_element: float = 1, elem_bytes: int = 2
-) -> Cost:
-    """``elements * flops_per_element`` FLOPs; bytes = elements * (inputs + outputs) * elem_bytes."""
-    return Cost(float(elements * flops_per_element), float(elements * (inputs + outputs) * elem_bytes))
 
 
 def engine_op_cost(op: Op, elem_bytes: int) -> Cost:
@@ -114,21 +37,18 @@ def engine_op_cost(op: Op, elem_bytes: int) -> Cost:
     p = op.params
     if op.kind == "conv":
         temb = p.get("temb") is not None
-        cost = conv2d_cost(
-            b, x[1], c_out, h, w, p["ksize"], 1, elem_bytes, x[2], x[3], not temb, len(op.inputs) > 1, temb
-        )
-        return cost + Cost(float(b * c_out * h * w * (_act_flops(p.get("act")) + (p.get("scale") is not None))), 0)
+        return conv2d_cost(
+            b, x[1], c_out, h, w, p["ksize"], 1, elem_bytes, x[2], x[3], bias=not temb, residual=len(op.inputs) > 1,
+            temb=temb, act=p.get("act"), scale=p.get("scale") is not None,
+        )  # fmt: skip
     if op.kind == "depthwise":
         return conv2d_cost(b, c_out, c_out, h, w, p.get("ksize", 7), c_out, elem_bytes, bias=False, temb=True)
     if op.kind == "group_norm":
-        return group_norm_cost(b, c_out, h * w, elem_bytes, act=p.get("act") is not None)
+        return group_norm_cost(b, c_out, h * w, elem_bytes, act=p.get("act"))
     if op.kind == "attention":
         return attention_cost(b, p["heads"], h * w, h * w, p["head_dim"], elem_bytes)
     if op.kind == "gate":
-        inter, c_g, pixels = p["inter"], op.inputs[1].shape[1], b * h * w
-        flops = pixels * (2 * inter * (c_out + c_g + 1) + 4 * inter + 1 + ACT_FLOPS + c_out)
-        elems = pixels * (2 * c_out + c_g) + inter * (c_out + c_g + 1) + 2 * inter + 1
-        return Cost(float(flops), float(elems * elem_bytes))
+        return attention_gate_cost(b * h * w, c_out, op.inputs[1].shape[1], p["inter"], elem_bytes)
     if op.kind == "center":
         return elementwise_cost(math.prod(out), flops_per_element=2, elem_bytes=elem_bytes)
     raise ValueError(f"engine_op_cost: unknown op kind {op.kind!r}")

@@ -21,7 +21,6 @@ import copy
 import gc
 import json
 import logging
-import math
 import os
 import shutil
 import statistics
@@ -47,8 +46,7 @@ from fastdiff.models import PRESETS, load_unet
 from fastdiff.profile.breakdown import OP_CLASSES, classify, plot_breakdown, profile_breakdown, sampler_range
 from fastdiff.profile.counts import Cost, aten_op_cost, engine_op_cost
 from fastdiff.profile.roofline import measure_ceilings, plot_roofline, roofline_point
-from fastdiff.samplers import Sampler, ScheduleConfig, make_sampler
-from fastdiff.samplers.noise import draw_noise
+from fastdiff.samplers import Sampler, ScheduleConfig, initial_noise, make_sampler, seed_tensor, step_noise
 
 log = logging.getLogger(__name__)
 
@@ -128,27 +126,29 @@ def _make_system(name: str, make_model: Callable[[], nn.Module], dtype, device, 
     return EngineSystem(make_model, dtype, device, x_t)
 
 
-def _eager_step(model: nn.Module, dtype: torch.dtype, sampler: Sampler, x_t, noise) -> Callable[[], None]:
-    """One step of eager/compiled sampling per call (steps wrap around the timed noise), sampler in its range."""
-    state: dict[str, Any] = {"x": x_t.clone(), "x0": None, "i": 0}
-    batch, period = x_t.shape[0], noise.shape[0] if noise is not None else sampler.num_steps
+def _eager_step(model: nn.Module, dtype: torch.dtype, sampler: Sampler, x_t, seeds) -> Callable[[], None]:
+    """One step of eager/compiled sampling per call (steps wrap around the sampler), sampler in its range."""
+    x = x_t * sampler.init_scale
+    state: dict[str, Any] = {"x": x, "sampler": sampler.new_state(x), "i": 0}
+    batch = x_t.shape[0]
 
     @torch.no_grad()
     def step() -> None:
-        i = state["i"] % period
+        i = state["i"] % sampler.num_steps
         out = model(state["x"].to(dtype), sampler.timesteps[i].expand(batch)).float()
         with sampler_range():
-            state["x"], state["x0"] = sampler.step(i, state["x"], out, state["x0"], None if noise is None else noise[i])
+            noise = step_noise(seeds, i, tuple(x_t.shape[1:])) if sampler.noise_steps[i] else None
+            state["x"] = sampler.step(i, state["x"], out, state["sampler"], noise)
         state["i"] += 1
 
     return step
 
 
-def _engine_step(system: System, x_t, noise, steps: int) -> Callable[[], None]:
+def _engine_step(system: System, x_t, seeds) -> Callable[[], None]:
     """One non-graph step of the engine's prepared loop per call: the kernels its graph replays, launched from the
-    host so that the profiler sees their launching ops (loaded with ``steps`` steps of noise)."""
+    host so that the profiler sees their launching ops."""
     loop = system.engine.current
-    loop.load(x_t, noise, steps)
+    loop.load(x_t, seeds)
     return torch.no_grad()(loop.step)
 
 
@@ -205,8 +205,9 @@ def aten_kernel_rows(run_step: Callable[[], None], device: torch.device, elem_by
 def engine_kernel_rows(system: System, sampler: Sampler, elem_bytes: int) -> list:
     """Per-op rows of one engine step: every fused op's time with its chosen implementation (CUDA graph of
     repeated launches, see ``FusedUNet.time_ops``) and its cost from :func:`engine_op_cost`, plus the sampler
-    update kernel (reads x, eps, x0 and noise, writes x and x0, fp32 state)."""
+    update kernel (its cost from the kernel module: reads the state and the model output, writes the state)."""
     from fastdiff.engine.fused_unet import time_call_us
+    from fastdiff.kernels.sampler_step import OP as SAMPLER_STEP
     from fastdiff.kernels.sampler_step import sampler_step
 
     fused = _fused_unet(system)
@@ -215,21 +216,19 @@ def engine_kernel_rows(system: System, sampler: Sampler, elem_bytes: int) -> lis
         cost = engine_op_cost(op, elem_bytes)
         rows.append(_kernel_row(f"{op.name} ({op.kind}, {op.impl})", ENGINE_OP_CLASS[op.kind], 1.0, us, cost))
     loop = system.engine.current
-    noise = None
-    if loop.noise_nhwc is not None:
-        b, c, h, w = loop.shape
-        noise = loop.noise_nhwc[0].permute(0, 3, 1, 2)
     out = fused.forward_from_row(loop.x_in)
     index = torch.zeros(1, dtype=torch.int64, device=loop.device)
-    x, x0 = loop.x.clone(), loop.x0.clone()  # the timing writes garbage into its outputs: not into the loop's
+    state = [t.clone() for t in loop.state]  # the timing writes garbage into its outputs: not into the loop's
+    history = [state[1] if sampler.uses_h1 else None, loop.h2, loop.aux]
+    seeds = loop.seeds if sampler.needs_noise else None
+    args = (state[0], out, sampler.coefs, index, *(t.clone() if t is not None else None for t in history))
+    kwargs = {"seeds": seeds, "clip_range": sampler.clip_range}
 
     def call() -> None:
-        sampler_step(x, out, x0, noise, sampler.coefs, index, sampler.clip_range, out=(x, x0))
+        sampler_step(*args, **kwargs, out=tuple(state))
 
-    # About 12 FLOPs per element (two affine combinations and a clamp); reads x, x0 (and noise) in fp32 and eps in
-    # the model dtype, writes x and x0 in fp32.
-    elements = math.prod(loop.shape)
-    cost = Cost(float(elements * 12), float(elements * (4 * (2 + int(noise is not None)) + elem_bytes + 4 * 2)))
+    flops, moved = SAMPLER_STEP.cost(args, kwargs)
+    cost = Cost(flops, moved)
     rows.append(_kernel_row("sampler_step", "sampler", 1.0, time_call_us(call, 20), cost))
     return rows
 
@@ -343,8 +342,8 @@ def run_profile(cfg: ProfileConfig) -> dict:
 
     sampler = make_sampler(cfg.sampler, schedule, cfg.steps, device=device)
     timed = min(cfg.timed_steps, cfg.steps)
-    x_t, noise = draw_noise(list(range(cfg.seed, cfg.seed + cfg.batch)), shape, timed if sampler.needs_noise else 0,
-                            device)  # fmt: skip
+    seeds = seed_tensor(range(cfg.seed, cfg.seed + cfg.batch), device)
+    x_t = initial_noise(seeds, shape, device)
     n_warm = min(2, timed - 1)
     n_prof = min(3, timed - n_warm)
     elem = _elem_bytes(dtype)
@@ -356,7 +355,7 @@ def run_profile(cfg: ProfileConfig) -> dict:
     backends: dict[str, dict] = {}
     for name in cfg.backends:
         log.info("profiling backend %s", name)
-        backends[name] = _profile_backend(name, cfg, make_model, dtype, device, sampler, x_t, noise, timed, n_warm,
+        backends[name] = _profile_backend(name, cfg, make_model, dtype, device, sampler, x_t, seeds, timed, n_warm,
                                           n_prof, elem, ceilings, meter, idle_w)  # fmt: skip
         _free(device)
     log.info("weight load to first step, %d fresh loads per mode", cfg.loads)
@@ -380,7 +379,7 @@ def run_profile(cfg: ProfileConfig) -> dict:
     }
 
 
-def _profile_backend(name, cfg, make_model, dtype, device, sampler, x_t, noise, timed, n_warm, n_prof, elem,
+def _profile_backend(name, cfg, make_model, dtype, device, sampler, x_t, seeds, timed, n_warm, n_prof, elem,
                      ceilings, meter, idle_w) -> dict:  # fmt: skip
     out: dict[str, Any] = {}
     if device.type == "cuda":
@@ -391,9 +390,9 @@ def _profile_backend(name, cfg, make_model, dtype, device, sampler, x_t, noise, 
     _sync(device)
     out["time_to_ready_s"] = time.perf_counter() - start
     out["notes"] = system.notes
-    system.run(x_t, noise, sampler, min(3, timed))  # warm-up: kernels compiled, graphs captured
+    system.run(x_t, seeds, sampler, min(3, timed))  # warm-up: kernels compiled, graphs captured
     _sync(device)
-    times = [time_ms(lambda: system.run(x_t, noise, sampler, timed), device) for _ in range(cfg.repeats)]
+    times = [time_ms(lambda: system.run(x_t, seeds, sampler, timed), device) for _ in range(cfg.repeats)]
     ms_step = statistics.median(times) / timed
     timer = "CUDA events" if device.type == "cuda" else "time.perf_counter"
     out["latency"] = {
@@ -403,13 +402,16 @@ def _profile_backend(name, cfg, make_model, dtype, device, sampler, x_t, noise, 
     }  # fmt: skip
 
     if name == "engine":
-        run_step = _engine_step(system, x_t, noise, timed)
+        run_step = _engine_step(system, x_t, seeds)
     else:
-        run_step = _eager_step(system.model, dtype, sampler, x_t, noise)
+        run_step = _eager_step(system.model, dtype, sampler, x_t, seeds)
     breakdown = profile_breakdown(run_step, device, steps=n_prof, warmup=n_warm)
-    breakdown["idle_ms"] = max(ms_step - breakdown["total_ms"], 0.0)
+    if device.type == "cuda":  # idle = the timed (unprofiled) step minus the kernel sum
+        breakdown["idle_ms"] = max(ms_step - breakdown["total_ms"], 0.0)
+        breakdown["end_to_end_ms"] = ms_step
+    else:  # CPU ops slow down under the profiler: shares are of the profiled step, idle as the profiler saw it
+        breakdown["end_to_end_ms"] = breakdown["wall_ms"]
     breakdown["kernels_per_step"] = breakdown["kernels_seen"] / n_prof if device.type == "cuda" else None
-    breakdown["end_to_end_ms"] = ms_step
     breakdown["profiled_run"] = {
         "engine": "the engine's step without graph capture (the same kernels its graph replays, launched from the "
         "host); idle = graph replay's step time minus the kernel sum",
@@ -421,14 +423,14 @@ def _profile_backend(name, cfg, make_model, dtype, device, sampler, x_t, noise, 
     if name == "engine":
         rows = engine_kernel_rows(system, sampler, elem)
     elif name == "eager":
-        rows = aten_kernel_rows(_eager_step(system.model, dtype, sampler, x_t, noise), device, elem)
+        rows = aten_kernel_rows(_eager_step(system.model, dtype, sampler, x_t, seeds), device, elem)
     else:
         rows = None  # Inductor's fused kernels have no aten shapes to count from
     out["roofline"] = roofline_section(rows, ceilings, cfg.top) if rows is not None else {
         "skipped": "torch.compile's fused kernels carry no op shapes to count FLOPs and bytes from"}  # fmt: skip
 
     if meter is not None and meter.available:
-        steps_done = measure_energy(system, meter, x_t, noise, sampler, timed, ms_step, cfg.energy_seconds, device)
+        steps_done = measure_energy(system, meter, x_t, seeds, sampler, timed, ms_step, cfg.energy_seconds, device)
         per_image = cfg.steps / cfg.batch / steps_done
         out["energy"] = {
             "avg_power_w": meter.joules / meter.seconds, "idle_w": idle_w,

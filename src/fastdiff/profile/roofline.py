@@ -12,7 +12,7 @@ import torch
 
 from fastdiff.errors import FastdiffError
 from fastdiff.images import save_figure_atomic
-from fastdiff.profile.counts import Cost
+from fastdiff.kernels.cost_model import Cost
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,6 @@ import argparse
 import functools
 import json
 import logging
-import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from fastdiff.atomic import write_text_atomic
+from fastdiff.cli import HelpFormatter, positive_int
 from fastdiff.errors import FastdiffError
 from fastdiff.quality.classifier import (
     cached_classifier,
@@ -39,16 +39,6 @@ IMAGE_SUFFIXES = (".png",)
 LUMA = (0.299, 0.587, 0.114)
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``fid`` subcommand (sets ``func=run_fid``)."""
     p = subparsers.add_parser(
@@ -58,24 +48,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "SAMPLES: a folder of PNGs, or an .npz whose 'images' array is uint8 [0, 255] or float [-1, 1] in "
         "layout [N,H,W], [N,H,W,C] or [N,C,H,W]. fd-fmnist uses the bundled Fashion-MNIST classifier's "
         "128-d features and needs 28x28 or 32x32 images; inception uses the standard FID InceptionV3.",
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("samples", type=Path, metavar="SAMPLES", help="folder of PNGs or .npz of images")
+    p.add_argument("samples", type=Path, metavar="SAMPLES", help="folder of PNGs (or of .npz shards) or .npz of images")
     p.add_argument(
         "--ref",
         default="fmnist-test",
-        help="fmnist-test (default), fmnist-train, or a PNG folder / .npz of images / .npz with mu and sigma",
+        help="fmnist-test, fmnist-train, or a PNG folder / .npz of images / .npz with mu and sigma",
     )
     p.add_argument(
         "--metric",
         default="fd-fmnist",
         choices=("fd-fmnist", "inception"),
-        help="feature network (default: fd-fmnist)",
+        help="feature network",
     )
     p.add_argument("--inception", type=Path, default=None, metavar="PATH", help="pt_inception-2015-12-05-6726825d.pth")
-    p.add_argument("--classifier", type=Path, default=None, metavar="DIR", help="default: the bundled one")
+    p.add_argument(
+        "--classifier", type=Path, default=None, metavar="DIR", help="FD-FMNIST classifier (default: the bundled one)"
+    )
     p.add_argument("--data", type=Path, default=None, metavar="DIR", help="Fashion-MNIST idx .gz folder")
-    p.add_argument("--batch", type=positive_int, default=None, metavar="N", help="default 500, inception 50")
-    p.add_argument("--device", default="auto", help="auto (default: GPU if present, else CPU), cpu, cuda or cuda:N")
+    p.add_argument(
+        "--batch", type=positive_int, default=None, metavar="N", help="images per batch (default: 500, inception 50)"
+    )
+    p.add_argument("--device", default="auto", help="auto (GPU if present, else CPU), cpu, cuda or cuda:N")
     p.add_argument(
         "--limit", type=positive_int, default=None, metavar="N", help="use the first N samples and references"
     )
@@ -135,9 +130,12 @@ def npz_images(arrays: dict[str, np.ndarray], path: Path) -> np.ndarray:
 
 
 def png_folder_images(folder: Path) -> torch.Tensor:
-    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."))
     if not files:
-        raise FastdiffError(f"no .png files in {folder}")
+        shards = sorted(p for p in folder.glob("*.npz") if not p.name.startswith("."))
+        if shards:  # ``fastdiff generate --format npz``: shards of images, read in name (seed) order
+            return torch.cat([images_from_array(npz_images(read_npz(s), s), str(s)) for s in shards])
+        raise FastdiffError(f"no .png or .npz files in {folder}")
     arrays = []
     for file in files:
         try:
@@ -245,19 +243,6 @@ def compute_fid(args: argparse.Namespace) -> dict:
     }
 
 
-def write_json_atomic(record: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".json", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def run_fid(args: argparse.Namespace) -> int:
     """Print the Fréchet distance (a bare number on stdout); with --json also write the record there."""
     start = time.perf_counter()
@@ -274,5 +259,5 @@ def run_fid(args: argparse.Namespace) -> int:
     )
     print(f"{record['value']:.4f}")
     if args.json is not None:
-        write_json_atomic(record, args.json)
+        write_text_atomic(args.json, json.dumps(record, indent=2) + "\n")
     return 0

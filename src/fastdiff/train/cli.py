@@ -7,6 +7,7 @@ import json
 import logging
 from pathlib import Path
 
+from fastdiff.cli import HelpFormatter
 from fastdiff.errors import FastdiffError
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "weights. Writes checkpoint.pt, loss.jsonl, loss.png, summary.json and samples/step_XXXXXX.png (EMA "
         "model, DDIM) to --out; running again with the same --out resumes exactly where the last run stopped "
         "(--export writes the EMA weights as a model directory for 'fastdiff sample --model DIR').",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--model", default=defaults.model, help="ConvNeXt preset to train (architecture)")
     p.add_argument(

@@ -14,8 +14,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from fastdiff.atomic import write_atomic, write_text_atomic
 from fastdiff.errors import FastdiffError
-from fastdiff.images import make_grid, save_png_atomic, to_pil
+from fastdiff.images import make_grid, save_figure_atomic, save_png_atomic, to_pil
 from fastdiff.models.convnext_unet import (
     CONVNEXT_PRESETS,
     ConvNeXtUNet,
@@ -34,8 +33,7 @@ from fastdiff.models.convnext_unet import (
     save_convnext_unet,
 )
 from fastdiff.pipeline import resolve_device, sample_loop
-from fastdiff.samplers import ScheduleConfig, alphas_cumprod, make_sampler
-from fastdiff.samplers.noise import draw_noise
+from fastdiff.samplers import ScheduleConfig, alphas_cumprod, initial_noise, make_sampler, seed_tensor
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +48,8 @@ SUMMARY_NAME = "summary.json"
 SAMPLES_DIR = "samples"
 REPORT_SECONDS = 30.0
 """Seconds between progress lines in the log (the tqdm bar updates every step)."""
+FINAL_LOSS_RECORDS = 10
+"""The final loss is the mean over the steps of the last this many loss-log records."""
 
 RESUME_KEYS = (
     "model_config",
@@ -173,36 +173,9 @@ def load_training_images(config: TrainConfig, model_config: ConvNeXtUNetConfig) 
     return images
 
 
-def publish(tmp: str, path: Path) -> None:
-    """Rename a finished temporary file onto ``path``, readable by all (mkstemp files start as 0600)."""
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file next to ``path`` and rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        publish(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save_checkpoint_atomic(state: dict, path: Path) -> None:
-    """``torch.save`` to a temporary file next to ``path``, then rename (a crash never leaves half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        torch.save(state, tmp)
-        publish(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """``torch.save`` all or nothing (a crash never leaves half a checkpoint)."""
+    write_atomic(path, lambda tmp: torch.save(state, tmp))
 
 
 def load_checkpoint(path: Path) -> dict:
@@ -242,15 +215,7 @@ def plot_loss_curve(records: list[dict], path: Path) -> Path | None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png")
-        publish(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    save_figure_atomic(fig, path)
     return path
 
 
@@ -436,10 +401,10 @@ class Trainer:
         cfg = self.config
         sampler = make_sampler("ddim", self.schedule, cfg.sample_steps, eta=0.0, device=self.device)
         shape = (self.model_config.in_channels, self.model_config.sample_size, self.model_config.sample_size)
-        seeds = list(range(cfg.num_samples))
-        x, noise = draw_noise(seeds, shape, sampler.num_steps if sampler.needs_noise else 0, self.device)
+        seeds = seed_tensor(range(cfg.num_samples), self.device)
+        x_t = initial_noise(seeds, shape, self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
-            images = sample_loop(self.ema, sampler, x, noise, torch.float32)
+            images = sample_loop(self.ema, sampler, x_t, seeds, torch.float32)
         path = self.out_dir / SAMPLES_DIR / f"step_{self.step:06d}.png"
         save_png_atomic(make_grid(to_pil(images)), path)
         self.last_grid = path
@@ -452,7 +417,7 @@ class Trainer:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.resume()
         # Lines written after the checkpoint belong to steps that will be redone: rewrite the log from it.
-        write_atomic(self.out_dir / LOSS_LOG_NAME, "".join(json.dumps(r) + "\n" for r in self.records).encode())
+        write_text_atomic(self.out_dir / LOSS_LOG_NAME, "".join(json.dumps(r) + "\n" for r in self.records))
         start_step = self.step
         stopped = "max_steps"
         log.info(
@@ -494,6 +459,7 @@ class Trainer:
                         "step": self.step,
                         "epoch": self.epoch,
                         "loss": loss_sum.item() / interval_steps,
+                        "loss_steps": interval_steps,
                         "grad_norm": grad_norm.item(),
                         "lr": self.optimizer.param_groups[0]["lr"],
                         "images_per_s": interval_steps * cfg.batch_size / (now - interval_start),
@@ -505,10 +471,11 @@ class Trainer:
                     bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
                     if now - last_report >= REPORT_SECONDS or last:
                         log.info(
-                            "step %d (epoch %d): loss %.4f, %.0f img/s",
+                            "step %d (epoch %d): mean loss %.4f over the last %d steps, %.0f img/s",
                             self.step,
                             self.epoch,
                             record["loss"],
+                            interval_steps,
                             record["images_per_s"],
                         )
                         last_report = now
@@ -529,20 +496,27 @@ class Trainer:
         seconds = time.perf_counter() - start
         curve = plot_loss_curve(self.records, self.out_dir / LOSS_CURVE_NAME)
         summary = self.summary(stopped, start_step, seconds, loop_seconds, curve)
-        write_atomic(self.out_dir / SUMMARY_NAME, (json.dumps(summary, indent=2) + "\n").encode())
+        write_text_atomic(self.out_dir / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
+        if summary["final_loss"] is None:
+            loss = "no loss logged"
+        else:
+            loss = f"final loss {summary['final_loss']:.4f} (mean over the last {summary['final_loss_steps']} steps)"
         log.info(
-            "stopped at step %d (%s) after %.1f s: loss %s, %s img/s",
+            "stopped at step %d (%s) after %.1f s: %s, %s img/s",
             self.step,
             stopped,
             seconds,
-            summary["final_loss"],
+            loss,
             summary["images_per_s"],
         )
         return summary
 
     def summary(self, stopped: str, start_step: int, seconds: float, loop_seconds: float, curve: Path | None) -> dict:
         """What ``run`` returns: where training stands, this run's speed (training loop, sampling included)."""
-        recent = self.records[-10:]
+        recent = self.records[-FINAL_LOSS_RECORDS:]
+        weights = [r.get("loss_steps", 1) for r in recent]  # records of runs before "loss_steps" weigh equally
+        recent_steps = sum(weights)
+        final_loss = sum(r["loss"] * n for r, n in zip(recent, weights, strict=True)) / recent_steps if recent else None
         trained = self.step - start_step
         return {
             "step": self.step,
@@ -554,7 +528,8 @@ class Trainer:
             "seconds_this_run": round(seconds, 3),
             "images_per_s": round(trained * self.config.batch_size / loop_seconds, 1) if trained else None,
             "train_seconds_total": round(self.train_seconds, 3),
-            "final_loss": round(sum(r["loss"] for r in recent) / len(recent), 6) if recent else None,
+            "final_loss": None if final_loss is None else round(final_loss, 6),
+            "final_loss_steps": recent_steps,
             "params": self.num_params,
             "device": str(self.device),
             "checkpoint": str(self.checkpoint_path),

@@ -1,25 +1,30 @@
-"""The bench with the engine system on the CPU: the engine row is skipped cleanly and the JSON keeps its schema."""
+"""The bench on the CPU: the engine row is skipped cleanly, the JSON keeps its schema, the kernel-cache state."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import torch
 from safetensors.torch import save_file
 
 from fastdiff.bench.runner import SCHEMA, BenchConfig, run_bench
-from fastdiff.engine import EngineSystem, kernel_cache_state
+from fastdiff.engine import kernel_cache_state
+from fastdiff.models.ddpm_unet import DDPMUNet, DDPMUNetConfig
 
 ROW_KEYS = {"system", "dtype", "ms_per_step", "s_per_image", "images_per_s", "time_to_ready_s", "peak_mem_mb",
             "energy_j_per_image", "avg_power_w", "psnr_db", "max_abs_diff", "notes", "error", "extra"}  # fmt: skip
 
 
-def test_bench_schema_with_engine_on_cpu(tmp_path, tiny_model):
-    model = tiny_model("attn_pad0", 0)
-    config = {k: v for k, v in vars(model.config).items()}
-    config["sample_size"] = 8  # the bench wants square samples
-    config["_class_name"] = "UNet2DModel"
-    (tmp_path / "config.json").write_text(json.dumps(config))
+def test_bench_schema_with_engine_on_cpu(tmp_path):
+    torch.manual_seed(0)
+    config = DDPMUNetConfig(
+        sample_size=8, in_channels=3, out_channels=3, block_out_channels=(6, 9), norm_num_groups=3,
+        down_block_types=("AttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "AttnUpBlock2D"),
+        layers_per_block=1, attention_head_dim=3,
+    )  # fmt: skip
+    model = DDPMUNet(config).eval()
+    (tmp_path / "config.json").write_text(json.dumps({"_class_name": "UNet2DModel", **dataclasses.asdict(config)}))
     save_file(model.state_dict(), str(tmp_path / "diffusion_pytorch_model.safetensors"))
     cfg = BenchConfig(model=str(tmp_path), batch=1, steps=2, timed_steps=2, repeats=1, quality_steps=2,
                       systems=("eager-fp32", "engine-fp16"), device="cpu")  # fmt: skip
@@ -31,11 +36,6 @@ def test_bench_schema_with_engine_on_cpu(tmp_path, tiny_model):
     assert all(set(r) == ROW_KEYS for r in result["results"])
     assert rows["engine"]["error"] == "skipped: needs CUDA"
     assert rows["eager"]["error"] is None and rows["eager"]["ms_per_step"] > 0
-
-
-def test_engine_system_interface():
-    system = EngineSystem(lambda: None, torch.float16, torch.device("cpu"))
-    assert system.name == "engine" and "CUDA graphs" in system.notes
 
 
 def test_kernel_cache_state(tmp_path, monkeypatch):
