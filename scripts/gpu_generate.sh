@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Bulk generation on one host with 2 GPUs: `fastdiff generate` on ddpm-cifar10 with one GPU, then under
+# `torchrun --nproc-per-node 2` (NCCL, NVLink multicast off), the same seeds; checks that both folders hold the
+# same bytes and writes $OUT/generate-ddpm-cifar10-2gpu.json (GPUs, versions, git sha, images/s, speed-up).
+#   bash scripts/gpu_generate.sh     (repo root on the 2-GPU machine; carry .whl if the tree needs diffusers)
+# ddpm-cifar10 ships no weights: the model is RANDOM (initialised from a fixed seed, the same on every rank), so
+# the images are noise; the work per image, hence the throughput, and the byte-identity do not depend on weights.
+# A short run first fills the Triton and engine caches, so neither timed run pays for compiling kernels.
+# NUM_IMAGES (default 65536: about 60 s on one GPU), BATCH (256), SAMPLER (ddim), STEPS (20), DTYPE (fp16),
+# FORMAT (png) override the settings; WORK is where the image folders go (not $OUT: too many files).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+WORK=${WORK:-/tmp/fastdiff-generate}
+NUM_IMAGES=${NUM_IMAGES:-65536} BATCH=${BATCH:-256} SAMPLER=${SAMPLER:-ddim} STEPS=${STEPS:-20}
+DTYPE=${DTYPE:-fp16} FORMAT=${FORMAT:-png}
+site=$(mktemp -d)
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl
+fi
+export PYTHONPATH="src:$site" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
+rm -rf "$WORK" && mkdir -p "$WORK"
+
+flags=(--model ddpm-cifar10 --sampler "$SAMPLER" --steps "$STEPS" --dtype "$DTYPE" --batch "$BATCH"
+       --format "$FORMAT" --shard-size 4096 --no-progress)
+echo "== warm-up: $((BATCH * 4)) images on one GPU"
+python3 -m fastdiff.cli generate "${flags[@]}" --num-images $((BATCH * 4)) --out-dir "$WORK/warm" 2>&1 | tail -n 3
+echo "== one GPU: $NUM_IMAGES images"
+python3 -m fastdiff.cli generate "${flags[@]}" --num-images "$NUM_IMAGES" --out-dir "$WORK/one" --device cuda:0 \
+    2>&1 | tee "$OUT/generate-1gpu.log" | tail -n 3
+echo "== torchrun --nproc-per-node 2: $NUM_IMAGES images"
+python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m fastdiff.cli generate "${flags[@]}" \
+    --num-images "$NUM_IMAGES" --out-dir "$WORK/two" 2>&1 | tee "$OUT/generate-2gpu.log" | tail -n 3
+
+python3 - "$WORK" "$OUT/generate-ddpm-cifar10-2gpu.json" <<'EOF'
+import hashlib, json, sys
+from pathlib import Path
+
+import torch
+
+from fastdiff.bench.env import environment
+
+work, out = Path(sys.argv[1]), Path(sys.argv[2])
+
+
+def digests(folder: Path) -> dict[str, str]:
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in folder.iterdir()
+        if p.suffix in (".png", ".npz")
+    }
+
+
+one, two = digests(work / "one"), digests(work / "two")
+s1, s2 = (json.loads((work / run / "summary.json").read_text()) for run in ("one", "two"))
+for summary in (s1, s2):
+    del summary["out_dir"]  # a path on the GPU machine
+manifest = json.loads((work / "one" / "manifest.json").read_text())
+differ = sorted(name for name in one.keys() | two.keys() if one.get(name) != two.get(name))
+result = {
+    **environment(),
+    "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+    "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+    "model": "ddpm-cifar10 (random weights: the preset ships none)",
+    "settings": {
+        "num_images": s1["num_images"],
+        "batch": s1["batch"],
+        **{k: manifest[k] for k in ("sampler", "steps", "dtype", "image_size", "format", "fastdiff_version")},
+    },
+    "images_per_s_1gpu": s1["images_per_s"],
+    "images_per_s_2gpu": s2["images_per_s"],
+    "speedup": round(s2["images_per_s"] / s1["images_per_s"], 3),
+    "identical_files": not differ and len(one) > 0,
+    "files_compared": len(one),
+    "files_differing": len(differ),
+    "first_differing": differ[:10],
+    "one_gpu": s1,
+    "two_gpus": s2,
+}
+out.write_text(json.dumps(result, indent=2) + "\n")
+keys = ("gpus", "images_per_s_1gpu", "images_per_s_2gpu", "speedup", "identical_files", "files_compared")
+print(json.dumps({k: result[k] for k in keys}))
+EOF

@@ -1,0 +1,707 @@
+"""``fastdiff generate``: bulk generation of seeds S..S+N-1 into a folder, alone or under ``torchrun``, resumable.
+
+The seeds are cut into fixed chunks of ``batch`` seeds counted from the first seed (with ``--format npz``: into
+shards of ``shard_size`` seeds, each sampled in chunks of ``batch`` from the shard's start). The chunks (shards)
+still missing are dealt round-robin to the ranks, so every image is computed in the same batch as in a
+one-process run and the files are byte-identical whatever the number of processes. Each file is written
+atomically, so a killed job leaves whole files only and a rerun skips them. ``manifest.json`` records what
+made the folder (model hash, sampler, steps, dtype, image size, format, versions); a rerun with other settings
+is refused. Rank 0 writes ``manifest.json`` and ``summary.json`` (images/s per rank and in all).
+
+Under ``torchrun`` (RANK, WORLD_SIZE, LOCAL_RANK set) each rank joins torch.distributed (NCCL on GPUs, gloo on
+CPUs) and uses ``cuda:LOCAL_RANK``; the output folder must be one that every node sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+import fastdiff
+from fastdiff.atomic import write_bytes_atomic, write_text_atomic
+from fastdiff.errors import FastdiffError
+from fastdiff.images import save_png_atomic, to_pil, to_uint8
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("png", "npz")
+DTYPES = ("fp32", "fp16", "bf16")
+MANIFEST = "manifest.json"
+SUMMARY = "summary.json"
+RANDOM_INIT_SEED = 0
+"""Presets without shipped weights are initialised from this torch seed, so every rank holds the same model."""
+MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin")
+IDENTITY_KEYS = (
+    "model_hash",
+    "sampler",
+    "steps",
+    "dtype",
+    "image_size",
+    "channels",
+    "format",
+    "shard_size",
+    "fastdiff_version",
+    "torch_version",
+)
+"""Manifest fields that must match before a rerun adds images to a folder."""
+PNG_NAME = re.compile(r"(\d+)\.png")
+SHARD_NAME = re.compile(r"(\d+)-(\d+)\.npz")
+WRITER_THREADS = 8
+"""Files one process writes at once: PNG encoding and fsync overlap each other and the next unit's sampling."""
+TEMP_NAME = re.compile(r"\.(\d+\.png|\d+-\d+\.npz|manifest\.json|summary\.json)\..+")
+"""Temporary files of an atomic write (``.NAME.XXXX``) that a killed job may have left."""
+
+T = TypeVar("T")
+
+
+class JobError(FastdiffError):
+    """An error that every rank of the job raises alike (after a collective); rank 0 reports it."""
+
+
+@dataclass
+class GenerateConfig:
+    """What ``generate`` makes: seeds ``first_seed .. first_seed + num_images - 1`` of ``model`` in ``out_dir``."""
+
+    model: str
+    num_images: int
+    out_dir: Path
+    first_seed: int = 0
+    sampler: str = "ddim"
+    steps: int = 100
+    dtype: str = "fp32"
+    device: str = "auto"
+    batch: int = 64
+    image_format: str = "png"
+    shard_size: int = 1000
+    timeout_s: float = 1800.0
+    progress: bool = True
+
+
+@dataclass
+class RankStats:
+    """One rank's share of a run."""
+
+    rank: int
+    device: str
+    images: int
+    seconds: float
+
+    @property
+    def images_per_s(self) -> float:
+        return self.images / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class GenerateSummary:
+    """What a run did: images written now and found from earlier runs, wall time and throughput per rank."""
+
+    out_dir: str
+    rank: int
+    num_images: int
+    written: int
+    already_present: int
+    world_size: int
+    setup_seconds: float
+    seconds: float
+    ranks: list[RankStats] = field(default_factory=list)
+
+    @property
+    def images_per_s(self) -> float:
+        return self.written / self.seconds if self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        record = asdict(self)
+        del record["rank"]
+        record["images_per_s"] = round(self.images_per_s, 3)
+        record["setup_seconds"] = round(self.setup_seconds, 3)
+        record["seconds"] = round(self.seconds, 3)
+        for stats, entry in zip(self.ranks, record["ranks"], strict=True):
+            entry["seconds"] = round(stats.seconds, 3)
+            entry["images_per_s"] = round(stats.images_per_s, 3)
+        return record
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A run of consecutive seeds that one rank samples and writes: one chunk (png) or one shard (npz)."""
+
+    start: int
+    stop: int
+
+    def chunks(self, batch: int) -> list[list[int]]:
+        """The seed batches, ``batch`` seeds each counted from ``start`` (the last may be shorter)."""
+        return [list(range(s, min(s + batch, self.stop))) for s in range(self.start, self.stop, batch)]
+
+    @property
+    def label(self) -> str:
+        return f"seeds {self.start}-{self.stop - 1}"
+
+
+def png_name(seed: int) -> str:
+    return f"{seed:06d}.png"
+
+
+def shard_name(unit: Unit) -> str:
+    return f"{unit.start:06d}-{unit.stop - 1:06d}.npz"
+
+
+# --- files --------------------------------------------------------------------------------------------------
+
+
+def write_json_atomic(path: Path, record: dict[str, Any]) -> None:
+    write_text_atomic(path, json.dumps(record, indent=2) + "\n")
+
+
+def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    """An uncompressed ``.npz`` whose bytes depend on the arrays only (``np.savez`` stamps the current time)."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_STORED) as archive:
+        for name, array in arrays.items():
+            info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            with archive.open(info, "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, np.ascontiguousarray(array), allow_pickle=False)
+    return buffer.getvalue()
+
+
+# --- ranks ---------------------------------------------------------------------------------------------------
+
+
+class Ranks:
+    """This process's place in the job: rank, world size, device; collectives are no-ops for one process."""
+
+    def __init__(self, rank: int, world_size: int, device: str, owns_group: bool) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.owns_group = owns_group
+
+    @classmethod
+    def start(cls, device: str, timeout_s: float) -> Ranks:
+        """Join torch.distributed when launched by torchrun (RANK/WORLD_SIZE set); else a single process."""
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            return cls(0, 1, device, owns_group=False)
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda":
+            if local_rank >= torch.cuda.device_count():
+                raise FastdiffError(f"LOCAL_RANK {local_rank} but {torch.cuda.device_count()} CUDA GPUs are visible")
+            device = f"cuda:{local_rank}"
+            torch.cuda.set_device(local_rank)
+        elif device != "cpu":
+            raise FastdiffError(f"under torchrun use --device auto, cuda or cpu (rank r takes GPU r), got {device}")
+        owns_group = not dist.is_initialized()
+        if owns_group:
+            backend = "nccl" if device.startswith("cuda") else "gloo"
+            timeout = datetime.timedelta(seconds=timeout_s)
+            if backend == "nccl":
+                dist.init_process_group(backend, timeout=timeout, device_id=torch.device(device))
+            else:
+                dist.init_process_group(backend, timeout=timeout)
+        return cls(dist.get_rank(), dist.get_world_size(), device, owns_group)
+
+    def gather(self, obj: T) -> list[T]:
+        """Every rank's ``obj``, in rank order."""
+        if self.world_size == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def on_rank0(self, action: Callable[[], T]) -> T:
+        """Run ``action`` on rank 0 and hand its result (or its error, raised on every rank) to all ranks."""
+        outcome: list[Any] = [None, None]
+        if self.rank == 0:
+            try:
+                outcome = [action(), None]
+            except FastdiffError as exc:
+                outcome = [None, str(exc)]
+            except Exception as exc:
+                log.exception("rank 0 failed while preparing the job")
+                outcome = [None, f"rank 0 failed while preparing the job: {one_line(exc)}"]
+        if self.world_size > 1:
+            dist.broadcast_object_list(outcome, src=0)
+        if outcome[1] is not None:
+            raise JobError(outcome[1])
+        return outcome[0]
+
+    def agree(self, error: str | None) -> None:
+        """Every rank passes its error or None; if any rank failed, all raise naming the first that did."""
+        for rank, message in enumerate(self.gather(error)):
+            if message is not None:
+                raise JobError(message if self.world_size == 1 else f"rank {rank}: {message}")
+
+    def close(self) -> None:
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+# --- the folder: checks, manifest, what is done ------------------------------------------------------------
+
+
+def prepare_out_dir(out_dir: Path) -> None:
+    """Create ``out_dir`` and prove it is writable, or raise a one-line error."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FastdiffError(f"--out-dir {out_dir} exists and is not a directory")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as exc:
+        raise FastdiffError(f"cannot write to --out-dir {out_dir}: {exc.strerror or exc}") from None
+
+
+def hash_model_files(root: Path) -> str:
+    """sha256 over the names and bytes of the config and weight files under ``root``."""
+    digest = hashlib.sha256()
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in MODEL_FILE_SUFFIXES)
+    for file in files:
+        digest.update(f"{file.relative_to(root).as_posix()}\0{file.stat().st_size}\0".encode())
+        with file.open("rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+    return "sha256:" + digest.hexdigest()
+
+
+def model_hash(model: str) -> str:
+    """The model's identity: a hash of its files, or the preset name for a preset without shipped weights."""
+    from fastdiff.models import BUNDLED_DIR, PRESETS
+
+    path = Path(model).expanduser()
+    if model in PRESETS and not path.exists():
+        path = BUNDLED_DIR / model
+        if not (path / "config.json").is_file():
+            return f"preset:{model}:random-init-seed-{RANDOM_INIT_SEED}"
+    return hash_model_files(path)
+
+
+def read_manifest(out_dir: Path) -> dict[str, Any] | None:
+    path = out_dir / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FastdiffError(f"cannot read {path}: {exc}") from None
+    if not isinstance(record, dict):
+        raise FastdiffError(f"{path} is not a fastdiff generate manifest")
+    return record
+
+
+def check_manifest(existing: dict[str, Any], identity: dict[str, Any], out_dir: Path) -> None:
+    """Refuse to add to a folder made with other settings (one line naming every difference)."""
+    diffs = [
+        f"{key} {existing.get(key)!r} != {identity[key]!r}"
+        for key in IDENTITY_KEYS
+        if existing.get(key) != identity[key]
+    ]
+    if diffs:
+        raise FastdiffError(
+            f"{out_dir / MANIFEST} was made with other settings ({'; '.join(diffs)}): "
+            "use the same settings or another --out-dir"
+        )
+
+
+def existing_outputs(out_dir: Path) -> tuple[set[int], dict[str, Unit]]:
+    """Seeds with a PNG in ``out_dir``, and the npz shards there by file name."""
+    seeds: set[int] = set()
+    shards: dict[str, Unit] = {}
+    for entry in os.scandir(out_dir):
+        if not entry.is_file():
+            continue
+        if match := PNG_NAME.fullmatch(entry.name):
+            seeds.add(int(match.group(1)))
+        elif match := SHARD_NAME.fullmatch(entry.name):
+            shards[entry.name] = Unit(int(match.group(1)), int(match.group(2)) + 1)
+    return seeds, shards
+
+
+def remove_stale_temp_files(out_dir: Path) -> None:
+    """Delete the temporary files of writes that a killed job never finished."""
+    for entry in os.scandir(out_dir):
+        if TEMP_NAME.fullmatch(entry.name):
+            log.info("removing %s, left by an interrupted run", entry.name)
+            Path(entry.path).unlink(missing_ok=True)
+
+
+def all_units(config: GenerateConfig) -> list[Unit]:
+    """The job's units, fixed by first seed, count and batch (png) or shard size (npz), never by world size."""
+    step = config.batch if config.image_format == "png" else config.shard_size
+    end = config.first_seed + config.num_images
+    return [Unit(s, min(s + step, end)) for s in range(config.first_seed, end, step)]
+
+
+def seed_ranges(seeds: set[int]) -> list[list[int]]:
+    """Sorted seeds as inclusive [first, last] runs."""
+    ranges: list[list[int]] = []
+    for seed in sorted(seeds):
+        if ranges and ranges[-1][1] == seed - 1:
+            ranges[-1][1] = seed
+        else:
+            ranges.append([seed, seed])
+    return ranges
+
+
+def bytes_per_image(channels: int, height: int, width: int, image_format: str) -> int:
+    """A generous size of one image on disk: raw pixels (noise does not compress) plus headers."""
+    raw = channels * height * width
+    if image_format == "npz":
+        return raw + 64
+    return 4096 * math.ceil((raw * 1.01 + height + 1024) / 4096)  # PNG filter bytes and zlib blocks; whole blocks
+
+
+@dataclass
+class Plan:
+    """Rank 0's view of the folder before sampling: the units still to do and how many images are there."""
+
+    pending: list[Unit]
+    already_present: int
+
+
+def plan_job(config: GenerateConfig, identity: dict[str, Any]) -> Plan:
+    """Check the manifest and the free disk space, write the manifest, and list the units still to do."""
+    out_dir = config.out_dir
+    existing = read_manifest(out_dir)
+    seeds, shards = existing_outputs(out_dir)
+    if existing is None and (seeds or shards):
+        raise FastdiffError(f"{out_dir} holds images but no {MANIFEST}: use an empty folder or a fastdiff generate one")
+    if existing is not None:
+        check_manifest(existing, identity, out_dir)
+        remove_stale_temp_files(out_dir)
+    units = all_units(config)
+    if config.image_format == "png":
+        pending = [u for u in units if not all(s in seeds for s in range(u.start, u.stop))]
+        present = {s for s in seeds if config.first_seed <= s < config.first_seed + config.num_images}
+    else:
+        planned = {shard_name(u): u for u in units}
+        for name, shard in shards.items():
+            if name not in planned and any(u.start < shard.stop and shard.start < u.stop for u in units):
+                raise FastdiffError(
+                    f"{out_dir / name} overlaps this run's shards: use the --first-seed, --num-images and "
+                    "--shard-size it was made with, or another --out-dir"
+                )
+        pending = [u for u in units if shard_name(u) not in shards]
+        present = {s for u in units if shard_name(u) in shards for s in range(u.start, u.stop)}
+    missing = config.num_images - len(present)
+    need = missing * bytes_per_image(identity["channels"], *identity["image_size"], config.image_format)
+    free = shutil.disk_usage(out_dir).free
+    if need > free:
+        raise FastdiffError(
+            f"not enough free disk in {out_dir}: {missing} images need about {need / 2**20:.0f} MiB, "
+            f"{free / 2**20:.0f} MiB free"
+        )
+    write_json_atomic(out_dir / MANIFEST, {**(existing or {}), **identity, **folder_contents(out_dir)})
+    return Plan(pending=pending, already_present=len(present))
+
+
+def folder_contents(out_dir: Path) -> dict[str, Any]:
+    """The manifest's record of the seeds the folder holds."""
+    seeds, shards = existing_outputs(out_dir)
+    seeds.update(s for shard in shards.values() for s in range(shard.start, shard.stop))
+    return {"num_images": len(seeds), "seed_ranges": seed_ranges(seeds)}
+
+
+# --- sampling ------------------------------------------------------------------------------------------------
+
+
+def load_pipeline(config: GenerateConfig, device: str):
+    """The pipeline; presets without weights are initialised from a fixed seed (same model on every rank)."""
+    from fastdiff.pipeline import Pipeline
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(RANDOM_INIT_SEED)
+        return Pipeline.from_pretrained(
+            config.model, device=device, dtype=config.dtype, sampler=config.sampler, steps=config.steps
+        )
+
+
+def sample_unit(pipe, unit: Unit, batch: int) -> torch.Tensor:
+    """[n, C, H, W] in [-1, 1] on the CPU for the unit's seeds, sampled chunk by chunk."""
+    images = [
+        pipe(batch_size=len(seeds), seeds=seeds, output_type="tensor", progress=False).cpu()
+        for seeds in unit.chunks(batch)
+    ]
+    return torch.cat(images)
+
+
+@dataclass
+class Writes:
+    """A unit's files being written in the background, and how many new images they hold."""
+
+    unit: Unit
+    futures: list[Future[Any]]
+    images: int
+
+    def wait(self) -> int:
+        for future in self.futures:
+            future.result()
+        return self.images
+
+
+def start_writes(
+    pool: ThreadPoolExecutor, out_dir: Path, unit: Unit, images: torch.Tensor, image_format: str
+) -> Writes:
+    """Hand a unit's files to ``pool``, each written atomically (PNGs already there are left as they are)."""
+    if image_format == "npz":
+        seeds = np.arange(unit.start, unit.stop, dtype=np.int64)
+        data = npz_bytes({"images": to_uint8(images), "seeds": seeds})
+        return Writes(unit, [pool.submit(write_bytes_atomic, out_dir / shard_name(unit), data)], len(seeds))
+    futures = []
+    for seed, image in zip(range(unit.start, unit.stop), to_pil(images), strict=True):
+        path = out_dir / png_name(seed)
+        if not path.is_file():  # else written by a run that was killed in the middle of this chunk
+            futures.append(pool.submit(save_png_atomic, image, path))
+    return Writes(unit, futures, len(futures))
+
+
+def run_units(config: GenerateConfig, pipe, ranks: Ranks, plan: Plan) -> list[RankStats]:
+    """Sample this rank's share of ``plan.pending`` round by round while the previous unit's files are written;
+    after each round all ranks report their counts (for the one progress bar) and failures (so that no rank
+    waits for a dead one)."""
+    mine = plan.pending[ranks.rank :: ranks.world_size]
+    rounds = math.ceil(len(plan.pending) / ranks.world_size)
+    bar = tqdm(
+        total=config.num_images,
+        initial=plan.already_present,
+        unit="img",
+        desc="generate",
+        disable=not config.progress or ranks.rank != 0,
+    )
+    written = 0
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=WRITER_THREADS) as pool:
+        writing: Writes | None = None
+        for r in range(rounds + 1):  # the extra round waits for the last writes
+            failure = None
+            new = 0
+            unit = mine[r] if r < len(mine) else None
+            current = unit
+            try:
+                images = sample_unit(pipe, unit, config.batch) if unit is not None else None
+                if writing is not None:
+                    current = writing.unit
+                    new = writing.wait()
+                    writing = None
+                if unit is not None:
+                    writing = start_writes(pool, config.out_dir, unit, images, config.image_format)
+            except Exception as exc:
+                log.exception("rank %d failed on %s", ranks.rank, current.label)
+                failure = f"failed on {current.label}: {one_line(exc)}"
+            written += new
+            reports = ranks.gather((new, failure))
+            bar.update(sum(count for count, _ in reports))
+            failed = [(rank, message) for rank, (_, message) in enumerate(reports) if message is not None]
+            if failed:
+                bar.close()
+                rank, message = failed[0]
+                who = f"rank {rank} of {ranks.world_size} " if ranks.world_size > 1 else ""
+                raise JobError(
+                    f"{who}{message}; the finished images are kept: run the same command again to complete the job"
+                )
+    bar.close()
+    seconds = time.perf_counter() - start
+    return ranks.gather(RankStats(ranks.rank, device_name(pipe.device), written, seconds))
+
+
+def device_name(device: torch.device) -> str:
+    """``cuda:1 (NVIDIA H100 80GB HBM3)`` or ``cpu``."""
+    return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
+
+
+def generate(config: GenerateConfig) -> GenerateSummary:
+    """Generate the configured seeds into ``config.out_dir`` (see the module docstring); every rank gets the
+    summary of the whole job."""
+    validate(config)
+    ranks = Ranks.start(config.device, config.timeout_s)
+    try:
+        return generate_on(config, ranks)
+    finally:
+        ranks.close()
+
+
+def validate(config: GenerateConfig) -> None:
+    from fastdiff.samplers import SAMPLERS
+
+    if config.num_images <= 0:
+        raise FastdiffError(f"--num-images must be positive, got {config.num_images}")
+    if config.first_seed < 0:
+        raise FastdiffError(f"--first-seed must be >= 0, got {config.first_seed}")
+    if config.batch <= 0 or config.shard_size <= 0 or config.steps <= 0:
+        raise FastdiffError("--batch, --shard-size and --steps must be positive")
+    if config.image_format not in FORMATS:
+        raise FastdiffError(f"unknown format {config.image_format!r}: use one of {', '.join(FORMATS)}")
+    if config.sampler not in SAMPLERS:
+        raise FastdiffError(f"unknown sampler {config.sampler!r}: use one of {', '.join(SAMPLERS)}")
+    if config.dtype not in DTYPES:
+        raise FastdiffError(f"unknown dtype {config.dtype!r}: use one of {', '.join(DTYPES)}")
+
+
+def generate_on(config: GenerateConfig, ranks: Ranks) -> GenerateSummary:
+    setup_start = time.perf_counter()
+    ranks.on_rank0(lambda: prepare_out_dir(config.out_dir))
+    pipe, error = None, None
+    try:
+        pipe = load_pipeline(config, ranks.device)
+    except FastdiffError as exc:
+        error = str(exc)
+    except Exception as exc:
+        log.exception("loading %s failed", config.model)
+        error = f"loading {config.model} failed: {one_line(exc)}"
+    ranks.agree(error)
+    plan = ranks.on_rank0(lambda: plan_job(config, job_identity(config, pipe.sample_shape)))
+    setup_seconds = time.perf_counter() - setup_start
+    if ranks.rank == 0:
+        log.info(
+            "%d of %d images already in %s; %d %s to sample on %d rank(s)",
+            plan.already_present,
+            config.num_images,
+            config.out_dir,
+            len(plan.pending),
+            "chunks" if config.image_format == "png" else "shards",
+            ranks.world_size,
+        )
+    per_rank = run_units(config, pipe, ranks, plan)
+    summary = GenerateSummary(
+        out_dir=str(config.out_dir),
+        rank=ranks.rank,
+        num_images=config.num_images,
+        written=sum(stats.images for stats in per_rank),
+        already_present=plan.already_present,
+        world_size=ranks.world_size,
+        setup_seconds=setup_seconds,
+        seconds=max(stats.seconds for stats in per_rank),
+        ranks=per_rank,
+    )
+    if ranks.rank == 0:
+        manifest = read_manifest(config.out_dir) or {}
+        write_json_atomic(config.out_dir / MANIFEST, {**manifest, **folder_contents(config.out_dir)})
+        write_json_atomic(config.out_dir / SUMMARY, {**summary.to_json(), **run_settings(config)})
+    return summary
+
+
+def job_identity(config: GenerateConfig, sample_shape: tuple[int, int, int]) -> dict[str, Any]:
+    """The manifest's record of what makes the images (``IDENTITY_KEYS``) plus the model as given."""
+    channels, height, width = sample_shape
+    return {
+        "model": config.model,
+        "model_hash": model_hash(config.model),
+        "sampler": config.sampler,
+        "steps": config.steps,
+        "dtype": config.dtype,
+        "image_size": [height, width],
+        "channels": channels,
+        "format": config.image_format,
+        "shard_size": config.shard_size if config.image_format == "npz" else None,
+        "fastdiff_version": fastdiff.__version__,
+        "torch_version": torch.__version__,
+    }
+
+
+def run_settings(config: GenerateConfig) -> dict[str, Any]:
+    """The settings of this run that the manifest does not pin (they may change between reruns)."""
+    return {
+        "model": config.model,
+        "first_seed": config.first_seed,
+        "batch": config.batch,
+        "device": config.device,
+    }
+
+
+# --- command line --------------------------------------------------------------------------------------------
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``generate`` subcommand (sets ``func=run_generate``)."""
+    from fastdiff.cli import HelpFormatter, positive_int
+    from fastdiff.samplers import SAMPLERS
+
+    defaults = GenerateConfig(model="", num_images=1, out_dir=Path())
+    p = subparsers.add_parser(
+        "generate",
+        help="generate many images into a folder (resumable; one process or many under torchrun)",
+        description="Generate seeds FIRST_SEED .. FIRST_SEED+N-1 into OUT_DIR as SEED.png files (or .npz shards "
+        "of a fixed seed range). Run alone or as 'torchrun --nproc-per-node G -m fastdiff.cli generate ...': "
+        "the files are byte-identical whatever the number of processes. Rerunning the same command skips the "
+        "images already written; OUT_DIR/manifest.json must match the settings. Rank 0 writes summary.json.",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("--model", required=True, help="preset name or a local diffusers/fastdiff model directory")
+    p.add_argument("--num-images", type=positive_int, required=True, help="number of images (seeds)")
+    p.add_argument("--out-dir", type=Path, required=True, help="output folder (created; shared by all nodes)")
+    p.add_argument("--first-seed", type=int, default=defaults.first_seed, help="seed of the first image")
+    p.add_argument("--sampler", default=defaults.sampler, choices=SAMPLERS, help="sampling algorithm")
+    p.add_argument("--steps", type=positive_int, default=defaults.steps, help="number of denoising steps")
+    p.add_argument("--dtype", default=defaults.dtype, choices=DTYPES, help="model precision")
+    p.add_argument(
+        "--device", default=defaults.device, help="auto, cpu, cuda or cuda:N (under torchrun: cuda:LOCAL_RANK)"
+    )
+    p.add_argument("--batch", type=positive_int, default=defaults.batch, help="seeds per batch on each process")
+    p.add_argument("--format", dest="image_format", default=defaults.image_format, choices=FORMATS, help="file type")
+    p.add_argument("--shard-size", type=positive_int, default=defaults.shard_size, help="seeds per .npz shard")
+    p.add_argument("--timeout", type=float, default=defaults.timeout_s, help="seconds a process waits for the others")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    config = GenerateConfig(
+        model=args.model,
+        num_images=args.num_images,
+        out_dir=args.out_dir,
+        first_seed=args.first_seed,
+        sampler=args.sampler,
+        steps=args.steps,
+        dtype=args.dtype,
+        device=args.device,
+        batch=args.batch,
+        image_format=args.image_format,
+        shard_size=args.shard_size,
+        timeout_s=args.timeout,
+        progress=not args.no_progress,
+    )
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:  # one voice for the job: rank 0 logs, the others only warn
+        logging.getLogger("fastdiff").setLevel(max(logging.WARNING, logging.getLogger("fastdiff").getEffectiveLevel()))
+    try:
+        summary = generate(config)
+    except JobError:
+        if rank != 0:  # rank 0 prints the same line
+            return 2
+        raise
+    if rank == 0:
+        log.info(
+            "%s: %d new images (%d were there) in %.1f s, %.1f images/s on %d process(es)",
+            summary.out_dir,
+            summary.written,
+            summary.already_present,
+            summary.seconds,
+            summary.images_per_s,
+            summary.world_size,
+        )
+    return 0
