@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 FMNIST := /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: sample test lint venv data clean
+.PHONY: sample test lint venv data test-data clean chromium
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -16,8 +16,20 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# Fashion-MNIST (training data, FD-FMNIST reference) is the Debian package dataset-fashion-mnist. `make data`
+# installs it with apt-get, through sudo unless make runs as root. `make test` installs it only when it runs as
+# root (CI does); otherwise it says so and the tests that read Fashion-MNIST are skipped.
 data:
-	@test -f $(FMNIST) || (DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q dataset-fashion-mnist)
+	@test -f $(FMNIST) || { echo "make data: installing the Debian package dataset-fashion-mnist with $(strip $(SUDO) apt-get)"; \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q dataset-fashion-mnist; }
+
+test-data:
+	@if [ -z "$(SUDO)" ]; then $(MAKE) --no-print-directory data; \
+	elif [ ! -f $(FMNIST) ]; then echo "make test: no $(FMNIST) and not root: Fashion-MNIST tests skip (make data installs it)"; fi
+
+# The browser test of the `fastdiff serve` page drives Debian's chromium through Playwright (never its own download).
+chromium:
+	@test -x /usr/bin/chromium || (DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium)
 
 sample: venv
 	$(VENV)/bin/fastdiff sample --sampler dpmsolver++ --steps 20 --batch 36 --out samples/grid.png
@@ -26,7 +38,7 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: venv data lint
+test: venv test-data chromium lint
 	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q
 
 clean:

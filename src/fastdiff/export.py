@@ -1,0 +1,195 @@
+"""``fastdiff export --format onnx``: the U-Net ``unet(sample, timestep)`` as ONNX, checked in ONNX Runtime.
+
+The graph is traced by torch's TorchScript-based ONNX exporter (``dynamo=False``: it needs no onnxscript and runs
+offline) at batch 2 with a dynamic batch axis. Before anything is kept, ONNX Runtime (CPU) runs it at
+``CHECK_BATCHES`` against the eager fp32 model: max |diff| must be at most ``TOLERANCE``. The output folder is
+built beside its destination and renamed into place, so it is either complete or absent; it holds ``unet.onnx``
+and ``model.json`` (inputs, outputs, the check, the scheduler config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fastdiff.atomic import check_output_location
+from fastdiff.errors import FastdiffError
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("onnx",)
+OPSET = 17
+TRACE_BATCH = 2
+"""Traced at batch 2: at batch 1 a model may take its scalar-timestep path, which would not generalize."""
+CHECK_BATCHES = (1, 3)
+TOLERANCE = 1e-4
+ONNX_FILE = "unet.onnx"
+INFO_FILE = "model.json"
+INPUT_NAMES = ("sample", "timestep")
+OUTPUT_NAMES = ("model_output",)
+
+
+def load_fp32_unet(model: str) -> nn.Module:
+    """The U-Net of ``model`` (preset or directory) in fp32 on the CPU; a preset without weights is seeded."""
+    from fastdiff.pipeline import Pipeline
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return Pipeline.from_pretrained(model, device="cpu", dtype="fp32").unet.eval()
+
+
+def example_inputs(unet: nn.Module, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded (sample [B, C, H, W] fp32, timestep [B] int64) for the U-Net."""
+    cfg = unet.config
+    size = cfg.sample_size
+    height, width = (size, size) if isinstance(size, int) else tuple(size)
+    gen = torch.Generator().manual_seed(seed)
+    sample = torch.randn(batch, cfg.in_channels, height, width, generator=gen)
+    timestep = torch.randint(0, 1000, (batch,), generator=gen, dtype=torch.int64)
+    return sample, timestep
+
+
+def write_onnx(unet: nn.Module, path: Path, opset: int) -> None:
+    """Trace ``unet`` to ``path`` with a dynamic batch axis on every input and output."""
+    dynamic_axes = {name: {0: "batch"} for name in (*INPUT_NAMES, *OUTPUT_NAMES)}
+    with warnings.catch_warnings():
+        # the TorchScript exporter warns that it is the legacy path and about traced shape checks; both expected
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            unet,
+            example_inputs(unet, TRACE_BATCH, seed=0),
+            str(path),
+            dynamo=False,
+            input_names=list(INPUT_NAMES),
+            output_names=list(OUTPUT_NAMES),
+            dynamic_axes=dynamic_axes,
+            opset_version=opset,
+        )
+
+
+def check_onnx(unet: nn.Module, path: Path, batches: tuple[int, ...], tolerance: float) -> dict[str, float]:
+    """Max |ONNX Runtime - eager| per batch size; FastdiffError above ``tolerance``."""
+    import onnx
+    import onnxruntime as ort
+
+    onnx.checker.check_model(str(path))
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    diffs = {}
+    for batch in batches:
+        sample, timestep = example_inputs(unet, batch, seed=batch + 1)
+        with torch.no_grad():
+            expected = unet(sample, timestep).numpy()
+        (got,) = session.run(list(OUTPUT_NAMES), {"sample": sample.numpy(), "timestep": timestep.numpy()})
+        if got.shape != expected.shape:
+            raise FastdiffError(f"ONNX Runtime returned shape {got.shape} at batch {batch}, eager {expected.shape}")
+        diff = float(abs(got - expected).max())
+        if not diff <= tolerance:
+            raise FastdiffError(
+                f"ONNX Runtime differs from eager fp32 by {diff:.3g} at batch {batch} (limit {tolerance:g})"
+            )
+        diffs[str(batch)] = diff
+    return diffs
+
+
+def model_description(model: str, unet: nn.Module, opset: int, diffs: dict[str, float]) -> dict:
+    """The ``model.json`` record: what the ONNX file takes and returns, and how it was checked."""
+    import onnxruntime as ort
+
+    sample, _ = example_inputs(unet, 1, seed=0)
+    _, channels, height, width = sample.shape
+    out_channels = unet.config.out_channels
+    return {
+        "format": "onnx",
+        "file": ONNX_FILE,
+        "model": model,
+        "model_class": type(unet).__name__,
+        "opset": opset,
+        "inputs": [
+            {"name": "sample", "dtype": "float32", "shape": ["batch", channels, height, width]},
+            {"name": "timestep", "dtype": "int64", "shape": ["batch"]},
+        ],
+        "outputs": [{"name": "model_output", "dtype": "float32", "shape": ["batch", out_channels, height, width]}],
+        "check": {
+            "runtime": f"onnxruntime {ort.__version__} CPUExecutionProvider",
+            "reference": "eager fp32",
+            "max_abs_diff": diffs,
+            "tolerance": TOLERANCE,
+        },
+        "torch": torch.__version__,
+        "scheduler_config": getattr(unet, "scheduler_config", None),
+    }
+
+
+def export_onnx(model: str, out_dir: Path, opset: int = OPSET, overwrite: bool = False) -> dict:
+    """Export ``model``'s U-Net to ``out_dir`` (all or nothing); returns the ``model.json`` record."""
+    out_dir = Path(out_dir)
+    check_output_location(out_dir, "--out", folder=True)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise FastdiffError(f"--out {out_dir} exists and is not empty (add --overwrite to replace it)")
+    try:
+        import onnx  # noqa: F401  (the exporter and the check need both)
+        import onnxruntime  # noqa: F401
+    except ImportError as exc:
+        raise FastdiffError(f"fastdiff export needs {exc.name}: pip install 'fastdiff[onnx]'") from None
+    unet = load_fp32_unet(model)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        write_onnx(unet, staging / ONNX_FILE, opset)
+        diffs = check_onnx(unet, staging / ONNX_FILE, CHECK_BATCHES, TOLERANCE)
+        record = model_description(model, unet, opset, diffs)
+        (staging / INFO_FILE).write_text(json.dumps(record, indent=1) + "\n")
+        staging.chmod(0o755)
+        replace_folder(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log.info("wrote %s: %s checked in ONNX Runtime, max |diff| %s", out_dir, ONNX_FILE, diffs)
+    return record
+
+
+def replace_folder(new: Path, dest: Path) -> None:
+    """Rename ``new`` onto ``dest``; an existing ``dest`` is moved aside first and removed after."""
+    if not dest.exists():
+        new.rename(dest)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".old", dir=dest.parent))
+    dest.rename(old / dest.name)
+    try:
+        new.rename(dest)
+    except BaseException:
+        (old / dest.name).rename(dest)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from fastdiff.cli import DEFAULT_MODEL, HelpFormatter
+
+    p = subparsers.add_parser(
+        "export",
+        help="export the U-Net as ONNX (dynamic batch), checked in ONNX Runtime",
+        description="Export the U-Net unet(sample, timestep) -> model_output as ONNX with a dynamic batch axis "
+        f"into --out ({ONNX_FILE} + {INFO_FILE}). ONNX Runtime (CPU) must match eager fp32 within {TOLERANCE:g} "
+        f"at batch sizes {', '.join(map(str, CHECK_BATCHES))}, else nothing is written.",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("--format", default="onnx", choices=FORMATS, help="export format")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="preset name or model directory")
+    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("--opset", type=int, default=OPSET, help="ONNX opset version")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.set_defaults(func=run_export)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    export_onnx(args.model, args.out, opset=args.opset, overwrite=args.overwrite)
+    return 0

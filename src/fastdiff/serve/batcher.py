@@ -1,0 +1,280 @@
+"""The batching worker: one thread owns the pipelines; requests wait in a bounded queue and leave in batches.
+
+A batch starts from the oldest waiting request and takes, in arrival order, the waiting requests with the same
+``BatchKey`` (sampler, steps) while their images fit in ``max_batch``. It waits at most ``max_wait_s`` after the
+oldest request arrived for more company, and starts at once when ``max_batch`` images are waiting.
+
+Every batch is sampled at a fixed *run size* (the smallest of ``buckets`` that holds its images), padded with
+filler images that are thrown away. Image k depends on seeds[k] only, but the float result of a kernel can depend
+on the batch size (CPU GEMMs pick a different code path for 1, 2-3 and 4+ rows): with one bucket, every image is
+sampled at the same batch size, so a request's images are byte-identical whether it ran alone or with others.
+On CUDA each run size also captures its own graphs, so few sizes also means few captures.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from PIL import Image
+
+from fastdiff.errors import FastdiffError
+from fastdiff.pipeline import Pipeline
+from fastdiff.serve.metrics import ServiceMetrics
+
+log = logging.getLogger(__name__)
+
+PipelineFactory = Callable[[str, int], Pipeline]
+"""``factory(sampler, steps)`` -> a ready ``Pipeline`` for that sampler and step count."""
+
+MAX_PIPELINES = 4
+"""Pipelines kept loaded, least recently used dropped first (one per (sampler, steps) asked for)."""
+
+
+class BatchKey(NamedTuple):
+    """Requests with equal keys can share a batch."""
+
+    sampler: str
+    steps: int
+
+
+class QueueFullError(RuntimeError):
+    """The queue holds ``queue_size`` requests already (answered with 429)."""
+
+
+class ServiceStoppedError(RuntimeError):
+    """The worker stopped before the request ran."""
+
+
+@dataclass
+class JobResult:
+    images: list[Image.Image]
+    queue_s: float
+    sample_s: float
+    batch_images: int
+    run_size: int
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's images: its future gets a ``JobResult`` (or the exception that sampling raised)."""
+
+    key: BatchKey
+    seeds: list[int]
+    future: Future = field(default_factory=Future)
+    enqueued_at: float = field(default_factory=time.perf_counter)
+
+
+def parse_buckets(buckets: Sequence[int] | None, max_batch: int) -> tuple[int, ...]:
+    """Sorted run sizes, ending at ``max_batch``; ``None`` means the single size ``max_batch``."""
+    if not buckets:
+        return (max_batch,)
+    bad = [b for b in buckets if not 1 <= b <= max_batch]
+    if bad:
+        raise FastdiffError(f"batch bucket {bad[0]} is outside 1..{max_batch} (the max batch)")
+    return tuple(sorted({*buckets, max_batch}))
+
+
+class Batcher:
+    """The queue and the worker thread; ``submit`` from any thread, ``start``/``stop`` around serving."""
+
+    def __init__(
+        self,
+        pipeline_factory: PipelineFactory,
+        metrics: ServiceMetrics,
+        max_batch: int,
+        max_wait_s: float,
+        queue_size: int,
+        buckets: Sequence[int] | None = None,
+    ) -> None:
+        if max_batch < 1 or queue_size < 1 or max_wait_s < 0:
+            raise FastdiffError(
+                f"max batch ({max_batch}) and queue size ({queue_size}) must be positive, max wait ({max_wait_s}) >= 0"
+            )
+        self.pipeline_factory = pipeline_factory
+        self.metrics = metrics
+        self.max_batch = max_batch
+        self.max_wait_s = max_wait_s
+        self.queue_size = queue_size
+        self.buckets = parse_buckets(buckets, max_batch)
+        self._pipelines: OrderedDict[BatchKey, Pipeline] = OrderedDict()
+        self._queue: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ----- any thread -----
+
+    def submit(self, key: BatchKey, seeds: list[int]) -> Job:
+        """Queue a request; ``QueueFullError`` when ``queue_size`` requests are waiting already."""
+        job = Job(key, list(seeds))
+        with self._cond:
+            if self._stopping:
+                raise ServiceStoppedError("the server is shutting down")
+            if len(self._queue) >= self.queue_size:
+                raise QueueFullError(f"the queue is full ({self.queue_size} requests waiting): retry later")
+            self._queue.append(job)
+            self._cond.notify()
+        return job
+
+    def discard(self, job: Job) -> None:
+        """Forget a request whose client left: dropped if still waiting; if it is running, its result is unused."""
+        with self._cond:
+            if job in self._queue:
+                self._queue.remove(job)
+                job.future.cancel()
+                self.metrics.record_dropped()
+                self._cond.notify()
+
+    def depth(self) -> tuple[int, int]:
+        """(requests waiting, images they ask for)."""
+        with self._cond:
+            return len(self._queue), sum(len(job.seeds) for job in self._queue)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Start the worker (again, after ``stop``: an app can be served more than once)."""
+        with self._cond:
+            self._stopping = False
+        self._thread = threading.Thread(target=self._serve, name="fastdiff-batcher", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Finish the running batch, fail the waiting requests with ``ServiceStoppedError`` and join the thread."""
+        with self._cond:
+            self._stopping = True
+            waiting = list(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+        for job in waiting:
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(ServiceStoppedError("the server is shutting down"))
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    # ----- worker thread (or before start) -----
+
+    def pipeline(self, key: BatchKey) -> Pipeline:
+        """The pipeline for ``key``, loaded on first use (at most ``MAX_PIPELINES`` kept)."""
+        pipe = self._pipelines.get(key)
+        if pipe is None:
+            log.info("loading a pipeline for sampler %s, %d steps", key.sampler, key.steps)
+            pipe = self.pipeline_factory(key.sampler, key.steps)
+            self._pipelines[key] = pipe
+            while len(self._pipelines) > MAX_PIPELINES:
+                self._pipelines.popitem(last=False)
+        self._pipelines.move_to_end(key)
+        return pipe
+
+    def run_size(self, images: int) -> int:
+        """The batch size a batch of ``images`` images is sampled at."""
+        return next(b for b in self.buckets if b >= images)
+
+    def warmup(self, key: BatchKey) -> None:
+        """Sample once at every run size (CUDA: captures the graphs before the first request)."""
+        pipe = self.pipeline(key)
+        for size in self.buckets:
+            start = time.perf_counter()
+            pipe(batch_size=size, seeds=list(range(size)), output_type="tensor", progress=False)
+            log.info("warm-up at batch %d: %.2f s", size, time.perf_counter() - start)
+
+    def _serve(self) -> None:
+        while True:
+            jobs = self._next_batch()
+            if jobs is None:
+                return
+            try:
+                self._run_batch(jobs)
+            except Exception as exc:  # anything that escaped _run_batch: fail the batch, keep serving
+                log.exception("batch failed")
+                for job in jobs:
+                    if not job.future.done():
+                        job.future.set_exception(exc)
+
+    def _next_batch(self) -> list[Job] | None:
+        """Wait for a batch (see the module docstring); its jobs are marked running. None once stopping."""
+        with self._cond:
+            while True:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return None
+                head = self._queue[0]
+                deadline = head.enqueued_at + self.max_wait_s
+                while not self._stopping and self._queue and self._queue[0] is head:
+                    remaining = deadline - time.perf_counter()
+                    if remaining <= 0 or self._images_waiting(head.key) >= self.max_batch:
+                        break
+                    self._cond.wait(remaining)
+                if self._stopping:
+                    return None
+                if not self._queue or self._queue[0] is not head:
+                    continue  # the oldest request left while we waited: start over from the new oldest
+                taken = self._take(head.key)
+                jobs = [job for job in taken if job.future.set_running_or_notify_cancel()]
+                if len(jobs) < len(taken):
+                    self.metrics.record_dropped(len(taken) - len(jobs))
+                if jobs:
+                    return jobs
+
+    def _images_waiting(self, key: BatchKey) -> int:
+        return sum(len(job.seeds) for job in self._queue if job.key == key)
+
+    def _take(self, key: BatchKey) -> list[Job]:
+        """Remove and return the oldest waiting jobs with ``key`` that fit in ``max_batch`` (in arrival order)."""
+        taken: list[Job] = []
+        images = 0
+        for job in self._queue:
+            if job.key != key:
+                continue
+            if images + len(job.seeds) > self.max_batch:
+                break
+            taken.append(job)
+            images += len(job.seeds)
+        for job in taken:
+            self._queue.remove(job)
+        return taken
+
+    def _run_batch(self, jobs: list[Job]) -> None:
+        key = jobs[0].key
+        seeds = [seed for job in jobs for seed in job.seeds]
+        run_size = self.run_size(len(seeds))
+        padded = seeds + [seeds[-1]] * (run_size - len(seeds))
+        start = time.perf_counter()
+        try:
+            pipe = self.pipeline(key)
+            images = pipe(batch_size=run_size, seeds=padded, output_type="pil", progress=False)
+        except Exception as exc:
+            if not isinstance(exc, FastdiffError):  # e.g. steps beyond the model's schedule: the user's error
+                log.exception("sampling a batch of %d failed", len(seeds))
+            for job in jobs:
+                job.future.set_exception(exc)
+            if isinstance(exc, torch.cuda.OutOfMemoryError):
+                torch.cuda.empty_cache()
+            return
+        sample_s = time.perf_counter() - start
+        self.metrics.record_batch(len(seeds), run_size, sample_s)
+        log.debug("batch of %d (run at %d) for %d requests: %.3f s", len(seeds), run_size, len(jobs), sample_s)
+        offset = 0
+        for job in jobs:
+            count = len(job.seeds)
+            job.future.set_result(
+                JobResult(
+                    images=images[offset : offset + count],
+                    queue_s=start - job.enqueued_at,
+                    sample_s=sample_s,
+                    batch_images=len(seeds),
+                    run_size=run_size,
+                )
+            )
+            offset += count

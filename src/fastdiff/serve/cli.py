@@ -1,0 +1,141 @@
+"""``fastdiff serve`` and ``fastdiff loadtest``: the CLI fronts of serve.app and serve.loadtest."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from fastdiff.atomic import check_output_location, write_text_atomic
+from fastdiff.cli import DEFAULT_MODEL, HelpFormatter, positive_int
+from fastdiff.errors import FastdiffError
+
+log = logging.getLogger(__name__)
+
+SERVE_EXTRA = "pip install 'fastdiff[serve]'"
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``serve`` and ``loadtest``."""
+    from fastdiff.samplers import SAMPLERS
+
+    p = subparsers.add_parser(
+        "serve",
+        help="HTTP image service with dynamic batching, a browser page and Prometheus metrics",
+        description="Serve a model over HTTP: POST /v1/images (JSON), GET /v1/model, /health, /metrics and a "
+        "page at /. Concurrent requests with the same sampler and steps are sampled together in batches of up "
+        "to --max-batch images; a request's images are the same whether it ran alone or in a batch.",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help="preset name or model directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--max-batch", type=positive_int, default=16, help="images per batch (and per request)")
+    p.add_argument("--max-wait-ms", type=float, default=10.0, help="longest wait of a request for company")
+    p.add_argument("--queue-size", type=positive_int, default=64, help="waiting requests before 429")
+    p.add_argument(
+        "--batch-buckets",
+        type=int_list,
+        default=None,
+        help="comma-separated batch sizes a batch is padded up to (default: --max-batch only, which keeps "
+        "images byte-identical however requests were batched; smaller sizes cut latency at low load)",
+    )
+    p.add_argument("--sampler", default="ddim", choices=SAMPLERS, help="sampler of requests that name none")
+    p.add_argument("--steps", type=positive_int, default=50, help="steps of requests that name none")
+    p.add_argument("--device", default="auto", help="auto (GPU if present, else CPU), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"), help="model precision")
+    p.add_argument("--warmup", action="store_true", help="sample every batch size once before serving")
+    p.set_defaults(func=run_serve)
+
+    p = subparsers.add_parser(
+        "loadtest",
+        help="load a running fastdiff server: throughput, latency percentiles, 429s and errors",
+        description="K client threads send R requests in all to a running `fastdiff serve`, each sending its "
+        "next request when the last one is answered. Reports images/s, requests/s, latency p50/p95/p99 and the "
+        "number of 429s and errors; --out also writes them as JSON. Exits with 1 when a request failed (other than "
+        "429) or the server is not healthy afterwards.",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server address")
+    p.add_argument("--concurrency", type=positive_int, default=8, help="client threads (K)")
+    p.add_argument("--requests", type=positive_int, default=64, help="requests in all (R)")
+    p.add_argument("--n", type=positive_int, default=1, help="images per request")
+    p.add_argument("--steps", type=positive_int, default=None, help="steps (default: the server's)")
+    p.add_argument("--sampler", default=None, help="sampler (default: the server's)")
+    p.add_argument("--seed", type=int, default=0, help="request i asks for seeds SEED + i*n ...")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a request counts as an error")
+    p.add_argument("--out", type=Path, default=None, help="write the summary JSON here")
+    p.set_defaults(func=run_loadtest_cli)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from fastdiff.serve.app import create_app
+    except ImportError as exc:
+        raise FastdiffError(f"fastdiff serve needs {exc.name}: {SERVE_EXTRA}") from None
+    app = create_app(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        sampler=args.sampler,
+        steps=args.steps,
+        max_batch=args.max_batch,
+        max_wait_ms=args.max_wait_ms,
+        queue_size=args.queue_size,
+        batch_buckets=args.batch_buckets,
+        warmup=args.warmup,
+    )
+    log.info("open http://%s:%d/ in a browser", args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=args.verbose)
+    return 0
+
+
+def run_loadtest_cli(args: argparse.Namespace) -> int:
+    try:
+        from fastdiff.serve.loadtest import run_loadtest
+    except ImportError as exc:
+        raise FastdiffError(f"fastdiff loadtest needs {exc.name}: {SERVE_EXTRA}") from None
+    if args.out is not None and args.out.suffix != ".json":
+        raise FastdiffError(f"--out must be a .json file, got {args.out}")
+    if args.out is not None:
+        check_output_location(args.out, "--out")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
+    summary = run_loadtest(
+        args.url,
+        concurrency=args.concurrency,
+        requests=args.requests,
+        n=args.n,
+        steps=args.steps,
+        sampler=args.sampler,
+        seed=args.seed,
+        timeout_s=args.timeout,
+    )
+    latency = summary["latency_ms"]
+    log.info(
+        "%d ok, %d shed (429), %d errors in %.2f s: %.2f images/s, %.2f requests/s, latency p50 %s p95 %s p99 %s ms",
+        summary["ok"],
+        summary["rejected_429"],
+        summary["errors"],
+        summary["wall_s"],
+        summary["images_per_s"],
+        summary["requests_per_s"],
+        latency["p50"],
+        latency["p95"],
+        latency["p99"],
+    )
+    for example in summary["error_examples"]:
+        log.warning("error: %s", example)
+    if args.out is not None:
+        write_text_atomic(args.out, json.dumps(summary, indent=1) + "\n")
+        log.info("wrote %s", args.out)
+    return 1 if summary["errors"] or not summary["healthy_after"] else 0

@@ -1,0 +1,119 @@
+"""Fixtures of the serve tests: a uvicorn server in a thread on a free port, a fast stand-in pipeline."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from PIL import Image
+
+from fastdiff.errors import FastdiffError
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+
+FAIL_SEED = 666
+"""A batch holding this seed raises in ``FakePipeline`` (a sampling failure)."""
+
+
+@contextmanager
+def live_server(app) -> Iterator[str]:
+    """Serve ``app`` with uvicorn on 127.0.0.1:<free port> in a thread; yields the base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+class FakePipeline:
+    """The public surface of ``fastdiff.pipeline.Pipeline`` the server uses, without a model.
+
+    Image k is a flat gray of ``seeds[k] % 256``. Every call is recorded in ``calls`` and waits for ``gate``
+    (set by default), so a test can hold the worker inside a batch.
+    """
+
+    sample_shape = (1, 8, 8)
+    device = torch.device("cpu")
+    unet = None
+
+    def __init__(self, sampler: str, steps: int, gate: threading.Event, calls: list, delay_s: float) -> None:
+        self.sampler = sampler
+        self.steps = steps
+        self.gate = gate
+        self.calls = calls
+        self.delay_s = delay_s
+        self.entered = threading.Event()
+
+    def __call__(self, batch_size: int, seeds: list[int], output_type: str = "pil", progress: bool = True):
+        assert len(seeds) == batch_size and output_type == "pil" and not progress
+        self.calls.append((self.sampler, self.steps, list(seeds)))
+        self.entered.set()
+        assert self.gate.wait(60), "test gate never opened"
+        time.sleep(self.delay_s)
+        if FAIL_SEED in seeds:
+            raise RuntimeError("simulated sampling failure")
+        return [Image.new("L", (8, 8), seed % 256) for seed in seeds]
+
+
+class FakeFactory:
+    """``pipeline_factory(sampler, steps)`` making ``FakePipeline``s that share one gate and one call log."""
+
+    fail_seed = FAIL_SEED
+    max_steps = 500
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+        self.calls: list[tuple[str, int, list[int]]] = []
+        self.pipelines: list[FakePipeline] = []
+        self.delay_s = delay_s
+
+    def __call__(self, sampler: str, steps: int) -> FakePipeline:
+        if steps > self.max_steps:
+            raise FastdiffError(f"steps must be in 1..{self.max_steps}, got {steps}")
+        pipe = FakePipeline(sampler, steps, self.gate, self.calls, self.delay_s)
+        self.pipelines.append(pipe)
+        return pipe
+
+
+def wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def serve_app():
+    """``serve_app(app)``: a context manager serving ``app`` on a free local port; yields its base URL."""
+    return live_server
+
+
+@pytest.fixture
+def fake_factory() -> FakeFactory:
+    return FakeFactory()
+
+
+@pytest.fixture
+def waiter():
+    """``waiter(condition, what)``: poll until ``condition()`` is true (AssertionError after 30 s)."""
+    return wait_until
