@@ -154,7 +154,9 @@ def euler_float64(name, saved, steps, model, x_t, noise, **options) -> torch.Ten
             x0 = x - sigma * out
         else:
             x0 = out * (-sigma / (sigma**2 + 1) ** 0.5) + x / (sigma**2 + 1)
-        sigma_up = torch.zeros(()) if name == "euler" else (sigma_next**2 * (sigma**2 - sigma_next**2) / sigma**2) ** 0.5
+        sigma_up = (
+            torch.zeros(()) if name == "euler" else (sigma_next**2 * (sigma**2 - sigma_next**2) / sigma**2) ** 0.5
+        )
         sigma_down = (sigma_next**2 - sigma_up**2) ** 0.5
         x = x + (x - x0) / sigma * (sigma_down - sigma) + sigma_up * noise[i].double()
     model.float()
@@ -268,7 +270,9 @@ def test_absent_keys_take_the_target_schedulers_defaults():
     dpm = make_sampler("dpmsolver++", config, 20).timesteps.numpy()
     np.testing.assert_array_equal(ddim[:3], [950, 900, 850])
     np.testing.assert_array_equal(dpm[[0, 1, -1]], [999, 949, 50])
-    explicit = ScheduleConfig.from_diffusers({**SHIPPED_CONFIGS["google/ddpm-cifar10-32"], "timestep_spacing": "leading"})
+    explicit = ScheduleConfig.from_diffusers(
+        {**SHIPPED_CONFIGS["google/ddpm-cifar10-32"], "timestep_spacing": "leading"}
+    )
     np.testing.assert_array_equal(make_sampler("dpmsolver++", explicit, 20).timesteps.numpy()[:2], [940, 893])
 
 

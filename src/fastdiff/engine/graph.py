@@ -2,9 +2,10 @@
 
 Every step reads its step index from a device counter (``[1]`` int64): the model's time input, the sampler's
 coefficient row and the step's noise draw (Philox counter ``i + 1`` of each image's seed) are all selected on the
-device, and the counter is incremented at the end of the step. So one captured graph of K steps is valid at any position of the loop, and an N-step run is
-``N // K`` replays of the K-step graph plus one replay of an ``N % K``-step graph (both captured once, cached
-by length, sharing one memory pool). ``steps_per_graph = N`` captures the whole loop unrolled in one graph.
+device, and the counter is incremented at the end of the step. So one captured graph of K steps is valid at any
+position of the loop, and an N-step run is ``N // K`` replays of the K-step graph plus one replay of an
+``N % K``-step graph (both captured once, cached by length, sharing one memory pool). ``steps_per_graph = N``
+captures the whole loop unrolled in one graph.
 
 The eager fallback (``use_graphs=False``, and always on the CPU) runs the very same step function without
 capture, so graph replay and eager execution launch identical kernels.

@@ -21,9 +21,7 @@ X_T_COUNTER = 0
 
 def seed_tensor(seeds: Sequence[int] | torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """Seeds as an int64 device vector (each in 0..2^63 - 1)."""
-    return torch.as_tensor(list(seeds) if not isinstance(seeds, torch.Tensor) else seeds, dtype=torch.int64).to(
-        device
-    )
+    return torch.as_tensor(list(seeds) if not isinstance(seeds, torch.Tensor) else seeds, dtype=torch.int64).to(device)
 
 
 def draw(seeds: torch.Tensor, counter: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -33,7 +31,9 @@ def draw(seeds: torch.Tensor, counter: int, shape: tuple[int, ...]) -> torch.Ten
     return gaussian_noise_ref(seeds, counter, shape)
 
 
-def initial_noise(seeds: Sequence[int] | torch.Tensor, shape: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
+def initial_noise(
+    seeds: Sequence[int] | torch.Tensor, shape: tuple[int, ...], device: torch.device | str
+) -> torch.Tensor:
     """Unit-variance x_T [B, *shape] (fp32) for ``seeds``."""
     return draw(seed_tensor(seeds, device), X_T_COUNTER, shape)
 

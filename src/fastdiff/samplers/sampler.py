@@ -74,9 +74,7 @@ class Sampler:
 
     def to(self, device: torch.device | str) -> Sampler:
         """The same sampler with its tables on ``device``."""
-        return Sampler(
-            self.name, self.timesteps.to(device), self.coefs.to(device), self.clip_range, self.init_scale
-        )
+        return Sampler(self.name, self.timesteps.to(device), self.coefs.to(device), self.clip_range, self.init_scale)
 
     def new_state(self, x: torch.Tensor) -> SamplerState:
         """Zeroed history buffers like ``x`` (fp32, or fp64 for fp64 x): read with coefficient 0 at the first
