@@ -67,6 +67,25 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[Path], object]) 
     return path
 
 
+def write_all_atomic(files: dict[Path, Callable[[Path], object]]) -> None:
+    """Write several files all or nothing: every ``write(tmp)`` first, then the renames in the given order (put
+    the file readers look for first, e.g. a config, last). A failing write leaves every old file in place."""
+    temps: dict[Path, Path] = {}
+    try:
+        for path, write in files.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp, mode = _create_temporary(path)
+            temps[path] = tmp
+            write(tmp)
+            os.chmod(tmp, mode)
+            _fsync(tmp, os.O_RDWR)
+        for path, tmp in temps.items():
+            os.replace(tmp, path)
+    finally:
+        for tmp in temps.values():
+            tmp.unlink(missing_ok=True)
+
+
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write ``data`` to ``path`` all or nothing (see :func:`write_atomic`)."""
     return write_atomic(path, lambda tmp: tmp.write_bytes(data))

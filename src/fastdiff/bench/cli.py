@@ -30,7 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=1000, help="steps of a full sampling run")
     p.add_argument("--timed-steps", type=int, default=100, help="steps timed per repeat (scaled to --steps)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
-    p.add_argument("--quality-steps", type=int, default=100, help="DDIM steps of the paired-quality run")
+    p.add_argument("--quality-sampler", default="dpmsolver++", help="sampler of the paired-quality run")
+    p.add_argument("--quality-steps", type=int, default=20, help="steps of the paired-quality run")
     p.add_argument("--energy-seconds", type=float, default=5.0, help="length of the NVML energy window")
     p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma-separated systems to run")
     p.add_argument("--device", default="cuda", help="cuda or cpu")
@@ -55,6 +56,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         steps=args.steps,
         timed_steps=args.timed_steps,
         repeats=args.repeats,
+        quality_sampler=args.quality_sampler,
         quality_steps=args.quality_steps,
         energy_seconds=args.energy_seconds,
         systems=systems,

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fastdiff.atomic import write_atomic
+from fastdiff.atomic import write_all_atomic
 from fastdiff.errors import FastdiffError
 from fastdiff.models.weights import WEIGHT_NAMES, find_weights, load_state_dict_checked, read_state_dict
 
@@ -246,7 +246,7 @@ def save_convnext_unet(
     dtype: torch.dtype | None = None,
 ) -> None:
     """Write config.json (with ``_class_name``), model.safetensors (floats cast to ``dtype`` if given) and
-    scheduler_config.json if given, each all or nothing (``fastdiff.atomic``); config.json is written last."""
+    scheduler_config.json if given, all or nothing (``fastdiff.atomic.write_all_atomic``); config.json last."""
     from safetensors.torch import save_file
 
     if not isinstance(model, ConvNeXtUNet):
@@ -267,6 +267,5 @@ def save_convnext_unet(
         if stale != WEIGHTS_FILE and (directory / stale).is_file():
             log.warning("removing stale %s from %s (it would shadow %s)", stale, directory, WEIGHTS_FILE)
             (directory / stale).unlink()
-    for name, write in outputs.items():
-        write_atomic(directory / name, write)
+    write_all_atomic({directory / name: write for name, write in outputs.items()})
     log.info("saved ConvNeXtUNet (%s) to %s", dtype or "native dtype", directory)
