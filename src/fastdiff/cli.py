@@ -47,7 +47,7 @@ def positive_int(text: str) -> int:
 
 
 def add_sample_parser(subparsers: argparse._SubParsersAction) -> None:
-    from fastdiff.samplers import SAMPLERS
+    from fastdiff.samplers import KARRAS_SAMPLERS, SAMPLER_SCHEDULERS, SAMPLERS
 
     p = subparsers.add_parser(
         "sample",
@@ -62,7 +62,21 @@ def add_sample_parser(subparsers: argparse._SubParsersAction) -> None:
         help="preset name (fashion-mnist, ddpm-cifar10, ddpm-celebahq-256, convnext-cifar10, convnext-64) or a "
         "local diffusers/fastdiff model directory (config.json + weights, or a unet/ subfolder)",
     )
-    p.add_argument("--sampler", default="ddim", choices=SAMPLERS, help="sampling algorithm")
+    p.add_argument(
+        "--sampler",
+        default="ddim",
+        choices=SAMPLERS,
+        help="sampling algorithm; each equals a diffusers scheduler's default loop: "
+        + ", ".join(f"{name} = {cls}" for name, cls in SAMPLER_SCHEDULERS.items())
+        + " (algorithm_type sde-dpmsolver++ for dpmsolver++_sde)",
+    )
+    p.add_argument(
+        "--karras",
+        action="store_true",
+        default=None,
+        help=f"Karras et al. sigma spacing (use_karras_sigmas; {', '.join(KARRAS_SAMPLERS)}); default: as the "
+        "model's scheduler config says",
+    )
     p.add_argument("--steps", type=positive_int, default=100, help="number of denoising steps")
     p.add_argument("--batch", type=positive_int, default=16, help="number of images")
     p.add_argument("--seed", type=int, default=0, help="seed of the first image (image k uses SEED+k)")
@@ -115,7 +129,7 @@ def run_sample(args: argparse.Namespace) -> int:
     if args.save_dir is not None:
         check_output_location(args.save_dir, "--save-dir", folder=True)
     pipe = Pipeline.from_pretrained(
-        args.model, device=args.device, dtype=args.dtype, sampler=args.sampler, steps=args.steps
+        args.model, device=args.device, dtype=args.dtype, sampler=args.sampler, steps=args.steps, karras=args.karras
     )
     check_batch_fits(args.batch, pipe.sample_shape, pipe.device)
     start = time.perf_counter()

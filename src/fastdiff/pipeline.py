@@ -66,10 +66,12 @@ class Pipeline:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         backend: str | None = None,
+        karras: bool | None = None,
     ) -> None:
         self.unet = unet
         self.schedule = schedule
         self.sampler_name = sampler
+        self.karras = karras
         self.steps = steps
         self.device = torch.device(device)
         self.dtype = dtype
@@ -91,13 +93,16 @@ class Pipeline:
         sampler: str = "ddim",
         steps: int = 100,
         backend: str | None = None,
+        karras: bool | None = None,
     ) -> Pipeline:
         """Load a preset name or a local diffusers/fastdiff model directory."""
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype)
         unet = load_unet(path_or_preset, device=dev, dtype=torch_dtype)
         schedule = ScheduleConfig.from_diffusers(getattr(unet, "scheduler_config", None))
-        return cls(unet, schedule, sampler=sampler, steps=steps, device=dev, dtype=torch_dtype, backend=backend)
+        return cls(
+            unet, schedule, sampler=sampler, steps=steps, device=dev, dtype=torch_dtype, backend=backend, karras=karras
+        )
 
     @property
     def sample_shape(self) -> tuple[int, int, int]:
@@ -119,7 +124,7 @@ class Pipeline:
         """The sampler for this pipeline's name/steps and ``eta`` (tables built once, then cached)."""
         if eta not in self._samplers:
             self._samplers[eta] = make_sampler(
-                self.sampler_name, self.schedule, self.steps, eta=eta, device=self.device
+                self.sampler_name, self.schedule, self.steps, eta=eta, device=self.device, karras=self.karras
             )
         return self._samplers[eta]
 
