@@ -46,17 +46,25 @@ class Sampler:
 
     ``step`` is pure tensor maths on the device: the step index only selects a table row and nothing reads a
     tensor back to the host, so a whole loop can be captured in one CUDA graph (``fastdiff.engine``). The state
-    x is the model input itself; x_T (unit variance) enters as ``init_scale · x_T``.
+    x is the model input itself; x_T (unit variance) enters as ``init_scale · x_T``. ``levels`` [N, 2] float32
+    (optional) holds each step's (alpha, sigma) for ``noised_state``.
     """
 
     def __init__(
-        self, name: str, timesteps: torch.Tensor, coefs: torch.Tensor, clip_range: float | None, init_scale: float
+        self,
+        name: str,
+        timesteps: torch.Tensor,
+        coefs: torch.Tensor,
+        clip_range: float | None,
+        init_scale: float,
+        levels: torch.Tensor | None = None,
     ) -> None:
         self.name = name
         self.timesteps = timesteps
         self.coefs = coefs
         self.clip_range = clip_range
         self.init_scale = init_scale
+        self.levels = levels
         self.num_steps = int(timesteps.shape[0])
         nonzero = (coefs != 0).any(dim=0).tolist()
         self.uses_h1 = nonzero[COL["E"]] or nonzero[COL["K1"]] or nonzero[COL["K2"]]
@@ -74,7 +82,10 @@ class Sampler:
 
     def to(self, device: torch.device | str) -> Sampler:
         """The same sampler with its tables on ``device``."""
-        return Sampler(self.name, self.timesteps.to(device), self.coefs.to(device), self.clip_range, self.init_scale)
+        levels = None if self.levels is None else self.levels.to(device)
+        return Sampler(
+            self.name, self.timesteps.to(device), self.coefs.to(device), self.clip_range, self.init_scale, levels
+        )
 
     def new_state(self, x: torch.Tensor) -> SamplerState:
         """Zeroed history buffers like ``x`` (fp32, or fp64 for fp64 x): read with coefficient 0 at the first
@@ -85,6 +96,17 @@ class Sampler:
             return torch.zeros_like(x, dtype=dtype) if used else None
 
         return SamplerState(torch.zeros_like(x, dtype=dtype), zeros(self.uses_h2), zeros(self.uses_aux))
+
+    def noised_state(self, x0: torch.Tensor, noise: torch.Tensor, step: int = 0) -> torch.Tensor:
+        """The state x at ``step`` for clean x0 and unit-variance ``noise``: alpha·x0 + sigma·noise in fp32.
+
+        This is the diffusers scheduler's ``add_noise`` at that step's timestep (then ``scale_model_input`` for
+        the Euler samplers), i.e. where an img2img loop begins.
+        """
+        if self.levels is None:
+            raise FastdiffError(f"{self.name} sampler was built without noise levels")
+        alpha, sigma = self.levels[step].to(torch.float32)
+        return alpha * x0.to(torch.float32) + sigma * noise.to(torch.float32)
 
     def step(
         self,
@@ -119,8 +141,13 @@ def make_sampler(
     device: torch.device | str = "cpu",
     karras: bool | None = None,
     clipped_model_output: bool = False,
+    start: int = 0,
 ) -> Sampler:
     """Build sampler ``name`` (one of ``SAMPLERS``) for ``steps`` steps of ``config``'s schedule.
+
+    ``start`` > 0 keeps steps ``start``..``steps - 1`` of that grid only (img2img, diffusers' ``set_begin_index``):
+    the sampler then has ``steps - start`` steps, begins at ``noised_state(x0, noise)``, and the multistep solvers
+    warm up from first order again, as their diffusers schedulers do with an empty history.
 
     The config is read as the sampler's diffusers scheduler reads it (``ScheduleConfig.for_sampler``: keys a
     saved config lacks take that scheduler's defaults). Per-sampler knobs:
@@ -141,6 +168,8 @@ def make_sampler(
         raise FastdiffError(f"steps must be an int, got {steps!r}") from None
     if isinstance(steps, bool) or not 1 <= steps <= config.num_train_timesteps:
         raise FastdiffError(f"steps must be in 1..{config.num_train_timesteps}, got {steps}")
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < steps:
+        raise FastdiffError(f"start must be an int in 0..{steps - 1}, got {start!r}")
     if isinstance(eta, bool) or not isinstance(eta, int | float) or not eta >= 0:
         raise FastdiffError(f"eta must be a number >= 0, got {eta!r}")
     if eta != 0 and name != "ddim":
@@ -156,7 +185,7 @@ def make_sampler(
         config = ScheduleConfig(**{**vars(config), "use_karras_sigmas": karras, "given": None})
 
     abar = alphas_cumprod(config)
-    table = _table(name, config, abar, steps, float(eta), clipped_model_output)
+    table = _table(name, config, abar, steps, float(eta), clipped_model_output, start)
     coefs = torch.from_numpy(table.coefs)
     if not torch.isfinite(coefs).all():
         raise FastdiffError(f"{name} coefficients are not finite for {steps} steps of this schedule")
@@ -168,17 +197,26 @@ def make_sampler(
         coefs.to(device=device, dtype=torch.float32),
         clip_range,
         table.init_scale,
+        torch.from_numpy(table.levels).to(device=device, dtype=torch.float32),
     )
 
 
 def _table(
-    name: str, config: ScheduleConfig, abar: torch.Tensor, steps: int, eta: float, clipped_model_output: bool
+    name: str,
+    config: ScheduleConfig,
+    abar: torch.Tensor,
+    steps: int,
+    eta: float,
+    clipped_model_output: bool,
+    start: int,
 ) -> Table:
     if name == "ddpm":
-        return ddpm_table(abar, discrete_timesteps(config, steps), config.prediction_type, config.variance_type)
+        timesteps = discrete_timesteps(config, steps)
+        return ddpm_table(abar, timesteps, config.prediction_type, config.variance_type).tail(start)
     if name == "ddim":
-        return ddim_table(abar, discrete_timesteps(config, steps), config, eta, clipped_model_output)
+        return ddim_table(abar, discrete_timesteps(config, steps), config, eta, clipped_model_output).tail(start)
     timesteps, sigmas = sigma_grid(name, config, abar, steps)
+    timesteps, sigmas = timesteps[start:], sigmas[start:]  # the multistep solvers' warm-up restarts at ``start``
     if name in ("euler", "euler_a"):
         return euler_table(sigmas, timesteps, config, ancestral=name == "euler_a")
     if name == "unipc":

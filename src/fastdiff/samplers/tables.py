@@ -45,6 +45,9 @@ class Table:
     """[N] the model's time input at each step (integers for the discrete samplers, fractions for Euler)."""
     coefs: np.ndarray
     """[N, 12] in ``COLUMNS`` order."""
+    levels: np.ndarray
+    """[N, 2] (alpha, sigma) of the state x at step i: x = alpha·x0 + sigma·eps (the scheduler's ``add_noise``
+    in the table's state, i.e. divided by sqrt(sigma^2 + 1) for Euler's variance-exploding sigma)."""
     init_scale: float = 1.0
     """x at step 0 = init_scale · x_T for unit-variance x_T (diffusers' init_noise_sigma / the input scale)."""
 
@@ -52,11 +55,15 @@ class Table:
     def empty(cls, timesteps: np.ndarray) -> Table:
         coefs = np.zeros((len(timesteps), len(COLUMNS)))
         coefs[:, COL["Kx"]] = 1.0  # no corrector: xc = x
-        return cls(np.asarray(timesteps, dtype=np.float64), coefs)
+        return cls(np.asarray(timesteps, dtype=np.float64), coefs, np.zeros((len(timesteps), 2)))
 
     def set(self, i: int, **values: float) -> None:
         for name, value in values.items():
             self.coefs[i, COL[name]] = value
+
+    def tail(self, start: int) -> Table:
+        """Steps ``start``.. of this table (img2img: the loop begins part-way down the grid)."""
+        return Table(self.timesteps[start:], self.coefs[start:], self.levels[start:], self.init_scale)
 
 
 def x0_coefficients(alpha: float, sigma: float, prediction_type: str) -> tuple[float, float]:
@@ -188,6 +195,7 @@ def ddpm_table(abar: torch.Tensor, timesteps: np.ndarray, prediction_type: str, 
         alpha = abar_t / abar_prev
         beta = 1.0 - alpha
         a, b = x0_coefficients(math.sqrt(abar_t), math.sqrt(1.0 - abar_t), prediction_type)  # 2.
+        table.levels[i] = math.sqrt(abar_t), math.sqrt(1.0 - abar_t)
         d = math.sqrt(abar_prev) * beta / (1.0 - abar_t)  # 3.
         c = math.sqrt(alpha) * (1.0 - abar_prev) / (1.0 - abar_t)
         if variance_type == "fixed_small":  # 4.
@@ -225,6 +233,7 @@ def ddim_table(
         abar_prev = float(abar[prev]) if prev >= 0 else final_abar
         alpha_t, sigma_t = math.sqrt(abar_t), math.sqrt(1.0 - abar_t)
         a, b = x0_coefficients(alpha_t, sigma_t, config.prediction_type)  # 2.
+        table.levels[i] = alpha_t, sigma_t
         sigma = eta * math.sqrt((1.0 - abar_prev) / (1.0 - abar_t) * (1.0 - abar_t / abar_prev))  # 3.
         dir_squared = 1.0 - abar_prev - sigma**2  # 4.
         if dir_squared < -DDIM_NEGATIVE_SLACK:
@@ -261,6 +270,7 @@ def euler_table(sigmas: np.ndarray, timesteps: np.ndarray, config: ScheduleConfi
             a, b = s, -sigma
         else:
             a, b = 1.0 / s, -sigma / s
+        table.levels[i] = 1.0 / s, sigma / s
         sigma_up = 0.0
         if ancestral:  # 3.
             sigma_up = math.sqrt(sigma_next**2 * (sigma**2 - sigma_next**2) / sigma**2)
@@ -295,6 +305,7 @@ def dpmsolver_pp_table(sigmas: np.ndarray, timesteps: np.ndarray, prediction_typ
         raise FastdiffError(f"dpmsolver++ needs strictly decreasing timesteps; got repeats among {steps} steps")
     for i in range(steps):
         a, b = x0_coefficients(alphas[i], sigma_ts[i], prediction_type)  # 2.
+        table.levels[i] = alphas[i], sigma_ts[i]
         h = lambdas[i + 1] - lambdas[i]
         ratio = sigma_ts[i + 1] / sigma_ts[i]
         if sde:  # 3.
@@ -339,6 +350,7 @@ def unipc_table(sigmas: np.ndarray, timesteps: np.ndarray, prediction_type: str)
     for i in range(steps):
         a, b = x0_coefficients(alphas[i], sigma_ts[i], prediction_type)
         table.set(i, A=a, B=b)
+        table.levels[i] = alphas[i], sigma_ts[i]
         if i > 0:  # 1. corrector of x_i
             h = lambdas[i] - lambdas[i - 1]
             h_phi_1 = b_h = math.expm1(-h)
