@@ -27,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default="ddpm-cifar10", help="preset name or model directory")
     p.add_argument("--batch", type=int, default=1, help="images per batch")
-    p.add_argument("--sampler", default="ddpm", help="sampler of the profiled loop (ddpm, ddim, dpmsolver++)")
+    p.add_argument("--sampler", default="ddpm", help="sampler of the profiled loop (any of fastdiff sample --sampler)")
     p.add_argument("--steps", type=int, default=1000, help="steps of one end-to-end sample (per-image numbers)")
     p.add_argument("--dtype", default="auto", help="fp16, bf16 or fp32 (auto: fp16 on CUDA, fp32 on the CPU)")
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cuda or cpu")
