@@ -20,7 +20,7 @@ from fastdiff.errors import FastdiffError
 from fastdiff.models.ddpm_unet import Attention as SpatialSelfAttention
 from fastdiff.models.ddpm_unet import Downsample2D, convert_old_attention_keys
 from fastdiff.models.unet_2d_condition import ResnetBlock2D, Upsample2D
-from fastdiff.models.weights import find_weights, load_state_dict_checked, read_state_dict
+from fastdiff.models.weights import config_from_dict, find_weights, load_state_dict_checked, read_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -88,19 +88,7 @@ class AutoencoderKLConfig:
     @classmethod
     def from_dict(cls, config: dict, source: str = "config") -> AutoencoderKLConfig:
         """Config from a diffusers ``config.json`` dict; unsupported values raise, ``_*`` keys are ignored."""
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {}
-        for key, value in config.items():
-            if key in fields:
-                kwargs[key] = value
-            elif not key.startswith("_"):
-                log.warning("%s: ignoring unknown config key %r", source, key)
-        try:
-            return cls(**kwargs)
-        except FastdiffError as exc:
-            raise FastdiffError(f"{source}: {exc}") from None
-        except (TypeError, ValueError) as exc:
-            raise FastdiffError(f"{source}: invalid config value: {exc}") from None
+        return config_from_dict(cls, config, source)
 
 
 SD_VAE_CONFIG_JSON: dict = {

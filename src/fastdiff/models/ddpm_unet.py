@@ -7,7 +7,6 @@ config raises a FastdiffError naming the key and value.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import re
@@ -19,7 +18,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fastdiff.errors import FastdiffError
-from fastdiff.models.weights import find_weights, load_state_dict_checked, read_state_dict
+from fastdiff.models.weights import (
+    check_allowed,
+    config_from_dict,
+    find_weights,
+    load_state_dict_checked,
+    read_state_dict,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +87,7 @@ class DDPMUNetConfig:
     def _validate(self) -> None:
         for key in ALLOWED_VALUES:
             if hasattr(self, key):
-                check_allowed(key, getattr(self, key))
+                check_allowed(ALLOWED_VALUES, key, getattr(self, key))
         for key, allowed in (("down_block_types", DOWN_BLOCKS), ("up_block_types", UP_BLOCKS)):
             for block in getattr(self, key):
                 if block not in allowed:
@@ -113,28 +118,7 @@ class DDPMUNetConfig:
     @classmethod
     def from_dict(cls, config: dict, source: str = "config") -> DDPMUNetConfig:
         """Config from a diffusers ``config.json`` dict; unsupported values raise, ``_*`` keys are ignored."""
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {}
-        for key, value in config.items():
-            if key in fields:
-                kwargs[key] = value
-            elif key in ALLOWED_VALUES:
-                check_allowed(key, value, source)
-            elif not key.startswith("_") and key not in IGNORED_CONFIG_KEYS:
-                log.warning("%s: ignoring unknown config key %r", source, key)
-        try:
-            return cls(**kwargs)
-        except FastdiffError as exc:
-            raise FastdiffError(f"{source}: {exc}") from None
-        except (TypeError, ValueError) as exc:  # e.g. a string where a number belongs
-            raise FastdiffError(f"{source}: invalid config value: {exc}") from None
-
-
-def check_allowed(key: str, value: object, source: str = "") -> None:
-    """FastdiffError if ``key`` has a value outside ALLOWED_VALUES."""
-    if value not in ALLOWED_VALUES[key]:
-        supported = ", ".join(map(repr, ALLOWED_VALUES[key]))
-        raise FastdiffError(f"{source + ': ' if source else ''}unsupported {key}={value!r} (supported: {supported})")
+        return config_from_dict(cls, config, source, ALLOWED_VALUES, IGNORED_CONFIG_KEYS)
 
 
 DDPM_FLAGS = dict(norm_eps=1e-6, flip_sin_to_cos=False, freq_shift=1, downsample_padding=0, attention_head_dim=None)

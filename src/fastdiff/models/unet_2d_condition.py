@@ -11,7 +11,6 @@ SD2: [5, 10, 20, 20], i.e. 64 channels per head); each head has ``channels // he
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,13 @@ from torch import Tensor, nn
 
 from fastdiff.errors import FastdiffError
 from fastdiff.models.ddpm_unet import Downsample2D, TimestepEmbedding, timestep_embedding
-from fastdiff.models.weights import find_weights, load_state_dict_checked, read_state_dict
+from fastdiff.models.weights import (
+    check_allowed,
+    config_from_dict,
+    find_weights,
+    load_state_dict_checked,
+    read_state_dict,
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +108,7 @@ class UNet2DConditionConfig:
         self._validate()
 
     def _validate(self) -> None:
-        check_allowed("act_fn", self.act_fn)
+        check_allowed(ALLOWED_VALUES, "act_fn", self.act_fn)
         for key, allowed in (("down_block_types", DOWN_BLOCKS), ("up_block_types", UP_BLOCKS)):
             for block in getattr(self, key):
                 if block not in allowed:
@@ -147,28 +152,7 @@ class UNet2DConditionConfig:
     @classmethod
     def from_dict(cls, config: dict, source: str = "config") -> UNet2DConditionConfig:
         """Config from a diffusers ``config.json`` dict; unsupported values raise, ``_*`` keys are ignored."""
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {}
-        for key, value in config.items():
-            if key in fields:
-                kwargs[key] = value
-            elif key in ALLOWED_VALUES:
-                check_allowed(key, value, source)
-            elif not key.startswith("_") and key not in IGNORED_CONFIG_KEYS:
-                log.warning("%s: ignoring unknown config key %r", source, key)
-        try:
-            return cls(**kwargs)
-        except FastdiffError as exc:
-            raise FastdiffError(f"{source}: {exc}") from None
-        except (TypeError, ValueError) as exc:  # e.g. a string where a number belongs
-            raise FastdiffError(f"{source}: invalid config value: {exc}") from None
-
-
-def check_allowed(key: str, value: object, source: str = "") -> None:
-    """FastdiffError if ``key`` has a value outside ALLOWED_VALUES."""
-    if value not in ALLOWED_VALUES[key]:
-        supported = ", ".join(map(repr, ALLOWED_VALUES[key]))
-        raise FastdiffError(f"{source + ': ' if source else ''}unsupported {key}={value!r} (supported: {supported})")
+        return config_from_dict(cls, config, source, ALLOWED_VALUES, IGNORED_CONFIG_KEYS)
 
 
 SD_DOWN_BLOCKS = ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -12,6 +15,43 @@ from torch import nn
 from fastdiff.errors import FastdiffError
 
 log = logging.getLogger(__name__)
+
+ConfigT = TypeVar("ConfigT")
+
+
+def check_allowed(allowed: Mapping[str, tuple], key: str, value: object, source: str = "") -> None:
+    """FastdiffError if ``value`` of config ``key`` is not one of ``allowed[key]``."""
+    if value not in allowed[key]:
+        supported = ", ".join(map(repr, allowed[key]))
+        raise FastdiffError(f"{source + ': ' if source else ''}unsupported {key}={value!r} (supported: {supported})")
+
+
+def config_from_dict(
+    cls: type[ConfigT],
+    config: Mapping[str, Any],
+    source: str = "config",
+    allowed: Mapping[str, tuple] | None = None,
+    ignored: frozenset[str] = frozenset(),
+) -> ConfigT:
+    """A config dataclass from a diffusers ``config.json`` dict: its fields are taken, keys of ``allowed`` that are
+    not fields must hold a supported value, ``_*`` and ``ignored`` keys are skipped, others are logged and skipped;
+    a bad value is a one-line FastdiffError naming ``source``."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in config.items():
+        if key in fields:
+            kwargs[key] = value
+        elif allowed is not None and key in allowed:
+            check_allowed(allowed, key, value, source)
+        elif not key.startswith("_") and key not in ignored:
+            log.warning("%s: ignoring unknown config key %r", source, key)
+    try:
+        return cls(**kwargs)
+    except FastdiffError as exc:
+        raise FastdiffError(f"{source}: {exc}") from None
+    except (TypeError, ValueError) as exc:  # e.g. a string where a number belongs
+        raise FastdiffError(f"{source}: invalid config value: {exc}") from None
+
 
 WEIGHT_NAMES = ("diffusion_pytorch_model.safetensors", "model.safetensors", "diffusion_pytorch_model.bin")
 
