@@ -18,8 +18,7 @@ from torch import Tensor, nn
 
 from fastdiff.errors import FastdiffError
 from fastdiff.models.ddpm_unet import Attention as SpatialSelfAttention
-from fastdiff.models.ddpm_unet import Downsample2D, convert_old_attention_keys
-from fastdiff.models.unet_2d_condition import ResnetBlock2D, Upsample2D
+from fastdiff.models.ddpm_unet import Downsample2D, ResnetBlock2D, Upsample2D, convert_old_attention_keys
 from fastdiff.models.weights import config_from_dict, find_weights, load_state_dict_checked, read_state_dict
 
 log = logging.getLogger(__name__)

@@ -165,24 +165,32 @@ class TimestepEmbedding(nn.Module):
 
 
 class ResnetBlock2D(nn.Module):
-    """GroupNorm-SiLU-conv, add projected time embedding, GroupNorm-SiLU-conv, (1x1-conv) shortcut."""
+    """GroupNorm-SiLU-conv, (+ projected time embedding), GroupNorm-SiLU-conv, (1x1-conv) shortcut, rescale."""
 
     def __init__(
-        self, in_ch: int, out_ch: int, temb_ch: int, cfg: DDPMUNetConfig, output_scale_factor: float = 1.0
+        self,
+        in_ch: int,
+        out_ch: int,
+        temb_ch: int | None,
+        groups: int,
+        eps: float,
+        dropout: float = 0.0,
+        output_scale_factor: float = 1.0,
     ) -> None:
         super().__init__()
-        self.norm1 = nn.GroupNorm(cfg.norm_num_groups, in_ch, eps=cfg.norm_eps)
+        self.norm1 = nn.GroupNorm(groups, in_ch, eps=eps)
         self.conv1 = nn.Conv2d(in_ch, out_ch, 3, padding=1)
-        self.time_emb_proj = nn.Linear(temb_ch, out_ch)
-        self.norm2 = nn.GroupNorm(cfg.norm_num_groups, out_ch, eps=cfg.norm_eps)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.time_emb_proj = nn.Linear(temb_ch, out_ch) if temb_ch is not None else None
+        self.norm2 = nn.GroupNorm(groups, out_ch, eps=eps)
+        self.dropout = nn.Dropout(dropout)
         self.conv2 = nn.Conv2d(out_ch, out_ch, 3, padding=1)
         self.conv_shortcut = nn.Conv2d(in_ch, out_ch, 1) if in_ch != out_ch else None
         self.output_scale_factor = output_scale_factor
 
-    def forward(self, x: Tensor, temb: Tensor) -> Tensor:
+    def forward(self, x: Tensor, temb: Tensor | None = None) -> Tensor:
         h = self.conv1(F.silu(self.norm1(x)))
-        h = h + self.time_emb_proj(F.silu(temb))[:, :, None, None]
+        if self.time_emb_proj is not None:
+            h = h + self.time_emb_proj(F.silu(temb))[:, :, None, None]
         h = self.conv2(self.dropout(F.silu(self.norm2(h))))
         skip = x if self.conv_shortcut is None else self.conv_shortcut(x)
         return (skip + h) / self.output_scale_factor
@@ -227,14 +235,21 @@ class Downsample2D(nn.Module):
 
 
 class Upsample2D(nn.Module):
-    """Nearest-neighbour x2 then 3x3 conv."""
+    """Nearest-neighbour upsampling (x2, or to ``size`` for odd skip sizes) then 3x3 conv."""
 
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.conv = nn.Conv2d(channels, channels, 3, padding=1)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+    def forward(self, x: Tensor, size: tuple[int, int] | None = None) -> Tensor:
+        if size is None:
+            return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+        return self.conv(F.interpolate(x, size=size, mode="nearest"))
+
+
+def _norm(cfg: DDPMUNetConfig) -> tuple[int, float, float]:
+    """(groups, eps, dropout) of the config's ResnetBlock2Ds."""
+    return cfg.norm_num_groups, cfg.norm_eps, cfg.dropout
 
 
 def attention_for(channels: int, cfg: DDPMUNetConfig, groups: int | None = None, rescale: float = 1.0) -> Attention:
@@ -250,7 +265,7 @@ class DownBlock2D(nn.Module):
         super().__init__()
         n = cfg.layers_per_block
         self.resnets = nn.ModuleList(
-            [ResnetBlock2D(in_ch if i == 0 else out_ch, out_ch, temb_ch, cfg) for i in range(n)]
+            [ResnetBlock2D(in_ch if i == 0 else out_ch, out_ch, temb_ch, *_norm(cfg)) for i in range(n)]
         )
         self.attentions = nn.ModuleList([attention_for(out_ch, cfg) for _ in range(n)]) if attn else None
         self.downsamplers = nn.ModuleList([Downsample2D(out_ch, cfg.downsample_padding)]) if down else None
@@ -276,7 +291,7 @@ class UpBlock2D(nn.Module):
         super().__init__()
         n = cfg.layers_per_block + 1
         in_chs = [(prev_ch if i == 0 else out_ch) + (skip_ch if i == n - 1 else out_ch) for i in range(n)]
-        self.resnets = nn.ModuleList([ResnetBlock2D(c, out_ch, temb_ch, cfg) for c in in_chs])
+        self.resnets = nn.ModuleList([ResnetBlock2D(c, out_ch, temb_ch, *_norm(cfg)) for c in in_chs])
         self.attentions = nn.ModuleList([attention_for(out_ch, cfg) for _ in range(n)]) if attn else None
         self.upsamplers = nn.ModuleList([Upsample2D(out_ch)]) if up else None
 
@@ -296,7 +311,7 @@ class UNetMidBlock2D(nn.Module):
     def __init__(self, channels: int, temb_ch: int, cfg: DDPMUNetConfig) -> None:
         super().__init__()
         scale = cfg.mid_block_scale_factor
-        resnets = [ResnetBlock2D(channels, channels, temb_ch, cfg, scale) for _ in range(2)]
+        resnets = [ResnetBlock2D(channels, channels, temb_ch, *_norm(cfg), scale) for _ in range(2)]
         self.resnets = nn.ModuleList(resnets)
         self.attentions = None
         if cfg.add_attention:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fastdiff.errors import FastdiffError
-from fastdiff.models.ddpm_unet import Downsample2D, TimestepEmbedding, timestep_embedding
+from fastdiff.models.ddpm_unet import Downsample2D, ResnetBlock2D, TimestepEmbedding, Upsample2D, timestep_embedding
 from fastdiff.models.weights import (
     check_allowed,
     config_from_dict,
@@ -211,51 +211,6 @@ SD21_UNET_CONFIG_JSON: dict = {
 
 SD15_CONFIG = UNet2DConditionConfig.from_dict(SD15_UNET_CONFIG_JSON, source="SD15_UNET_CONFIG_JSON")
 SD21_CONFIG = UNet2DConditionConfig.from_dict(SD21_UNET_CONFIG_JSON, source="SD21_UNET_CONFIG_JSON")
-
-
-class ResnetBlock2D(nn.Module):
-    """GroupNorm-SiLU-conv, (+ projected time embedding), GroupNorm-SiLU-conv, (1x1-conv) shortcut, rescale."""
-
-    def __init__(
-        self,
-        in_ch: int,
-        out_ch: int,
-        temb_ch: int | None,
-        groups: int,
-        eps: float,
-        dropout: float = 0.0,
-        output_scale_factor: float = 1.0,
-    ) -> None:
-        super().__init__()
-        self.norm1 = nn.GroupNorm(groups, in_ch, eps=eps)
-        self.conv1 = nn.Conv2d(in_ch, out_ch, 3, padding=1)
-        self.time_emb_proj = nn.Linear(temb_ch, out_ch) if temb_ch is not None else None
-        self.norm2 = nn.GroupNorm(groups, out_ch, eps=eps)
-        self.dropout = nn.Dropout(dropout)
-        self.conv2 = nn.Conv2d(out_ch, out_ch, 3, padding=1)
-        self.conv_shortcut = nn.Conv2d(in_ch, out_ch, 1) if in_ch != out_ch else None
-        self.output_scale_factor = output_scale_factor
-
-    def forward(self, x: Tensor, temb: Tensor | None = None) -> Tensor:
-        h = self.conv1(F.silu(self.norm1(x)))
-        if self.time_emb_proj is not None:
-            h = h + self.time_emb_proj(F.silu(temb))[:, :, None, None]
-        h = self.conv2(self.dropout(F.silu(self.norm2(h))))
-        skip = x if self.conv_shortcut is None else self.conv_shortcut(x)
-        return (skip + h) / self.output_scale_factor
-
-
-class Upsample2D(nn.Module):
-    """Nearest-neighbour upsampling (x2, or to ``size`` for odd skip sizes) then 3x3 conv."""
-
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
-
-    def forward(self, x: Tensor, size: tuple[int, int] | None = None) -> Tensor:
-        if size is None:
-            return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
-        return self.conv(F.interpolate(x, size=size, mode="nearest"))
 
 
 class Attention(nn.Module):
