@@ -17,14 +17,15 @@ def markdown_table(result: dict) -> str:
         f"**{cfg['model']}**, batch {cfg['batch']}, {cfg['sampler']} {cfg['steps']} steps "
         f"({'random weights' if cfg.get('random_weights') else 'trained weights'}) — {env['gpu']}, "
         f"torch {env['torch']}, triton {env['triton']}, diffusers {env['diffusers']}, git {env['git_sha']}, "
-        f"{env['date'][:10]}. Quality: {cfg['quality_sampler']} {cfg['quality_steps']} steps vs eager-fp32, same x_T."
+        f"{env['date'][:10]}. Quality: {cfg['quality_sampler']} {cfg['quality_steps']} steps, same x_T, PSNR vs "
+        "fastdiff's eager fp32 and vs diffusers fp32 (its scheduler's default loop)."
     )
     lines = [
         head,
         "",
         "| system | dtype | ms/step | s/image | images/s | × diffusers+compile | ready (s) | peak MiB | J/image | W "
-        "| PSNR dB | max abs diff |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| PSNR dB | vs diffusers dB | max abs diff |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     baseline = next(
         (r["images_per_s"] for r in result["results"] if r["system"] == "diffusers+compile" and not r.get("error")),
@@ -32,7 +33,7 @@ def markdown_table(result: dict) -> str:
     )
     for r in result["results"]:
         if r.get("error"):
-            lines.append(f"| {r['system']} | {r['dtype']} | {r['error']} ||||||||||")
+            lines.append(f"| {r['system']} | {r['dtype']} | {r['error']} |||||||||||")
             continue
         ratio = None if baseline is None or r["images_per_s"] is None else r["images_per_s"] / baseline
         ready = _fmt(r["time_to_ready_s"], ".1f")
@@ -42,7 +43,8 @@ def markdown_table(result: dict) -> str:
             f"| {r['system']} | {r['dtype']} | {_fmt(r['ms_per_step'], '.3f')} | {_fmt(r['s_per_image'], '.4g')} "
             f"| {_fmt(r['images_per_s'], '.4g')} | {_fmt(ratio, '.2f')} | {ready} "
             f"| {_fmt(r['peak_mem_mb'], '.0f')} | {_fmt(r['energy_j_per_image'], '.3g')} "
-            f"| {_fmt(r['avg_power_w'], '.0f')} | {_fmt(r['psnr_db'], '.1f')} | {_fmt(r['max_abs_diff'], '.2e')} |"
+            f"| {_fmt(r['avg_power_w'], '.0f')} | {_fmt(r['psnr_db'], '.1f')} "
+            f"| {_fmt(r.get('extra', {}).get('psnr_vs_diffusers_fp32_db'), '.1f')} | {_fmt(r['max_abs_diff'], '.2e')} |"
         )
     return "\n".join(lines)
 
