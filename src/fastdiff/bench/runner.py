@@ -13,7 +13,8 @@ import torch
 
 from fastdiff.bench.energy import EnergyMeter
 from fastdiff.bench.env import environment, gpu_slug
-from fastdiff.bench.systems import CompileSystem, DiffusersSystem, EagerSystem, System
+from fastdiff.bench.systems import CompileSystem, DiffusersSystem, EagerSystem, EngineSystem, System
+from fastdiff.devices import DTYPES, synchronize, time_ms
 from fastdiff.errors import FastdiffError
 from fastdiff.models import PRESETS, load_unet
 from fastdiff.quality.psnr import psnr
@@ -32,7 +33,6 @@ ALL_SYSTEMS = (
     "engine-fp16",
     "engine-bf16",
 )
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -73,25 +73,6 @@ class Row:
     extra: dict = field(default_factory=dict)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_ms(fn, device: torch.device) -> float:
-    """Wall time of ``fn()`` in ms: CUDA events on the GPU, perf_counter on the CPU."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
 def build_system(name: str, cfg: BenchConfig, device: torch.device, warmup_x: torch.Tensor, schedule) -> System:
     kind, _, dtype_name = name.rpartition("-")
     dtype = DTYPES[dtype_name]
@@ -109,8 +90,6 @@ def build_system(name: str, cfg: BenchConfig, device: torch.device, warmup_x: to
     if kind == "diffusers+compile":
         return DiffusersSystem(make_model, dtype, device, schedule, compile_warmup=warmup_x)
     if kind == "engine":
-        from fastdiff.engine import EngineSystem
-
         return EngineSystem(make_model, dtype, device, warmup_x)
     raise FastdiffError(f"unknown bench system {name!r}: choose from {', '.join(ALL_SYSTEMS)}")
 
@@ -130,7 +109,7 @@ def skip_reason(name: str, device: torch.device, model_class: str) -> str | None
             return "diffusers not installed"
     if name.startswith("engine"):
         try:
-            from fastdiff.engine import EngineSystem  # noqa: F401
+            from fastdiff.engine import Engine  # noqa: F401
         except ImportError:
             return "engine not available"
     return None
@@ -213,23 +192,23 @@ def measure_energy(system, meter: EnergyMeter, x_t, seeds, sampler, timed: int, 
     with meter:
         for _ in range(runs):
             system.run(x_t, seeds, sampler, timed)
-        _sync(device)
+        synchronize(device)
     return runs * timed
 
 
 def measure_system(row, system, cfg, device, sampler, q_sampler, x_t, seeds, timed, meter, idle_w):
     """Fill ``row`` with time-to-ready, ms/step, memory, energy and the quality-run output (``extra["final"]``)."""
     row.notes = system.notes
-    _sync(device)
+    synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     system.prepare()
-    _sync(device)
+    synchronize(device)
     row.time_to_ready_s = time.perf_counter() - t0
     row.extra.update(system.facts)
     system.run(x_t, seeds, sampler, min(3, timed))  # warm-up (kernels compiled, caches hot)
-    _sync(device)
+    synchronize(device)
     times = [time_ms(lambda: system.run(x_t, seeds, sampler, timed), device) for _ in range(cfg.repeats)]
     ms_step = statistics.median(times) / timed
     row.ms_per_step = ms_step

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from fastdiff.engine import DEFAULT_STEPS_PER_GRAPH, Engine, kernel_cache_state
 from fastdiff.samplers import SAMPLER_SCHEDULERS, Sampler, ScheduleConfig, step_noise
 
 log = logging.getLogger(__name__)
@@ -129,3 +130,36 @@ class DiffusersSystem(System):
         for t in sched.timesteps[:num_steps]:
             x = sched.step(self.unet(sched.scale_model_input(x, t), t).sample, t, x).prev_sample
         return x.float()
+
+
+class EngineSystem(System):
+    """The engine for ``fastdiff bench``: prepare() loads the model and, given a warm-up batch, builds the
+    fused forward for its batch size (plan, weights, kernels, per-layer choice); the first run with a sampler
+    captures that sampler's graph."""
+
+    def __init__(
+        self,
+        make_model: Callable[[], nn.Module],
+        dtype: torch.dtype,
+        device: torch.device,
+        warmup_batch: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(dtype)
+        self.make_model, self.device, self.warmup_batch = make_model, torch.device(device), warmup_batch
+        self.name = "engine"
+        self.notes = f"fused kernels + planned buffers + CUDA graphs of {DEFAULT_STEPS_PER_GRAPH} steps"
+
+    def prepare(self) -> None:
+        cache = kernel_cache_state()
+        self.model = self.make_model().eval()
+        self.engine = Engine(self.device)
+        if self.warmup_batch is not None:
+            step = self.engine.step_model(self.model, self.warmup_batch.shape[0], self.dtype)
+            if getattr(step, "ops_timed", 0):  # the files existed but not for these shapes: it timed and compiled
+                cache = "cold"
+        self.facts["kernel_cache"] = cache
+
+    @torch.no_grad()
+    def run(self, x, seeds, sampler, num_steps):
+        self.engine.prepare(self.model, sampler, x.shape[0], self.dtype)
+        return self.engine.run(x, seeds, num_steps)

@@ -12,16 +12,15 @@ import copy
 import logging
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from fastdiff.bench.systems import System
+from fastdiff.devices import normalize_device
 from fastdiff.engine.fused_unet import FusedUNet, tuning_cache_path
 from fastdiff.engine.graph import SamplingLoop, StepModel, channels_last_empty
-from fastdiff.engine.weights import WeightStreamer, normalize_device
+from fastdiff.engine.weights import WeightStreamer
 from fastdiff.errors import FastdiffError
 from fastdiff.models.convnext_unet import ConvNeXtUNet
 from fastdiff.models.ddpm_unet import DDPMUNet
@@ -32,7 +31,7 @@ log = logging.getLogger(__name__)
 DEFAULT_STEPS_PER_GRAPH = 50
 """Steps per captured graph (see graph.py); the GPU check script measures capture time and ms/step per K."""
 
-__all__ = ["DEFAULT_STEPS_PER_GRAPH", "EagerStepModel", "Engine", "EngineSystem", "FusedUNet", "SamplingLoop"]
+__all__ = ["DEFAULT_STEPS_PER_GRAPH", "EagerStepModel", "Engine", "FusedUNet", "SamplingLoop"]
 
 
 class EagerStepModel:
@@ -156,36 +155,3 @@ def kernel_cache_state() -> str:
     triton_dir = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
     triton_warm = triton_dir.is_dir() and any(triton_dir.iterdir())
     return "warm" if triton_warm and tuning_cache_path().is_file() else "cold"
-
-
-class EngineSystem(System):
-    """The engine for ``fastdiff bench``: prepare() loads the model and, given a warm-up batch, builds the
-    fused forward for its batch size (plan, weights, kernels, per-layer choice); the first run with a sampler
-    captures that sampler's graph."""
-
-    def __init__(
-        self,
-        make_model: Callable[[], nn.Module],
-        dtype: torch.dtype,
-        device: torch.device,
-        warmup_batch: torch.Tensor | None = None,
-    ) -> None:
-        super().__init__(dtype)
-        self.make_model, self.device, self.warmup_batch = make_model, torch.device(device), warmup_batch
-        self.name = "engine"
-        self.notes = f"fused kernels + planned buffers + CUDA graphs of {DEFAULT_STEPS_PER_GRAPH} steps"
-
-    def prepare(self) -> None:
-        cache = kernel_cache_state()
-        self.model = self.make_model().eval()
-        self.engine = Engine(self.device)
-        if self.warmup_batch is not None:
-            step = self.engine.step_model(self.model, self.warmup_batch.shape[0], self.dtype)
-            if getattr(step, "ops_timed", 0):  # the files existed but not for these shapes: it timed and compiled
-                cache = "cold"
-        self.facts["kernel_cache"] = cache
-
-    @torch.no_grad()
-    def run(self, x, seeds, sampler, num_steps):
-        self.engine.prepare(self.model, sampler, x.shape[0], self.dtype)
-        return self.engine.run(x, seeds, num_steps)

@@ -44,8 +44,9 @@ import triton
 from torch import nn
 
 from fastdiff.atomic import write_text_atomic
+from fastdiff.devices import normalize_device
 from fastdiff.engine.plan import BufferSpec, MemoryPlan, plan_memory
-from fastdiff.engine.weights import WeightStreamer, normalize_device
+from fastdiff.engine.weights import WeightStreamer
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.attention import attention
 from fastdiff.kernels.attention_gate import attention_gate

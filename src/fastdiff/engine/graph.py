@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from fastdiff.engine.weights import normalize_device
+from fastdiff.devices import normalize_device
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.sampler_step import sampler_step
 from fastdiff.samplers import Sampler

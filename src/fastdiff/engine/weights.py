@@ -18,16 +18,9 @@ from typing import Any
 
 import torch
 
+from fastdiff.devices import normalize_device
+
 log = logging.getLogger(__name__)
-
-
-def normalize_device(device: torch.device | str) -> torch.device:
-    """``device`` with an explicit index for CUDA ("cuda" -> "cuda:<current>"), so it compares equal to
-    tensors' devices."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
 
 
 class CudaBackend:

@@ -39,8 +39,9 @@ from tqdm.auto import tqdm
 
 from fastdiff.bench.energy import EnergyMeter
 from fastdiff.bench.env import environment
-from fastdiff.bench.runner import DTYPES, measure_energy, time_ms
+from fastdiff.bench.runner import measure_energy
 from fastdiff.bench.systems import CompileSystem, EagerSystem, System
+from fastdiff.devices import DTYPES, synchronize, time_ms
 from fastdiff.errors import FastdiffError
 from fastdiff.models import PRESETS, load_unet
 from fastdiff.profile.breakdown import OP_CLASSES, classify, plot_breakdown, profile_breakdown, sampler_range
@@ -76,11 +77,6 @@ class ProfileConfig:
     energy_seconds: float = 5.0
     seed: int = 0
     top: int = 10
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _free(device: torch.device) -> None:
@@ -121,7 +117,7 @@ def _make_system(name: str, make_model: Callable[[], nn.Module], dtype, device, 
         return EagerSystem(make_model, dtype, device)
     if name == "compile":
         return CompileSystem(make_model, dtype, device, x_t)
-    from fastdiff.engine import EngineSystem
+    from fastdiff.bench.systems import EngineSystem
 
     return EngineSystem(make_model, dtype, device, x_t)
 
@@ -171,13 +167,13 @@ def aten_kernel_rows(run_step: Callable[[], None], device: torch.device, elem_by
     input shapes, with its time (CUDA: device time of the kernels it launched; CPU: its CPU time incl. children)
     and its cost from :func:`aten_op_cost`; ops with no known cost are kept with ``cost`` None."""
     run_step()
-    _sync(device)
+    synchronize(device)
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities, record_shapes=True) as prof:
         for _ in range(steps):
             run_step()
-        _sync(device)
+        synchronize(device)
     groups: dict[tuple, dict] = {}
     for e in prof.events():
         if e.device_type != DeviceType.CPU or not e.name.startswith("aten::"):
@@ -307,11 +303,11 @@ def measure_loads(make_model, batch: int, dtype: torch.dtype, device: torch.devi
         times = []
         for _ in tqdm(range(loads), desc=f"load to first step ({mode})", leave=False):
             model = copy.deepcopy(source).eval()
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             with torch.no_grad():
                 load(model)
-            _sync(device)
+            synchronize(device)
             times.append(time.perf_counter() - start)
             del model
             _free(device)
@@ -387,11 +383,11 @@ def _profile_backend(name, cfg, make_model, dtype, device, sampler, x_t, seeds, 
     system = _make_system(name, make_model, dtype, device, x_t)
     start = time.perf_counter()
     system.prepare()
-    _sync(device)
+    synchronize(device)
     out["time_to_ready_s"] = time.perf_counter() - start
     out["notes"] = system.notes
     system.run(x_t, seeds, sampler, min(3, timed))  # warm-up: kernels compiled, graphs captured
-    _sync(device)
+    synchronize(device)
     times = [time_ms(lambda: system.run(x_t, seeds, sampler, timed), device) for _ in range(cfg.repeats)]
     ms_step = statistics.median(times) / timed
     timer = "CUDA events" if device.type == "cuda" else "time.perf_counter"

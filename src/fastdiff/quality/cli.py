@@ -23,6 +23,7 @@ from PIL import Image
 
 from fastdiff.atomic import write_text_atomic
 from fastdiff.cli import HelpFormatter, positive_int
+from fastdiff.devices import resolve_device
 from fastdiff.errors import FastdiffError
 from fastdiff.quality.classifier import (
     cached_classifier,
@@ -76,18 +77,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the result as JSON here")
     p.set_defaults(func=run_fid)
-
-
-def resolve_device(text: str) -> str:
-    if text == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise FastdiffError(f"unknown device {text!r}; use auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise FastdiffError(f"device {text} requested but CUDA is not available")
-    return str(device)
 
 
 def images_from_array(array: np.ndarray, source: str) -> torch.Tensor:
@@ -190,7 +179,7 @@ def inception_fmnist_stats(
 
 def compute_fid(args: argparse.Namespace) -> dict:
     """The FD of args.samples against args.ref as a JSON-ready record."""
-    device = resolve_device(args.device)
+    device = str(resolve_device(args.device))
     inception = args.metric == "inception"
     batch = args.batch or (50 if inception else 500)
     samples = load_images(args.samples, args.limit)

@@ -84,7 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     """Train (or resume) from parsed arguments, then export if asked; returns the exit code."""
-    from fastdiff.pipeline import resolve_dtype
+    from fastdiff.devices import resolve_dtype
     from fastdiff.train.trainer import TrainConfig, export_model, train
 
     if args.export is not None and args.export.resolve() == args.out.resolve():

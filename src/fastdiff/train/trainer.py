@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from fastdiff.atomic import write_atomic, write_text_atomic
+from fastdiff.devices import resolve_device
 from fastdiff.errors import FastdiffError
 from fastdiff.images import make_grid, save_figure_atomic, save_png_atomic, to_pil
 from fastdiff.models.convnext_unet import (
@@ -32,7 +33,7 @@ from fastdiff.models.convnext_unet import (
     config_from_dict,
     save_convnext_unet,
 )
-from fastdiff.pipeline import resolve_device, sample_loop
+from fastdiff.pipeline import sample_loop
 from fastdiff.samplers import ScheduleConfig, alphas_cumprod, initial_noise, make_sampler, seed_tensor
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,70 @@
+"""Devices, dtypes and timing: the names users pass ("auto", "cuda:1", "fp16") and the one timer every
+measurement uses."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from fastdiff.errors import FastdiffError
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+"""The model dtypes fastdiff runs, by their command-line names."""
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """ "auto" -> cuda if available else cpu; a CUDA device this machine does not have is an error."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise FastdiffError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N") from exc
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (dev.index or 0) >= count:
+            found = "no CUDA GPU is available" if count == 0 else f"this machine has {count} CUDA GPU(s)"
+            raise FastdiffError(f"device {device} was asked for but {found} (use --device cpu or auto)")
+    if dev.type not in ("cpu", "cuda"):
+        raise FastdiffError(f"unsupported device {device!r}: use auto, cpu, cuda or cuda:N")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """ "fp32"/"fp16"/"bf16" (or a torch dtype among those) -> torch dtype."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    raise FastdiffError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+
+
+def normalize_device(device: torch.device | str) -> torch.device:
+    """``device`` with an explicit index for CUDA ("cuda" -> "cuda:<current>"), so it compares equal to
+    tensors' devices."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall time of ``fn()`` in ms: CUDA events on the GPU (warm up before calling), perf_counter on the CPU."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
