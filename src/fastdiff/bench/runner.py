@@ -6,10 +6,12 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from fastdiff.bench.energy import EnergyMeter
 from fastdiff.bench.env import environment, gpu_slug
@@ -73,14 +75,28 @@ class Row:
     extra: dict = field(default_factory=dict)
 
 
-def build_system(name: str, cfg: BenchConfig, device: torch.device, warmup_x: torch.Tensor, schedule) -> System:
+def seeded_model_factory(model: str, seed: int) -> Callable[[], nn.Module]:
+    """A fresh fp32 CPU copy of ``model`` per call, the same random weights every time when the preset has none."""
+
+    def make_model() -> nn.Module:
+        torch.manual_seed(seed)
+        return load_unet(model, device="cpu", dtype=torch.float32)
+
+    return make_model
+
+
+def build_system(
+    name: str,
+    make_model: Callable[[], nn.Module],
+    device: torch.device,
+    warmup_x: torch.Tensor,
+    schedule: ScheduleConfig | None = None,
+) -> System:
+    """The system ``name`` ("<kind>-<dtype>", e.g. "engine-fp16") on ``make_model()``'s weights."""
     kind, _, dtype_name = name.rpartition("-")
+    if dtype_name not in DTYPES:
+        raise FastdiffError(f"unknown bench system {name!r}: choose from {', '.join(ALL_SYSTEMS)}")
     dtype = DTYPES[dtype_name]
-
-    def make_model():
-        torch.manual_seed(cfg.seed)  # the same random weights for every system when the preset has none
-        return load_unet(cfg.model, device="cpu", dtype=torch.float32)
-
     if kind == "eager":
         return EagerSystem(make_model, dtype, device)
     if kind == "compile":
@@ -151,7 +167,8 @@ def run_bench(cfg: BenchConfig) -> dict:
             log.info("%s: %s", name, row.error)
             continue
         try:
-            measure_system(row, build_system(name, cfg, device, x_t, schedule), cfg, device, sampler, q_sampler,
+            system = build_system(name, seeded_model_factory(cfg.model, cfg.seed), device, x_t, schedule)
+            measure_system(row, system, cfg, device, sampler, q_sampler,
                            x_t, seeds, timed, meter, idle_w)  # fmt: skip
             final = row.extra.pop("final").clamp(-1, 1)
             if name == "eager-fp32":

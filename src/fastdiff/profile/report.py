@@ -39,8 +39,8 @@ from tqdm.auto import tqdm
 
 from fastdiff.bench.energy import EnergyMeter
 from fastdiff.bench.env import environment
-from fastdiff.bench.runner import measure_energy
-from fastdiff.bench.systems import CompileSystem, EagerSystem, System
+from fastdiff.bench.runner import build_system, measure_energy, seeded_model_factory
+from fastdiff.bench.systems import System
 from fastdiff.devices import DTYPES, synchronize, time_ms
 from fastdiff.errors import FastdiffError
 from fastdiff.models import PRESETS, load_unet
@@ -112,16 +112,6 @@ def validate(cfg: ProfileConfig) -> torch.device:
 
 
 # ------------------------------------------------------------------------------------------------- backends
-def _make_system(name: str, make_model: Callable[[], nn.Module], dtype, device, x_t) -> System:
-    if name == "eager":
-        return EagerSystem(make_model, dtype, device)
-    if name == "compile":
-        return CompileSystem(make_model, dtype, device, x_t)
-    from fastdiff.bench.systems import EngineSystem
-
-    return EngineSystem(make_model, dtype, device, x_t)
-
-
 def _eager_step(model: nn.Module, dtype: torch.dtype, sampler: Sampler, x_t, seeds) -> Callable[[], None]:
     """One step of eager/compiled sampling per call (steps wrap around the sampler), sampler in its range."""
     x = x_t * sampler.init_scale
@@ -332,9 +322,7 @@ def run_profile(cfg: ProfileConfig) -> dict:
     params = sum(p.numel() for p in probe.parameters())
     del probe
 
-    def make_model() -> nn.Module:
-        torch.manual_seed(cfg.seed)  # the same random weights in every backend when the preset has none
-        return load_unet(cfg.model, device="cpu", dtype=torch.float32)
+    make_model = seeded_model_factory(cfg.model, cfg.seed)  # the same random weights in every backend
 
     sampler = make_sampler(cfg.sampler, schedule, cfg.steps, device=device)
     timed = min(cfg.timed_steps, cfg.steps)
@@ -380,7 +368,7 @@ def _profile_backend(name, cfg, make_model, dtype, device, sampler, x_t, seeds, 
     out: dict[str, Any] = {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    system = _make_system(name, make_model, dtype, device, x_t)
+    system = build_system(f"{name}-{cfg.dtype}", make_model, device, x_t)
     start = time.perf_counter()
     system.prepare()
     synchronize(device)
