@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,14 +54,17 @@ def add_sample_parser(subparsers: argparse._SubParsersAction) -> None:
         "sample",
         help="generate images and write a PNG grid",
         description="Generate images with a U-Net and a sampler; writes a PNG grid (and optionally one PNG per "
-        "image). Image k uses seed SEED+k, so an image depends on its seed only, not on the batch size.",
+        "image). Image k uses seed SEED+k, so an image depends on its seed only, not on the batch size. A "
+        "text-to-image model (a Stable Diffusion directory) needs --prompt. Each PNG holds its generation "
+        "parameters as JSON in its 'parameters' text chunk.",
         formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help="preset name (fashion-mnist, ddpm-cifar10, ddpm-celebahq-256, convnext-cifar10, convnext-64) or a "
-        "local diffusers/fastdiff model directory (config.json + weights, or a unet/ subfolder)",
+        help="preset name (fashion-mnist, ddpm-cifar10, ddpm-celebahq-256, convnext-cifar10, convnext-64), a "
+        "local diffusers/fastdiff model directory (config.json + weights, or a unet/ subfolder) or a diffusers "
+        "StableDiffusionPipeline directory (model_index.json; text-to-image)",
     )
     p.add_argument(
         "--sampler",
@@ -77,8 +81,13 @@ def add_sample_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"Karras et al. sigma spacing (use_karras_sigmas; {', '.join(KARRAS_SAMPLERS)}); default: as the "
         "model's scheduler config says",
     )
-    p.add_argument("--steps", type=positive_int, default=100, help="number of denoising steps")
-    p.add_argument("--batch", type=positive_int, default=16, help="number of images")
+    p.add_argument(
+        "--steps",
+        type=positive_int,
+        default=None,
+        help="number of denoising steps (default: 100; 50 for a text-to-image model)",
+    )
+    p.add_argument("--batch", type=positive_int, default=16, help="number of images (of the prompt, with --prompt)")
     p.add_argument("--seed", type=int, default=0, help="seed of the first image (image k uses SEED+k)")
     p.add_argument("--eta", type=float, default=0.0, help="DDIM noise scale (0 = deterministic)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"), help="model precision")
@@ -91,6 +100,29 @@ def add_sample_parser(subparsers: argparse._SubParsersAction) -> None:
         help="also write each image here, named by its seed in six digits (seed 42: 000042.png)",
     )
     p.add_argument("--nrow", type=positive_int, default=None, help="images per grid row (default: about square)")
+    p.add_argument("--prompt", default=None, help="text prompt (text-to-image models only)")
+    p.add_argument("--negative-prompt", default=None, help="what to steer away from (classifier-free guidance)")
+    p.add_argument(
+        "--guidance",
+        type=float,
+        default=None,
+        help="classifier-free guidance scale; <= 1 turns guidance off (default: 7.5)",
+    )
+    size_help = "image {}, a multiple of 8 (default: the model's sample size x 8)"
+    p.add_argument("--height", type=positive_int, default=None, help=size_help.format("height"))
+    p.add_argument("--width", type=positive_int, default=None, help=size_help.format("width"))
+    p.add_argument(
+        "--init-image",
+        type=Path,
+        default=None,
+        help="image-to-image: start from this image (its sides multiples of 8; the output takes its size)",
+    )
+    p.add_argument(
+        "--strength",
+        type=float,
+        default=None,
+        help="how far --init-image is noised, in (0, 1]: int(steps x strength) steps run (default: 0.6)",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run_sample)
 
@@ -116,6 +148,49 @@ def check_batch_fits(batch: int, sample_shape: tuple[int, ...], device: torch.de
         )
 
 
+TEXT_FLAGS = ("negative_prompt", "guidance", "height", "width", "init_image", "strength")
+"""``fastdiff sample`` flags that only apply with --prompt."""
+DEFAULT_GUIDANCE = 7.5
+DEFAULT_STRENGTH = 0.6
+
+
+def check_text_flags(args: argparse.Namespace) -> Any:
+    """--prompt and its flags against the kind of model (before any work); returns the opened --init-image."""
+    from PIL import Image
+
+    from fastdiff.text_to_image import check_size, check_strength, is_text_to_image_dir
+
+    if args.prompt is None:
+        for name in TEXT_FLAGS:
+            if getattr(args, name) is not None:
+                raise FastdiffError(f"--{name.replace('_', '-')} needs --prompt")
+        if is_text_to_image_dir(args.model):
+            raise FastdiffError(f"{args.model} is a text-to-image model: give --prompt")
+        return None
+    if not is_text_to_image_dir(args.model):
+        raise FastdiffError(
+            f"--prompt needs a text-to-image model (a diffusers pipeline directory with model_index.json); "
+            f"{args.model} is unconditional"
+        )
+    check_size(args.height, args.width)
+    if args.init_image is None:
+        if args.strength is not None:
+            raise FastdiffError("--strength needs --init-image")
+        return None
+    if args.height is not None or args.width is not None:
+        raise FastdiffError("--height/--width do not apply with --init-image: the output takes the image's size")
+    check_strength(DEFAULT_STRENGTH if args.strength is None else args.strength)
+    try:
+        with Image.open(args.init_image) as opened:
+            image = opened.convert("RGB")
+    except (OSError, ValueError) as exc:
+        raise FastdiffError(f"cannot read --init-image {args.init_image}: {exc}") from None
+    if image.width % 8 or image.height % 8:
+        size = f"{image.width}x{image.height}"
+        raise FastdiffError(f"--init-image {args.init_image} is {size}: its sides must be multiples of 8")
+    return image
+
+
 def run_sample(args: argparse.Namespace) -> int:
     from fastdiff.atomic import check_output_location
     from fastdiff.images import make_grid, save_png_atomic
@@ -128,23 +203,51 @@ def run_sample(args: argparse.Namespace) -> int:
     check_output_location(args.out, "--out")
     if args.save_dir is not None:
         check_output_location(args.save_dir, "--save-dir", folder=True)
+    init_image = check_text_flags(args)
     pipe = Pipeline.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, sampler=args.sampler, steps=args.steps, karras=args.karras
     )
-    check_batch_fits(args.batch, pipe.sample_shape, pipe.device)
+    params: dict[str, Any] = {"model": str(args.model), "sampler": args.sampler, "steps": pipe.steps, "eta": args.eta}
+    if args.karras:
+        params["karras"] = True
     start = time.perf_counter()
-    images = pipe(batch_size=args.batch, seeds=args.seed, eta=args.eta, progress=not args.no_progress)
+    if args.prompt is None:
+        check_batch_fits(args.batch, pipe.sample_shape, pipe.device)
+        images = pipe(batch_size=args.batch, seeds=args.seed, eta=args.eta, progress=not args.no_progress)
+    else:
+        height, width = (init_image.height, init_image.width) if init_image else (args.height, args.width)
+        check_batch_fits(args.batch, pipe.latent_shape(height, width), pipe.device)
+        guidance = DEFAULT_GUIDANCE if args.guidance is None else args.guidance
+        strength = DEFAULT_STRENGTH if args.strength is None else args.strength
+        params.update(prompt=args.prompt, negative_prompt=args.negative_prompt or "", guidance=guidance)
+        if init_image is not None:
+            params.update(init_image=str(args.init_image), strength=strength)
+        images = pipe(
+            args.prompt,
+            negative_prompt=args.negative_prompt,
+            guidance_scale=guidance,
+            height=height,
+            width=width,
+            num_images_per_prompt=args.batch,
+            seeds=args.seed,
+            image=init_image,
+            strength=strength,
+            eta=args.eta,
+            progress=not args.no_progress,
+        )
+        params.update(width=images[0].width, height=images[0].height)
     seconds = time.perf_counter() - start
-    save_png_atomic(make_grid(images, nrow=args.nrow), args.out)
+    seeds = [args.seed + k for k in range(args.batch)]
+    save_png_atomic(make_grid(images, nrow=args.nrow), args.out, {**params, "seeds": seeds})
     if args.save_dir is not None:
-        for k, image in enumerate(images):
-            save_png_atomic(image, args.save_dir / f"{args.seed + k:06d}.png")
+        for seed, image in zip(seeds, images, strict=True):
+            save_png_atomic(image, args.save_dir / f"{seed:06d}.png", {**params, "seed": seed})
     log.info(
         "wrote %s: %d images, %s %d steps on %s (%s) in %.1f s",
         args.out,
         args.batch,
         args.sampler,
-        args.steps,
+        pipe.steps,
         pipe.device,
         args.dtype,
         seconds,

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
+from PIL.PngImagePlugin import PngInfo
 
 from fastdiff.atomic import write_atomic
 
@@ -44,9 +46,21 @@ def make_grid(images: Sequence[Image.Image], nrow: int | None = None, pad: int =
     return grid
 
 
-def save_png_atomic(image: Image.Image, path: Path) -> None:
-    """Write ``image`` as a PNG to ``path`` all or nothing (``fastdiff.atomic.write_atomic``)."""
-    write_atomic(path, lambda tmp: image.save(tmp, format="PNG"))
+PNG_PARAMETERS_KEY = "parameters"
+"""The PNG text chunk (iTXt, UTF-8) that holds an image's generation parameters as a JSON object."""
+
+
+def save_png_atomic(image: Image.Image, path: Path, parameters: Mapping[str, Any] | None = None) -> None:
+    """Write ``image`` as a PNG to ``path`` all or nothing (``fastdiff.atomic.write_atomic``).
+
+    ``parameters`` (JSON-serializable: prompt, seed, sampler, ...) go into the ``PNG_PARAMETERS_KEY`` text chunk;
+    read them back with ``json.loads(Image.open(path).text["parameters"])``.
+    """
+    info = None
+    if parameters is not None:
+        info = PngInfo()
+        info.add_itxt(PNG_PARAMETERS_KEY, json.dumps(dict(parameters), ensure_ascii=False))
+    write_atomic(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=info))
 
 
 def save_figure_atomic(fig: Any, path: Path, dpi: int | None = None) -> None:

@@ -5,48 +5,24 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
+from fastdiff.devices import resolve_device, resolve_dtype
 from fastdiff.errors import FastdiffError
 from fastdiff.images import to_pil
 from fastdiff.models import load_unet
-from fastdiff.samplers import Sampler, ScheduleConfig, initial_noise, make_sampler, seed_tensor, step_noise
+from fastdiff.samplers import Sampler, ScheduleConfig, initial_noise, make_sampler, run_sampler, seed_tensor
+
+if TYPE_CHECKING:
+    from fastdiff.text_to_image import TextToImagePipeline
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 OUTPUT_TYPES = ("pil", "np", "tensor")
 BACKENDS = ("engine", "eager")
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """ "auto" -> cuda if available else cpu; asking for cuda without a GPU is an error."""
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise FastdiffError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N") from exc
-    if dev.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if (dev.index or 0) >= count:
-            found = "no CUDA GPU is available" if count == 0 else f"this machine has {count} CUDA GPU(s)"
-            raise FastdiffError(f"device {device} was asked for but {found} (use --device cpu or auto)")
-    if dev.type not in ("cpu", "cuda"):
-        raise FastdiffError(f"unsupported device {device!r}: use auto, cpu, cuda or cuda:N")
-    return dev
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """ "fp32"/"fp16"/"bf16" (or a torch dtype among those) -> torch dtype."""
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
-        return dtype
-    if dtype in DTYPES:
-        return DTYPES[dtype]
-    raise FastdiffError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
 
 
 class Pipeline:
@@ -91,11 +67,24 @@ class Pipeline:
         device: str | torch.device = "auto",
         dtype: str | torch.dtype = "fp32",
         sampler: str = "ddim",
-        steps: int = 100,
+        steps: int | None = None,
         backend: str | None = None,
         karras: bool | None = None,
-    ) -> Pipeline:
-        """Load a preset name or a local diffusers/fastdiff model directory."""
+    ) -> Pipeline | TextToImagePipeline:
+        """Load a preset name or a local diffusers/fastdiff model directory (default 100 steps).
+
+        A diffusers pipeline directory (model_index.json: Stable Diffusion) gives a
+        ``fastdiff.text_to_image.TextToImagePipeline`` instead (default 50 steps, as diffusers; eager backend).
+        """
+        from fastdiff.text_to_image import TextToImagePipeline, is_text_to_image_dir
+
+        if is_text_to_image_dir(path_or_preset):
+            if backend not in (None, "eager"):
+                raise FastdiffError(f"backend {backend!r} does not run text-to-image models yet: use eager")
+            return TextToImagePipeline.from_pretrained(
+                path_or_preset, device, dtype, sampler=sampler, steps=50 if steps is None else steps, karras=karras
+            )
+        steps = 100 if steps is None else steps
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype)
         unet = load_unet(path_or_preset, device=dev, dtype=torch_dtype)
@@ -187,13 +176,8 @@ def sample_loop(
     model_dtype: torch.dtype,
     progress: bool = False,
 ) -> torch.Tensor:
-    """The eager reference loop from unit-variance x_T: fp32 sampler state, the model in ``model_dtype``, step
-    noise drawn per step from ``seeds`` (int64 [B]); returns x_0 clamped to [-1, 1]."""
+    """The eager reference loop from unit-variance x_T (``fastdiff.samplers.run_sampler``): fp32 sampler state,
+    the model in ``model_dtype``, step noise drawn per step from ``seeds`` (int64 [B]); returns x_0 clamped to
+    [-1, 1]."""
     x = x_t.to(torch.float32) * sampler.init_scale
-    state = sampler.new_state(x)
-    batch = x.shape[0]
-    for i in tqdm(range(sampler.num_steps), desc="sampling", unit="step", disable=not progress, leave=False):
-        out = unet(x.to(model_dtype), sampler.timesteps[i].expand(batch)).float()
-        noise = step_noise(seeds, i, tuple(x.shape[1:])) if sampler.noise_steps[i] else None
-        x = sampler.step(i, x, out, state, noise)
-    return x.clamp(-1, 1)
+    return run_sampler(unet, sampler, x, seeds, model_dtype, progress=progress).clamp(-1, 1)

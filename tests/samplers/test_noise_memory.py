@@ -63,7 +63,7 @@ def test_celebahq_preset_first_step_allocates_no_noise_for_all_steps(monkeypatch
         seen["tensors"] = [o for o in __import__("gc").get_objects() if isinstance(o, torch.Tensor)]
         raise FirstStep
 
-    monkeypatch.setattr(pipe, "unet", first_call)
+    monkeypatch.setattr(pipe.unet, "forward", first_call)
     with pytest.raises(FirstStep):
         pipe(batch_size=4, seeds=0, progress=False)
     biggest = max(t.numel() for t in seen["tensors"] if not isinstance(t, torch.nn.Parameter))

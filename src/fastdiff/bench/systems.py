@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from fastdiff.engine import DEFAULT_STEPS_PER_GRAPH, Engine, kernel_cache_state
-from fastdiff.samplers import SAMPLER_SCHEDULERS, Sampler, ScheduleConfig, step_noise
+from fastdiff.samplers import SAMPLER_SCHEDULERS, Sampler, ScheduleConfig, run_sampler
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +50,7 @@ class EagerSystem(System):
 
     @torch.no_grad()
     def run(self, x_t, seeds, sampler, num_steps):
-        x = x_t * sampler.init_scale
-        state = sampler.new_state(x)
-        batch = x.shape[0]
-        for i in range(num_steps):
-            out = self.model(x.to(self.dtype), sampler.timesteps[i].expand(batch)).float()
-            noise = step_noise(seeds, i, tuple(x.shape[1:])) if sampler.noise_steps[i] else None
-            x = sampler.step(i, x, out, state, noise)
-        return x
+        return run_sampler(self.model, sampler, x_t * sampler.init_scale, seeds, self.dtype, num_steps=num_steps)
 
 
 class CompileSystem(EagerSystem):

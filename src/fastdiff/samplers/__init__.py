@@ -5,6 +5,7 @@ counter-based noise); see ``sampler.Sampler.step``, ``tables`` for how each samp
 ``noise`` for the seeded noise.
 """
 
+from fastdiff.samplers.loop import run_sampler
 from fastdiff.samplers.noise import initial_noise, seed_tensor, step_noise
 from fastdiff.samplers.sampler import KARRAS_SAMPLERS, SAMPLERS, Sampler, SamplerState, make_sampler
 from fastdiff.samplers.schedule import SAMPLER_SCHEDULERS, ScheduleConfig, alphas_cumprod
@@ -21,6 +22,7 @@ __all__ = [
     "discrete_timesteps",
     "initial_noise",
     "make_sampler",
+    "run_sampler",
     "seed_tensor",
     "step_noise",
 ]

@@ -1,0 +1,317 @@
+"""``TextToImagePipeline``: Stable Diffusion 1.x / 2.x text-to-image and image-to-image sampling.
+
+Equal to diffusers' ``StableDiffusionPipeline`` (and ``StableDiffusionImg2ImgPipeline`` when ``image`` is given)
+with the scheduler that matches the sampler: the same prompt encoding, classifier-free guidance, initial noise
+scaling, img2img start step and VAE decode. Differences are in how the work is done: each distinct prompt is
+encoded once; with guidance the U-Net runs once per step on the batch [x; x] against [uncond; cond] text states
+and the sampler's fused step combines the halves; all noise is fastdiff's seeded counter-based noise
+(``fastdiff.samplers.noise``), so image b depends on ``seeds[b]`` only.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from fastdiff.errors import FastdiffError
+from fastdiff.images import to_pil
+from fastdiff.models.stable_diffusion import StableDiffusionComponents, encode_prompts, load_stable_diffusion
+from fastdiff.pipeline import resolve_device, resolve_dtype
+from fastdiff.samplers import SAMPLERS, Sampler, ScheduleConfig, initial_noise, make_sampler, run_sampler, seed_tensor
+from fastdiff.samplers.noise import draw
+
+log = logging.getLogger(__name__)
+
+OUTPUT_TYPES = ("pil", "np", "pt", "tensor")
+VAE_SCALE = 8
+"""Pixels per latent: every SD VAE downsamples three times."""
+ENCODE_COUNTER = 2**31 - 1
+"""The ``fastdiff.samplers.noise`` draw that samples image b's VAE posterior in img2img (steps use draws 1..N)."""
+
+InitImage = Image.Image | list[Image.Image] | np.ndarray | torch.Tensor
+"""What img2img starts from: PIL image(s), or [0, 1] pixels as [B,] H, W, 3 arrays or [B,] 3, H, W tensors."""
+
+
+def is_text_to_image_dir(path: str | Path) -> bool:
+    """Whether ``path`` is a diffusers pipeline directory (it has model_index.json), not a U-Net or preset."""
+    return (Path(path).expanduser() / "model_index.json").is_file()
+
+
+def check_size(height: int | None, width: int | None) -> None:
+    """Height and width (where given) must be positive multiples of 8."""
+    for name, value in (("height", height), ("width", width)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0 or value % VAE_SCALE:
+            raise FastdiffError(f"{name} must be a positive multiple of {VAE_SCALE}, got {value!r}")
+
+
+def check_strength(strength: float) -> None:
+    """img2img strength must be in (0, 1]."""
+    if isinstance(strength, bool) or not isinstance(strength, numbers.Real) or not 0 < strength <= 1:
+        raise FastdiffError(f"strength must be in (0, 1], got {strength!r}")
+
+
+def start_step(steps: int, strength: float) -> int:
+    """The first of ``steps`` sampler steps that img2img runs (diffusers' ``get_timesteps``)."""
+    init_timestep = min(int(steps * strength), steps)
+    if init_timestep == 0:
+        raise FastdiffError(f"strength {strength} leaves none of the {steps} steps to run: raise strength or steps")
+    return max(steps - init_timestep, 0)
+
+
+def image_batch(image: InitImage) -> torch.Tensor:
+    """An init image (PIL image, list of them, [H, W, 3] / [B, H, W, 3] numpy array or [3, H, W] / [B, 3, H, W]
+    tensor, values in [0, 1]) as fp32 [B, 3, H, W] in [-1, 1], as diffusers' ``VaeImageProcessor.preprocess``."""
+    if isinstance(image, Image.Image):
+        image = [image]
+    if isinstance(image, list) and image and all(isinstance(i, Image.Image) for i in image):
+        sizes = {i.size for i in image}
+        if len(sizes) != 1:
+            raise FastdiffError(f"init images differ in size: {sorted(sizes)}")
+        pixels = np.stack([np.asarray(i.convert("RGB"), dtype=np.float32) / 255.0 for i in image])
+        batch = torch.from_numpy(pixels).permute(0, 3, 1, 2).contiguous()
+    elif isinstance(image, np.ndarray) and image.ndim in (3, 4) and image.shape[-1] == 3:
+        batch = torch.from_numpy(np.asarray(image, dtype=np.float32)).reshape(-1, *image.shape[-3:])
+        batch = batch.permute(0, 3, 1, 2).contiguous()
+    elif isinstance(image, torch.Tensor) and image.ndim in (3, 4) and image.shape[-3] == 3:
+        batch = image.detach().to("cpu", torch.float32).reshape(-1, *image.shape[-3:]).contiguous()
+    else:
+        kind = type(image).__name__ if not hasattr(image, "shape") else f"{type(image).__name__} {tuple(image.shape)}"
+        raise FastdiffError(
+            f"image must be a PIL image, a list of them, an [H, W, 3] numpy array or a [3, H, W] tensor; got {kind}"
+        )
+    if not torch.isfinite(batch).all() or batch.min() < 0 or batch.max() > 1:
+        raise FastdiffError("image values must be in [0, 1]")
+    height, width = batch.shape[-2:]
+    if height % VAE_SCALE or width % VAE_SCALE:
+        raise FastdiffError(f"image size {width}x{height} is not a multiple of {VAE_SCALE}: crop or resize it")
+    return batch * 2 - 1
+
+
+class TextToImagePipeline:
+    """Stable Diffusion components plus a sampler. ``pipe("a cat", seeds=0)`` returns images; see ``__call__``.
+
+    The sampler state stays in fp32 whatever the model dtype; U-Net, VAE and text encoder run in ``dtype``.
+    """
+
+    def __init__(
+        self,
+        components: StableDiffusionComponents,
+        sampler: str = "ddim",
+        steps: int = 50,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        karras: bool | None = None,
+    ) -> None:
+        self.components = components
+        self.unet, self.vae = components.unet, components.vae
+        self.schedule = ScheduleConfig.from_diffusers(components.scheduler_config)
+        self.sampler_name = sampler
+        self.steps = steps
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.karras = karras
+        self._samplers: dict[tuple[str, int, int, float], Sampler] = {}
+        self.sampler_for(sampler, steps)  # validates the name and step count now, not at the first call
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype = "fp32",
+        sampler: str = "ddim",
+        steps: int = 50,
+        karras: bool | None = None,
+    ) -> TextToImagePipeline:
+        """Load a local diffusers ``StableDiffusionPipeline`` directory (``load_stable_diffusion``).
+
+        ``karras``: Karras sigma spacing for the samplers that offer it (default: as the scheduler config says).
+        """
+        if sampler not in SAMPLERS:
+            raise FastdiffError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
+        dev = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype)
+        components = load_stable_diffusion(path, device=dev, dtype=torch_dtype)
+        return cls(components, sampler=sampler, steps=steps, device=dev, dtype=torch_dtype, karras=karras)
+
+    @property
+    def default_size(self) -> tuple[int, int]:
+        """(height, width) of a text-to-image sample when none is asked for: the U-Net's sample size x 8."""
+        size = self.unet.config.sample_size
+        h, w = (size, size) if isinstance(size, int) else size
+        return h * VAE_SCALE, w * VAE_SCALE
+
+    def latent_shape(self, height: int | None = None, width: int | None = None) -> tuple[int, int, int]:
+        """The U-Net's sample shape (C, h, w) for a ``height`` x ``width`` image (default: ``default_size``)."""
+        check_size(height, width)
+        default_h, default_w = self.default_size
+        return (self.unet.config.in_channels, (height or default_h) // VAE_SCALE, (width or default_w) // VAE_SCALE)
+
+    def sampler_for(self, name: str, steps: int, start: int = 0, eta: float = 0.0) -> Sampler:
+        """Sampler ``name`` over ``steps`` steps, beginning at step ``start`` (built once, then cached)."""
+        key = (name, steps, start, eta)
+        if key not in self._samplers:
+            self._samplers[key] = make_sampler(
+                name, self.schedule, steps, eta=eta, device=self.device, karras=self.karras, start=start
+            )
+        return self._samplers[key]
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompt: str | list[str],
+        negative_prompt: str | list[str] | None = None,
+        guidance_scale: float = 7.5,
+        height: int | None = None,
+        width: int | None = None,
+        num_images_per_prompt: int = 1,
+        seeds: int | Sequence[int] | None = None,
+        latents: torch.Tensor | None = None,
+        steps: int | None = None,
+        sampler: str | None = None,
+        image: InitImage | None = None,
+        strength: float = 0.8,
+        eta: float = 0.0,
+        output_type: str = "pil",
+        progress: bool = True,
+    ) -> list[Image.Image] | np.ndarray | torch.Tensor:
+        """Sample ``num_images_per_prompt`` images for each prompt (image order: prompt-major, as diffusers).
+
+        negative_prompt: one for all prompts or one per prompt (default ""); used when ``guidance_scale`` > 1
+        (classifier-free guidance; <= 1 runs the conditional model alone). height/width: multiples of 8 (default
+        ``default_size``). seeds: one int per image, or one int ``s`` meaning ``s, s+1, ...`` (default ``0..N-1``).
+        latents: unit-variance noise [N, 4, h/8, w/8] replacing the seeded draw: x_T for text-to-image (scaled by
+        the sampler's initial noise scale, as diffusers does) or the noise added to the image for img2img. steps,
+        sampler: override the pipeline's for this call; eta: DDIM's noise scale.
+
+        image: img2img from a PIL image (or list, or [0, 1] array/tensor; one for all prompts or one per prompt)
+        whose size fixes the output size. It is VAE-encoded and its posterior *sampled* (diffusers' default
+        ``retrieve_latents(..., sample_mode="sample")``) with noise draw ``ENCODE_COUNTER`` of each image's seed;
+        ``int(steps * strength)`` of the ``steps`` steps run, from the image noised to that step's level.
+
+        output_type: "pil" (list of PIL images), "np" (float32 [N, H, W, 3] in [0, 1]), "pt" ([N, 3, H, W] in
+        [0, 1]) or "tensor" ([N, 3, H, W] in [-1, 1]); tensors stay on the pipeline's device.
+        """
+        prompts = [prompt] if isinstance(prompt, str) else prompt
+        if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+            raise FastdiffError(f"prompt must be a string or a non-empty list of strings, got {prompt!r}")
+        if negative_prompt is None or isinstance(negative_prompt, str):
+            negatives = [negative_prompt or ""] * len(prompts)
+        elif isinstance(negative_prompt, list) and all(isinstance(p, str) for p in negative_prompt):
+            negatives = negative_prompt
+            if len(negatives) != len(prompts):
+                raise FastdiffError(f"got {len(negatives)} negative prompts for {len(prompts)} prompts")
+        else:
+            raise FastdiffError(f"negative_prompt must be a string or a list of strings, got {negative_prompt!r}")
+        if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, numbers.Real):
+            raise FastdiffError(f"guidance_scale must be a number, got {guidance_scale!r}")
+        per_prompt = num_images_per_prompt
+        if isinstance(per_prompt, bool) or not isinstance(per_prompt, numbers.Integral) or per_prompt <= 0:
+            raise FastdiffError(f"num_images_per_prompt must be a positive int, got {per_prompt!r}")
+        if output_type not in OUTPUT_TYPES:
+            raise FastdiffError(f"unknown output_type {output_type!r}: use one of {', '.join(OUTPUT_TYPES)}")
+        count = len(prompts) * per_prompt
+        seed_list = self._seeds(seeds, count, len(prompts), per_prompt)
+        check_size(height, width)
+        pixels = None
+        if image is not None:
+            check_strength(strength)
+            pixels = image_batch(image)
+            if pixels.shape[0] not in (1, len(prompts)):
+                raise FastdiffError(f"got {pixels.shape[0]} init images for {len(prompts)} prompts: give 1 or one each")
+            image_h, image_w = pixels.shape[-2:]
+            if (height or image_h, width or image_w) != (image_h, image_w):
+                raise FastdiffError(f"height x width {height}x{width} differ from the init image's {image_h}x{image_w}")
+            height, width = image_h, image_w
+        shape = self.latent_shape(height, width)
+        if latents is not None and tuple(latents.shape) != (count, *shape):
+            raise FastdiffError(f"latents have shape {tuple(latents.shape)}, expected {(count, *shape)}")
+        steps = self.steps if steps is None else steps
+        name = self.sampler_name if sampler is None else sampler
+        run = self.sampler_for(name, steps, eta=eta)  # checks the name, steps and eta
+        if pixels is not None:
+            run = self.sampler_for(name, steps, start_step(steps, strength), eta)
+
+        seed_ids = seed_tensor(seed_list, self.device)
+        noise = initial_noise(seed_list, shape, self.device) if latents is None else latents.to(self.device)
+        noise = noise.to(torch.float32)
+        guided = guidance_scale > 1
+        context = self._text_states(prompts, negatives if guided else None, per_prompt)
+        if pixels is None:
+            x = noise * run.init_scale
+        else:
+            x = run.noised_state(self._encode(pixels, len(prompts), per_prompt, seed_ids), noise)
+        guidance = torch.full((count,), float(guidance_scale), device=self.device) if guided else None
+        x0 = denoise(self.unet, run, x, context, guidance, seed_ids, self.dtype, progress)
+        decoded = self.vae.decode((x0 / self.vae.config.scaling_factor).to(self.dtype)).float()
+        if output_type == "tensor":
+            return decoded.clamp(-1, 1)
+        images = (decoded / 2 + 0.5).clamp(0, 1)
+        if output_type == "pt":
+            return images
+        if output_type == "np":
+            return images.cpu().permute(0, 2, 3, 1).numpy()
+        return to_pil(decoded)
+
+    @staticmethod
+    def _seeds(seeds: int | Sequence[int] | None, count: int, prompts: int, per_prompt: int) -> list[int]:
+        if seeds is None:
+            return list(range(count))
+        if isinstance(seeds, numbers.Integral) and not isinstance(seeds, bool):
+            return list(range(int(seeds), int(seeds) + count))
+        seed_list = [int(s) for s in seeds]
+        if len(seed_list) != count:
+            raise FastdiffError(
+                f"got {len(seed_list)} seeds for {count} images ({prompts} prompts x {per_prompt} per prompt)"
+            )
+        return seed_list
+
+    def _text_states(self, prompts: list[str], negatives: list[str] | None, per_prompt: int) -> torch.Tensor:
+        """Text states [N or 2N, tokens, width]: (uncond; cond) with guidance, each distinct text encoded once."""
+        texts = prompts if negatives is None else negatives + prompts
+        distinct = list(dict.fromkeys(texts))
+        states = encode_prompts(self.components.text_encoder, self.components.tokenizer, distinct, self.device)
+        index = torch.tensor([distinct.index(t) for t in texts], device=self.device)
+        return states[index].repeat_interleave(per_prompt, dim=0)
+
+    def _encode(self, pixels: torch.Tensor, prompts: int, per_prompt: int, seeds: torch.Tensor) -> torch.Tensor:
+        """Scaled VAE latents [N, 4, h, w] of the init image(s): posterior mean + std · seeded noise."""
+        posterior = self.vae.encode(pixels.to(self.device, self.dtype))
+        mean, std = posterior.mean.float(), posterior.std.float()
+        repeats = per_prompt * (prompts if pixels.shape[0] == 1 else 1)
+        mean, std = mean.repeat_interleave(repeats, dim=0), std.repeat_interleave(repeats, dim=0)
+        sample = mean + std * posterior_noise(seeds, tuple(mean.shape[1:]))
+        return sample * self.vae.config.scaling_factor
+
+
+def posterior_noise(seeds: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The unit noise that samples each image's VAE posterior in img2img: draw ``ENCODE_COUNTER`` of its seed."""
+    return draw(seeds, ENCODE_COUNTER, shape)
+
+
+@torch.no_grad()
+def denoise(
+    unet: torch.nn.Module,
+    sampler: Sampler,
+    x: torch.Tensor,
+    context: torch.Tensor,
+    guidance: torch.Tensor | None,
+    seeds: torch.Tensor,
+    model_dtype: torch.dtype,
+    progress: bool = False,
+) -> torch.Tensor:
+    """Run ``sampler`` from state ``x`` (fp32 [B, ...]) conditioned on text states ``context``; returns the clean
+    latents. With ``guidance`` [B] the U-Net sees [x; x] against ``context`` = [uncond; cond] (2B rows) and the
+    sampler step combines the halves; step noise is drawn from ``seeds``."""
+    context = context.to(model_dtype)
+    return run_sampler(
+        lambda inp, t: unet(inp, t, context), sampler, x, seeds, model_dtype, guidance, progress=progress
+    )
