@@ -436,9 +436,12 @@ def load_pipeline(config: GenerateConfig, device: str):
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(RANDOM_INIT_SEED)
-        return Pipeline.from_pretrained(
+        pipe = Pipeline.from_pretrained(
             config.model, device=device, dtype=config.dtype, sampler=config.sampler, steps=config.steps
         )
+    if not isinstance(pipe, Pipeline):
+        raise FastdiffError(f"{config.model} is a text-to-image model: fastdiff generate runs unconditional models")
+    return pipe
 
 
 def sample_unit(pipe, unit: Unit, batch: int) -> torch.Tensor:

@@ -66,11 +66,13 @@ def pretrained_factory(model: str, device: str, dtype: str) -> PipelineFactory:
 
 
 def describe_model(name: str, pipe: Pipeline, sampler: str, steps: int, max_batch: int) -> ModelInfo:
-    """The ``ModelInfo`` of a loaded pipeline; a text-to-image pipeline takes a ``prompt`` argument."""
+    """The ``ModelInfo`` of a loaded pipeline (unconditional models only, for now)."""
+    if "prompt" in inspect.signature(pipe.__call__).parameters:
+        raise FastdiffError(f"model {name!r} is a text-to-image model: fastdiff serve runs unconditional models only")
     channels, height, width = pipe.sample_shape
     return ModelInfo(
         name=name,
-        conditional="prompt" in inspect.signature(pipe.__call__).parameters,
+        conditional=False,
         channels=channels,
         height=height,
         width=width,
@@ -165,8 +167,6 @@ def create_app(
     pipe = batcher.pipeline(default_key)
     info = describe_model(model, pipe, sampler, steps, max_batch)
     served_device = pipe.device  # the batcher owns the pipelines: no reference kept here
-    if info.conditional:
-        raise FastdiffError(f"model {model!r} is a text-to-image model: fastdiff serve runs unconditional models only")
     if warmup:
         batcher.warmup(default_key)
     page = resources.files("fastdiff.serve").joinpath("page.html").read_text(encoding="utf-8")
