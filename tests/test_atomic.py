@@ -87,3 +87,28 @@ def test_check_output_location_in_a_read_only_folder(tmp_path):
             check_output_location(locked / "images", "--save-dir", folder=True)
     finally:
         locked.chmod(0o755)
+
+
+def test_write_folder_atomic_replaces_whole_and_respects_umask(tmp_path):
+    import os
+
+    from fastdiff.atomic import write_folder_atomic
+
+    dest = tmp_path / "report"
+    previous = os.umask(0o027)
+    try:
+        write_folder_atomic(dest, lambda d: (d / "a.txt").write_text("one"))
+        assert (dest.stat().st_mode & 0o777) == 0o750
+        write_folder_atomic(dest, lambda d: (d / "b.txt").write_text("two"))
+    finally:
+        os.umask(previous)
+    assert sorted(p.name for p in dest.iterdir()) == ["b.txt"]
+
+    def failing(d):
+        (d / "c.txt").write_text("half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        write_folder_atomic(dest, failing)
+    assert sorted(p.name for p in dest.iterdir()) == ["b.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]  # no temporary folder left

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -84,6 +85,38 @@ def write_all_atomic(files: dict[Path, Callable[[Path], object]]) -> None:
     finally:
         for tmp in temps.values():
             tmp.unlink(missing_ok=True)
+
+
+def write_folder_atomic(path: str | os.PathLike[str], fill: Callable[[Path], object]) -> Path:
+    """Create or replace the folder ``path`` with what ``fill(tmp)`` writes into a new folder beside it: readers see
+    the old folder or the complete new one. The folder gets the mode ``mkdir`` gives (0o777 less the umask); an
+    old ``path`` is moved aside, replaced, then removed; any exception removes the new folder and keeps the old."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            tmp.mkdir(mode=0o777)
+            break
+        except FileExistsError:
+            continue
+    try:
+        fill(tmp)
+        if path.exists():
+            old = tmp.with_suffix(".old")
+            path.rename(old)
+            try:
+                tmp.rename(path)
+            except BaseException:
+                old.rename(path)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
 
 
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:

@@ -12,15 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from fastdiff.atomic import check_output_location
+from fastdiff.atomic import check_output_location, write_folder_atomic
 from fastdiff.errors import FastdiffError
 
 log = logging.getLogger(__name__)
@@ -140,35 +138,18 @@ def export_onnx(model: str, out_dir: Path, opset: int = OPSET, overwrite: bool =
     except ImportError as exc:
         raise FastdiffError(f"fastdiff export needs {exc.name}: pip install 'fastdiff[onnx]'") from None
     unet = load_fp32_unet(model)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    try:
+    results: dict = {}
+
+    def fill(staging: Path) -> None:
         write_onnx(unet, staging / ONNX_FILE, opset)
-        diffs = check_onnx(unet, staging / ONNX_FILE, CHECK_BATCHES, TOLERANCE)
-        record = model_description(model, unet, opset, diffs)
-        (staging / INFO_FILE).write_text(json.dumps(record, indent=1) + "\n")
-        staging.chmod(0o755)
-        replace_folder(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        results["diffs"] = check_onnx(unet, staging / ONNX_FILE, CHECK_BATCHES, TOLERANCE)
+        results["record"] = model_description(model, unet, opset, results["diffs"])
+        (staging / INFO_FILE).write_text(json.dumps(results["record"], indent=1) + "\n")
+
+    write_folder_atomic(out_dir, fill)
+    diffs, record = results["diffs"], results["record"]
     log.info("wrote %s: %s checked in ONNX Runtime, max |diff| %s", out_dir, ONNX_FILE, diffs)
     return record
-
-
-def replace_folder(new: Path, dest: Path) -> None:
-    """Rename ``new`` onto ``dest``; an existing ``dest`` is moved aside first and removed after."""
-    if not dest.exists():
-        new.rename(dest)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".old", dir=dest.parent))
-    dest.rename(old / dest.name)
-    try:
-        new.rename(dest)
-    except BaseException:
-        (old / dest.name).rename(dest)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -21,10 +21,7 @@ import copy
 import gc
 import json
 import logging
-import os
-import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -37,6 +34,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from tqdm.auto import tqdm
 
+from fastdiff.atomic import write_folder_atomic
 from fastdiff.bench.energy import EnergyMeter
 from fastdiff.bench.env import environment
 from fastdiff.bench.runner import build_system, measure_energy, seeded_model_factory
@@ -576,12 +574,10 @@ def markdown_report(result: dict) -> str:
 
 
 def write_report(result: dict, out_dir: Path) -> list[Path]:
-    """``report.json``, ``report.md``, ``breakdown.png`` and ``roofline-<backend>.png`` into ``out_dir``: written
-    into a temporary folder beside it first, so a failure leaves nothing half-written."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    """``report.json``, ``report.md``, ``breakdown.png`` and ``roofline-<backend>.png`` as the folder ``out_dir``,
+    all or nothing (``fastdiff.atomic.write_folder_atomic``): a failure leaves nothing half-written."""
+
+    def fill(tmp: Path) -> None:
         (tmp / "report.json").write_text(json.dumps(result, indent=1) + "\n")
         (tmp / "report.md").write_text(markdown_report(result))
         b = result["backends"]
@@ -593,11 +589,6 @@ def write_report(result: dict, out_dir: Path) -> list[Path]:
             if "skipped" not in v["roofline"] and v["roofline"]["points"]:
                 title = f"{n}: {cfg['model']} b{cfg['batch']} {cfg['dtype']}, {result['env']['gpu']}"
                 plot_roofline(v["roofline"]["points"], result["ceilings"], tmp / f"roofline-{n}.png", title)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        written = []
-        for path in sorted(tmp.iterdir()):
-            os.replace(path, out_dir / path.name)
-            written.append(out_dir / path.name)
-        return written
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    out_dir = write_folder_atomic(out_dir, fill)
+    return sorted(out_dir.iterdir())
