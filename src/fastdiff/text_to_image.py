@@ -11,6 +11,7 @@ and the sampler's fused step combines the halves; all noise is fastdiff's seeded
 from __future__ import annotations
 
 import logging
+import math
 import numbers
 from collections.abc import Sequence
 from pathlib import Path
@@ -211,8 +212,12 @@ class TextToImagePipeline:
                 raise FastdiffError(f"got {len(negatives)} negative prompts for {len(prompts)} prompts")
         else:
             raise FastdiffError(f"negative_prompt must be a string or a list of strings, got {negative_prompt!r}")
-        if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, numbers.Real):
-            raise FastdiffError(f"guidance_scale must be a number, got {guidance_scale!r}")
+        if (
+            isinstance(guidance_scale, bool)
+            or not isinstance(guidance_scale, numbers.Real)
+            or not math.isfinite(guidance_scale)
+        ):
+            raise FastdiffError(f"guidance_scale must be a finite number, got {guidance_scale!r}")
         per_prompt = num_images_per_prompt
         if isinstance(per_prompt, bool) or not isinstance(per_prompt, numbers.Integral) or per_prompt <= 0:
             raise FastdiffError(f"num_images_per_prompt must be a positive int, got {per_prompt!r}")

@@ -131,3 +131,12 @@ def test_bad_arguments_raise(kwargs: dict, message: str) -> None:
     args = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
     with pytest.raises(FastdiffError, match=message):
         sampler_step(**args)
+
+
+def test_model_input_must_be_dense_like_x_and_x_nonempty() -> None:
+    t, coefs, _ = make_inputs((2, 3, 4, 5), torch.float32, 3, False, False)
+    strided = torch.full((4, 3, 4, 5), float("nan"), device=DEVICE)[::2]  # right shape, every other row
+    with pytest.raises(FastdiffError, match="model_input"):
+        sampler_step(t["x"], t["model_output"], coefs, 0, model_input=strided)
+    with pytest.raises(FastdiffError, match="empty"):
+        sampler_step(t["x"][:0], t["model_output"][:0], coefs, 0)

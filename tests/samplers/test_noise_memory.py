@@ -80,3 +80,11 @@ def test_step_noise_depends_on_seed_and_step_only():
     assert torch.equal(step_noise(seeds[1:], 5, (2, 3, 4)), noise[1:])
     assert not torch.equal(step_noise(seeds, 6, (2, 3, 4)), noise)
     assert not torch.equal(initial_noise(seeds, (2, 3, 4), "cpu"), noise)
+
+
+@pytest.mark.parametrize("seeds", [[-1], [2**63], [1.5], [True], torch.tensor([0.5]), torch.tensor([-3])])
+def test_bad_seeds_are_one_line_errors(seeds):
+    from fastdiff.errors import FastdiffError
+
+    with pytest.raises(FastdiffError, match="seeds must be"):
+        seed_tensor(seeds, "cpu")

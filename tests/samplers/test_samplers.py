@@ -343,8 +343,9 @@ def test_missing_noise_is_an_error():
         sampler.step(0, x, x, sampler.new_state(x))
 
 
-def test_step_never_reads_tensors_back_to_host(monkeypatch):
-    """Sampler.step with a device step index stays on the device: no .item()/.tolist()/bool() on tensors."""
+def test_eager_step_reads_no_tensor_back_to_host(monkeypatch):
+    """Sampler.step (the eager path; the engine's graph capture is tested on CUDA below) reads no tensor value on
+    the host: no .item()/.tolist()/bool()/float() on tensors."""
     sampler = make_sampler("unipc", ScheduleConfig(), 6)
     x = torch.randn(2, *SAMPLE_SHAPE)
     state = sampler.new_state(x)

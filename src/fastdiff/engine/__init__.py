@@ -103,6 +103,7 @@ class Engine:
             self.step_models[key] = step
         return self.step_models[key]
 
+    @torch.no_grad()
     def prepare(self, model: nn.Module, sampler: Sampler, batch: int, dtype: torch.dtype) -> SamplingLoop:
         """Build (or fetch) everything to sample ``batch`` images with ``sampler``; captures the first graph."""
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -113,9 +114,10 @@ class Engine:
                 f"the model predicts {cfg.out_channels} channels for {cfg.in_channels}-channel samples: "
                 "learned-variance outputs are not supported"
             )
-        sampler = sampler if sampler.coefs.device == self.device else sampler.to(self.device)
-        key = (id(model), batch, dtype, id(sampler))
+        key = (id(model), batch, dtype, id(sampler))  # the caller's sampler: a moved copy is made once, below
         if key not in self.loops:
+            caller_sampler = sampler
+            sampler = sampler if sampler.coefs.device == self.device else sampler.to(self.device)
             step = self.step_model(model, batch, dtype)
             t0 = time.perf_counter()
             loop = SamplingLoop(
@@ -126,7 +128,7 @@ class Engine:
                 loop.load(torch.randn(loop.shape, device=self.device), torch.arange(batch, device=self.device))
                 loop.capture(loop.steps_per_graph)
             self.timings["loop_s"] = time.perf_counter() - t0
-            self.loops[key] = (sampler, loop)  # the sampler is kept so its id stays unique
+            self.loops[key] = (caller_sampler, loop)  # the caller's sampler is kept so its id stays unique
         self.current = self.loops[key][1]
         return self.current
 

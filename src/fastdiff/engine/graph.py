@@ -65,6 +65,10 @@ class SamplingLoop:
         self.device = device
         self.shape = sample_shape
         self.use_graphs = use_graphs and device.type == "cuda"
+        if steps_per_graph is not None and (
+            isinstance(steps_per_graph, bool) or not isinstance(steps_per_graph, int) or steps_per_graph < 1
+        ):
+            raise FastdiffError(f"steps_per_graph must be a positive int or None, got {steps_per_graph!r}")
         self.steps_per_graph = min(sampler.num_steps, steps_per_graph or sampler.num_steps)
         self.x = channels_last_empty(sample_shape, torch.float32, device)
         self.x_in = channels_last_empty(sample_shape, dtype, device)
@@ -107,6 +111,7 @@ class SamplingLoop:
         self.seeds.copy_(seeds)
         self.counter.zero_()
 
+    @torch.no_grad()
     def capture(self, length: int) -> torch.cuda.CUDAGraph:
         """The graph of ``length`` consecutive steps (captured on first use, then cached)."""
         if length in self.graphs:
@@ -153,4 +158,4 @@ class SamplingLoop:
             raise FastdiffError(f"num_steps must be in 0..{self.sampler.num_steps}, got {num_steps}")
         self.load(x_t, seeds)
         self.run_steps(num_steps)
-        return self.x.contiguous().clone()
+        return self.x.clone(memory_format=torch.contiguous_format)

@@ -221,6 +221,8 @@ def sampler_step(
         raise FastdiffError("h2 (the x0 two steps back) needs h1")
     _check_vector("seeds", seeds, x, torch.int64)
     _check_vector("guidance", guidance, x, torch.float32)
+    if x.numel() == 0:
+        raise FastdiffError(f"x is empty (shape {tuple(x.shape)}): nothing to step")
     if not (x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))):
         x = x.contiguous()
     model_output = _like("model_output", model_output, x, 2 if guidance is not None else 1)
@@ -230,12 +232,17 @@ def sampler_step(
     )
     if model_input is not None:
         rows = 2 if guidance is not None else 1
-        if tuple(model_input.shape) != (rows * x.shape[0], *x.shape[1:]) or model_input.stride()[1:] != x.stride()[1:]:
-            raise FastdiffError(f"model_input must have {rows}x the batch of x and x's layout")
+        dense_like_x = model_input.stride() == x.stride()  # x is dense: its batch stride is one image
+        if tuple(model_input.shape) != (rows * x.shape[0], *x.shape[1:]) or not dense_like_x:
+            raise FastdiffError(f"model_input must be a dense tensor with {rows}x the batch of x, laid out like x")
+        if model_input.device != x.device:
+            raise FastdiffError(f"model_input must be on {x.device}, got {model_input.device}")
     n_out = 2 + (h2 is not None) + (aux is not None)
     if out is None:
         out = tuple(torch.empty_like(x) for _ in range(n_out))
-    elif len(out) != n_out or any(t.shape != x.shape or t.stride() != x.stride() or t.dtype != x.dtype for t in out):
+    elif len(out) != n_out or any(
+        t.shape != x.shape or t.stride() != x.stride() or t.dtype != x.dtype or t.device != x.device for t in out
+    ):
         raise FastdiffError(f"out must be {n_out} {x.dtype} tensors of shape {tuple(x.shape)} laid out like x")
     channels_last, channels, hw = layout_of(x)
     step_in_memory = isinstance(i, torch.Tensor)

@@ -13,15 +13,30 @@ from collections.abc import Sequence
 
 import torch
 
+from fastdiff.errors import FastdiffError
 from fastdiff.kernels.philox_noise import gaussian_noise, gaussian_noise_ref
 
 X_T_COUNTER = 0
 """The draw that gives x_T; step i uses draw ``i + 1``."""
 
 
+MAX_SEED = 2**63 - 1
+
+
 def seed_tensor(seeds: Sequence[int] | torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """Seeds as an int64 device vector (each in 0..2^63 - 1)."""
-    return torch.as_tensor(list(seeds) if not isinstance(seeds, torch.Tensor) else seeds, dtype=torch.int64).to(device)
+    """Seeds as an int64 device vector; each must be an integer in 0..2^63 - 1."""
+    if isinstance(seeds, torch.Tensor):
+        if seeds.dtype.is_floating_point or seeds.dtype.is_complex or seeds.dtype == torch.bool:
+            raise FastdiffError(f"seeds must be integers, got a {seeds.dtype} tensor")
+        values = seeds.to(torch.int64).reshape(-1)
+        if values.numel() and bool((values < 0).any()):
+            raise FastdiffError(f"seeds must be in 0..{MAX_SEED}, got a negative seed")
+        return values.to(device)
+    values = list(seeds)
+    for seed in values:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+            raise FastdiffError(f"seeds must be integers in 0..{MAX_SEED}, got {seed!r}")
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def draw(seeds: torch.Tensor, counter: int, shape: tuple[int, ...]) -> torch.Tensor:

@@ -145,8 +145,8 @@ def sigma_grid(name: str, config: ScheduleConfig, abar: torch.Tensor, steps: int
 
     Euler interpolates the training sigmas at its float timesteps; with Karras sigmas it spaces them between its
     own first and last sigma and maps them back to fractional timesteps. DPM-Solver++ and UniPC use integer
-    timesteps; with Karras sigmas they span the whole training range and round the timesteps (DPM-Solver++ keeps
-    fractions for the cosine schedule, as diffusers does).
+    timesteps; with Karras sigmas they span the whole training range and round the timesteps (DPM-Solver++ on the
+    cosine schedule skips the rounding and diffusers' int64 cast truncates: so does this).
     """
     sigmas_t = train_sigmas(abar)
     karras = config.use_karras_sigmas
@@ -161,8 +161,9 @@ def sigma_grid(name: str, config: ScheduleConfig, abar: torch.Tensor, steps: int
         if karras:
             sigmas = karras_sigmas(sigmas_t[0].item(), sigmas_t[-1].item(), steps)
             timesteps = sigma_to_t(sigmas, np.log(sigmas_t))
-            if name == "unipc" or config.beta_schedule != "squaredcos_cap_v2":
-                timesteps = timesteps.round()
+            # diffusers rounds, except DPM-Solver++ on the cosine schedule, whose int64 cast truncates instead
+            cosine_dpm = name != "unipc" and config.beta_schedule == "squaredcos_cap_v2"
+            timesteps = np.trunc(timesteps) if cosine_dpm else timesteps.round()
         else:
             sigmas = np.interp(timesteps, np.arange(len(sigmas_t)), sigmas_t)
     sigmas = np.concatenate([sigmas, [0.0]]).astype(np.float32).astype(np.float64)
