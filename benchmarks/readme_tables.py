@@ -36,7 +36,8 @@ def freshness(sha: str | None, table: str) -> str:
     if not sha:
         return "**The commit of this run is unknown: the table is older than the code it measures.**"
     paths = MEASURED_CODE[table]
-    changed = subprocess.run(["git", "diff", "--quiet", sha, "HEAD", "--", *paths], cwd=ROOT).returncode
+    # against the working tree, so regenerating before a commit gives what the committed tree will give
+    changed = subprocess.run(["git", "diff", "--quiet", sha, "--", *paths], cwd=ROOT).returncode
     if changed:
         return f"**Older than the code it measures: {', '.join(paths)} changed since {sha}.**"
     return f"The measured code ({', '.join(paths)}) is unchanged since {sha}."
