@@ -19,7 +19,13 @@ from torch import Tensor, nn
 from fastdiff.errors import FastdiffError
 from fastdiff.models.ddpm_unet import Attention as SpatialSelfAttention
 from fastdiff.models.ddpm_unet import Downsample2D, ResnetBlock2D, Upsample2D, convert_old_attention_keys
-from fastdiff.models.weights import config_from_dict, find_weights, load_state_dict_checked, read_state_dict
+from fastdiff.models.weights import (
+    check_allowed,
+    config_from_dict,
+    find_weights,
+    load_state_dict_checked,
+    read_state_dict,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +71,7 @@ class AutoencoderKLConfig:
         self._validate()
 
     def _validate(self) -> None:
-        if self.act_fn not in ALLOWED_VALUES["act_fn"]:
-            raise FastdiffError(f"unsupported act_fn={self.act_fn!r} (supported: silu)")
+        check_allowed(ALLOWED_VALUES, "act_fn", self.act_fn)
         for key in ("down_block_types", "up_block_types"):
             for block in getattr(self, key):
                 if block not in ALLOWED_VALUES[key]:
