@@ -1,4 +1,5 @@
-"""Tiny DDPMUNet configs for the engine tests (odd channel counts, non-square sizes that are not powers of two)."""
+"""The engine tests' device, tolerance and error measure; tiny DDPMUNet configs (odd channel counts, non-square
+sizes that are not powers of two)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,16 @@ import pytest
 import torch
 
 from fastdiff.models.ddpm_unet import DDPMUNet, DDPMUNetConfig
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOL = 1e-4 if DEVICE.type == "cpu" else 1e-2  # fp32 on CPU (observed ~1e-7); tf32 dots on the GPU
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in float64 on the CPU."""
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    return float((out - ref).norm() / ref.norm())
+
 
 TINY_CONFIGS = {
     # attention in down and up (3 heads of 3), DDPM's asymmetric downsample padding, DDPM embedding flags

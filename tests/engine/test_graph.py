@@ -6,20 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdiff.engine import EagerStepModel, Engine, FusedUNet
+from fastdiff.engine import EagerStepModel, Engine, FusedModel
 from fastdiff.engine.graph import SamplingLoop
 from fastdiff.errors import FastdiffError
 from fastdiff.pipeline import sample_loop
 from fastdiff.samplers import ScheduleConfig, initial_noise, make_sampler, seed_tensor, step_noise
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-TOL = 1e-4 if DEVICE.type == "cpu" else 1e-2  # fp32; tf32 convolutions on the GPU
+from .conftest import DEVICE, TOL, rel_err
+
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
-    return float((out - ref).norm() / ref.norm())
 
 
 @pytest.mark.parametrize(
@@ -100,8 +95,8 @@ def test_convnext_in_the_loop(unet_impl):
     x_t = initial_noise(seeds, (2, 12, 12), DEVICE)
     engine = Engine(DEVICE, unet_impl=unet_impl, steps_per_graph=2, conv_impl="triton", attention_impl="triton")
     engine.prepare(model, sampler, 3, torch.float32)
-    step_model = engine.step_models[(id(model), 3, torch.float32)]
-    assert isinstance(step_model, EagerStepModel if unet_impl == "eager" else FusedUNet)
+    step_model = engine.current_step_model
+    assert isinstance(step_model, EagerStepModel if unet_impl == "eager" else FusedModel)
     out = engine.run(x_t, seeds)
     with torch.no_grad():
         ref = sample_loop(model, sampler, x_t.clone(), seeds, torch.float32)

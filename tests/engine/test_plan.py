@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from fastdiff.engine.fused_unet import FusedUNet
+from fastdiff.engine.executor import FusedModel
 from fastdiff.engine.plan import ALIGNMENT, BufferSpec, MemoryPlan, max_live_bytes, plan_memory
 from fastdiff.errors import FastdiffError
 from fastdiff.models.ddpm_unet import DDPM_PRESETS, DDPMUNet
@@ -49,7 +49,7 @@ def test_bad_specs_raise():
         plan_memory([BufferSpec("a", 1, 3, 2)])
 
 
-def check_fused_plan(fused: FusedUNet) -> None:
+def check_fused_plan(fused: FusedModel) -> None:
     assert_no_live_overlap(fused.plan)
     specs = list(fused.plan.specs.values())
     assert max_live_bytes(specs) <= fused.plan.peak_bytes <= fused.plan.total_bytes
@@ -70,12 +70,12 @@ def check_fused_plan(fused: FusedUNet) -> None:
 
 
 def test_tiny_unet_plan(tiny_name, tiny_model):
-    check_fused_plan(FusedUNet(tiny_model(tiny_name, 0), 3, torch.float32, "cpu", "triton", "triton"))
+    check_fused_plan(FusedModel(tiny_model(tiny_name, 0), 3, torch.float32, "cpu", "triton", "triton"))
 
 
 def test_cifar10_plan_reuses_memory():
     model = DDPMUNet(DDPM_PRESETS["ddpm-cifar10"]).eval()
-    fused = FusedUNet(model, 2, torch.float16, "cpu", "triton", "triton")
+    fused = FusedModel(model, 2, torch.float16, "cpu", "triton", "triton")
     check_fused_plan(fused)
     assert fused.plan.peak_bytes < 0.5 * fused.plan.total_bytes
     aliased = [r for r in fused.layer_table() if r["output"].startswith("slice")]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdiff.engine.fused_unet import FusedUNet
+from fastdiff.engine.executor import FusedModel
 from fastdiff.engine.graph import channels_last_empty
 from fastdiff.engine.weights import RecordingBackend, WeightStreamer
 
@@ -25,7 +25,7 @@ def test_streamer_copies_and_keeps_layout():
 def test_first_forward_waits_per_module(tiny_model):
     """Module k: its copies, its event, a wait on that event only, its compute; then module k + 1."""
     backend = RecordingBackend()
-    fused = FusedUNet(tiny_model("attn_pad0", 3), 1, torch.float32, "cpu", "triton", "triton",
+    fused = FusedModel(tiny_model("attn_pad0", 3), 1, torch.float32, "cpu", "triton", "triton",
                       WeightStreamer("cpu", backend))  # fmt: skip
     assert backend.log == []  # nothing is uploaded before the first forward
     fused._call = lambda op, impl: lambda: backend.log.append(("compute", op.name))
@@ -50,7 +50,7 @@ def test_first_forward_waits_per_module(tiny_model):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_streamed_weights_arrive(tiny_model):
     model = tiny_model("attn_pad0", 4).cuda()
-    fused = FusedUNet(model, 2, torch.float16, "cuda", "triton", "triton")
+    fused = FusedModel(model, 2, torch.float16, "cuda", "triton", "triton")
     x = torch.randn(2, 3, 6, 10, device="cuda")
     x_in = channels_last_empty((2, 3, 6, 10), torch.float16, torch.device("cuda")).copy_(x)
     out = fused.forward(x_in, torch.tensor([10], device="cuda")).float()

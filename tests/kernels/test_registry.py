@@ -17,6 +17,8 @@ EXPECTED = {
     "depthwise_conv2d",
     "winograd_conv3x3",
     "group_norm_act",
+    "layer_norm",
+    "linear",
     "attention",
     "attention_gate",
     "sampler_step",

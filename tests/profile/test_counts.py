@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from fastdiff.engine.fused_unet import Op, Value
+from fastdiff.engine.ir import Op, Value
 from fastdiff.kernels import REGISTRY
 from fastdiff.kernels.cost_model import (
     Cost,

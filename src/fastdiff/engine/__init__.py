@@ -1,9 +1,12 @@
-"""fastdiff.engine: fused U-Net forward over a planned arena, whole sampling loop as replayed CUDA graphs.
+"""fastdiff.engine: fused model forwards over a planned arena, the whole sampling loop as replayed CUDA graphs.
 
-``Engine.prepare(model, sampler, batch, dtype)`` builds (once per (batch, dtype)) the step model and (once per
-sampler) the sampling loop; ``Engine.run(x_T, seeds)`` returns x_0 (fp32, unclamped). DDPMUNet and ConvNeXtUNet
-run on :class:`~fastdiff.engine.fused_unet.FusedUNet`; ``unet_impl="eager"`` (and any other model class) runs
-the model's own forward in the engine dtype with channels-last memory, still inside the captured loop.
+``Engine.prepare(model, sampler, batch, dtype)`` builds (once per (batch, size, dtype)) the step model and (once
+per sampler) the sampling loop; ``Engine.run(x_T, seeds)`` returns x_0 (fp32, unclamped). Text-conditioned
+U-Nets take ``guided=True`` (the U-Net runs on [x; x] against [uncond; cond] text states, the fused sampler step
+combines the halves) and ``Engine.run(..., context=, guidance=)``; ``Engine.decode(vae, latents)`` runs the VAE
+decode as a second captured graph. Every family of :mod:`fastdiff.engine.lower` runs on
+:class:`~fastdiff.engine.executor.FusedModel`; ``unet_impl="eager"`` (and any other model class) runs the model's
+own forward in the engine dtype with channels-last memory, still inside the captured loop.
 """
 
 from __future__ import annotations
@@ -18,12 +21,11 @@ import torch
 from torch import nn
 
 from fastdiff.devices import normalize_device
-from fastdiff.engine.fused_unet import FusedUNet, tuning_cache_path
-from fastdiff.engine.graph import SamplingLoop, StepModel, channels_last_empty
+from fastdiff.engine.executor import FusedModel, tuning_cache_path
+from fastdiff.engine.graph import CapturedForward, SamplingLoop, StepModel, channels_last_empty
+from fastdiff.engine.lower import lowering_for, supports
 from fastdiff.engine.weights import WeightStreamer
 from fastdiff.errors import FastdiffError
-from fastdiff.models.convnext_unet import ConvNeXtUNet
-from fastdiff.models.ddpm_unet import DDPMUNet
 from fastdiff.samplers import Sampler
 
 log = logging.getLogger(__name__)
@@ -31,32 +33,47 @@ log = logging.getLogger(__name__)
 DEFAULT_STEPS_PER_GRAPH = 50
 """Steps per captured graph (see graph.py); the GPU check script measures capture time and ms/step per K."""
 
-__all__ = ["DEFAULT_STEPS_PER_GRAPH", "EagerStepModel", "Engine", "FusedUNet", "SamplingLoop"]
+__all__ = ["DEFAULT_STEPS_PER_GRAPH", "EagerStepModel", "Engine", "FusedModel", "SamplingLoop"]
 
 
 class EagerStepModel:
-    """A model's own forward in the engine dtype, channels-last, with t selected on the device per step."""
+    """A model's own forward in the engine dtype, channels-last, with t selected on the device per step (and the
+    text states of ``set_context`` for text-conditioned models, ``context_shape`` [B, L, D])."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, model: nn.Module, dtype: torch.dtype, device: torch.device, context_shape: tuple | None = None
+    ) -> None:
         self.model = copy.deepcopy(model).to(device=device, dtype=dtype, memory_format=torch.channels_last).eval()
+        self.context = None if context_shape is None else torch.zeros(context_shape, dtype=dtype, device=device)
+
+    def set_context(self, context: torch.Tensor) -> None:
+        if self.context is None or tuple(context.shape) != tuple(self.context.shape):
+            raise FastdiffError(f"text states {tuple(context.shape)} do not fit this step model")
+        self.context.copy_(context)
 
     def bind_timesteps(self, timesteps: torch.Tensor) -> StepModel:
         def step(x_in: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-            return self.model(x_in, timesteps.index_select(0, index))
+            t = timesteps.index_select(0, index)
+            return self.model(x_in, t) if self.context is None else self.model(x_in, t, self.context)
 
         return step
 
 
-def sample_shape_of(model: nn.Module, batch: int) -> tuple[int, int, int, int]:
-    """[B, C, H, W] of the model's samples."""
-    cfg = model.config
-    size = cfg.sample_size
-    h, w = (size, size) if isinstance(size, int) else tuple(size)
-    return (batch, cfg.in_channels, h, w)
+def sample_size_of(model: nn.Module, size: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(H, W) of the model's samples: ``size`` if given, else the config's ``sample_size``."""
+    if size is not None:
+        return tuple(size)
+    sample = model.config.sample_size
+    return (sample, sample) if isinstance(sample, int) else tuple(sample)
+
+
+def is_text_conditioned(model: nn.Module) -> bool:
+    """Whether the model's forward takes text states (``cross_attention_dim`` in its config)."""
+    return hasattr(model.config, "cross_attention_dim")
 
 
 class Engine:
-    """Prepared step models and sampling loops, cached per (batch, dtype) and per sampler."""
+    """Prepared step models, sampling loops and decoders, cached per (model, batch, size, dtype) and sampler."""
 
     def __init__(
         self,
@@ -74,38 +91,63 @@ class Engine:
             raise FastdiffError(f"unet_impl must be 'fused' or 'eager', got {unet_impl!r}")
         self.unet_impl, self.conv_impl, self.attention_impl = unet_impl, conv_impl, attention_impl
         self.steps_per_graph, self.use_graphs = steps_per_graph, use_graphs
-        self.step_models: dict[tuple, FusedUNet | EagerStepModel] = {}
-        self.loops: dict[tuple, tuple[Sampler, SamplingLoop]] = {}
+        self.step_models: dict[tuple, FusedModel | EagerStepModel] = {}
+        self.loops: dict[tuple, tuple[Sampler, SamplingLoop, FusedModel | EagerStepModel]] = {}
+        self.decoders: dict[tuple, tuple[FusedModel, CapturedForward]] = {}
         self.current: SamplingLoop | None = None
+        self.current_step_model: FusedModel | EagerStepModel | None = None
         self.timings: dict[str, float] = {}
 
-    def step_model(self, model: nn.Module, batch: int, dtype: torch.dtype) -> FusedUNet | EagerStepModel:
-        """The (cached) step model for ``model`` at (batch, dtype); the first build streams the weights."""
-        key = (id(model), batch, dtype)
+    def _fused(
+        self, model: nn.Module, batch: int, dtype: torch.dtype, size: tuple[int, int] | None,
+        context_tokens: int | None,
+    ) -> FusedModel:  # fmt: skip
+        """A FusedModel with its weights streamed in by a first forward, then autotuned."""
+        t0 = time.perf_counter()
+        fused = FusedModel(
+            model, batch, dtype, self.device, self.conv_impl, self.attention_impl, WeightStreamer(self.device),
+            size=size, context_tokens=context_tokens,
+        )  # fmt: skip
+        x_in = channels_last_empty(fused.x_in_value.shape, dtype, self.device).normal_()
+        if fused.context is not None:
+            fused.context.normal_()
+        fused.forward(x_in, torch.zeros(1, dtype=torch.int64, device=self.device))  # early-start forward
+        fused.streamer.wait_all()
+        self._sync()
+        self.timings["first_forward_s"] = time.perf_counter() - t0
+        fused.autotune(x_in)
+        return fused
+
+    def step_model(
+        self, model: nn.Module, batch: int, dtype: torch.dtype, size: tuple[int, int] | None = None,
+        context_tokens: int | None = None,
+    ) -> FusedModel | EagerStepModel:  # fmt: skip
+        """The (cached) step model for ``model`` at (batch, size, dtype) (``batch`` counts the U-Net's rows:
+        2x the images with guidance); the first build streams the weights."""
+        size = sample_size_of(model, size)
+        key = (id(model), batch, size, dtype, context_tokens)
         if key not in self.step_models:
             t0 = time.perf_counter()
-            if isinstance(model, DDPMUNet | ConvNeXtUNet) and self.unet_impl == "fused":
-                fused = FusedUNet(
-                    model, batch, dtype, self.device, self.conv_impl, self.attention_impl,
-                    WeightStreamer(self.device),
-                )  # fmt: skip
-                x_in = channels_last_empty(sample_shape_of(model, batch), dtype, self.device).normal_()
-                fused.forward(x_in, torch.zeros(1, dtype=torch.int64, device=self.device))  # early-start forward
-                fused.streamer.wait_all()
-                self._sync()
-                self.timings["first_forward_s"] = time.perf_counter() - t0
-                fused.autotune(x_in)
-                step: FusedUNet | EagerStepModel = fused
+            if self.unet_impl == "fused" and supports(model):
+                step: FusedModel | EagerStepModel = self._fused(model, batch, dtype, size, context_tokens)
             else:
-                step = EagerStepModel(model, dtype, self.device)
+                context_shape = None
+                if is_text_conditioned(model):
+                    context_shape = (batch, context_tokens or 77, model.config.cross_attention_dim)
+                step = EagerStepModel(model, dtype, self.device, context_shape)
             self._sync()
             self.timings["build_s"] = time.perf_counter() - t0
             self.step_models[key] = step
         return self.step_models[key]
 
     @torch.no_grad()
-    def prepare(self, model: nn.Module, sampler: Sampler, batch: int, dtype: torch.dtype) -> SamplingLoop:
-        """Build (or fetch) everything to sample ``batch`` images with ``sampler``; captures the first graph."""
+    def prepare(
+        self, model: nn.Module, sampler: Sampler, batch: int, dtype: torch.dtype, *,
+        size: tuple[int, int] | None = None, guided: bool = False, context_tokens: int | None = None,
+    ) -> SamplingLoop:  # fmt: skip
+        """Build (or fetch) everything to sample ``batch`` images of ``size`` (default the model's) with
+        ``sampler``; captures the first graph. ``guided``: classifier-free guidance (the U-Net runs on 2x batch);
+        ``context_tokens``: the text length of a text-conditioned model (default 77)."""
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise FastdiffError(f"engine dtype must be fp16, bf16 or fp32, got {dtype}")
         cfg = model.config
@@ -114,30 +156,46 @@ class Engine:
                 f"the model predicts {cfg.out_channels} channels for {cfg.in_channels}-channel samples: "
                 "learned-variance outputs are not supported"
             )
-        key = (id(model), batch, dtype, id(sampler))  # the caller's sampler: a moved copy is made once, below
+        if guided and not is_text_conditioned(model):
+            raise FastdiffError("classifier-free guidance needs a text-conditioned model")
+        size = sample_size_of(model, size)
+        key = (id(model), batch, size, dtype, guided, context_tokens, id(sampler))  # the caller's sampler
         if key not in self.loops:
             caller_sampler = sampler
             sampler = sampler if sampler.coefs.device == self.device else sampler.to(self.device)
-            step = self.step_model(model, batch, dtype)
+            step = self.step_model(model, batch * (2 if guided else 1), dtype, size, context_tokens)
             t0 = time.perf_counter()
             loop = SamplingLoop(
-                step.bind_timesteps(sampler.timesteps), sampler, sample_shape_of(model, batch), dtype,
-                self.device, self.steps_per_graph, self.use_graphs,
+                step.bind_timesteps(sampler.timesteps), sampler, (batch, cfg.in_channels, *size), dtype,
+                self.device, self.steps_per_graph, self.use_graphs, guided=guided,
             )  # fmt: skip
             if loop.use_graphs:
-                loop.load(torch.randn(loop.shape, device=self.device), torch.arange(batch, device=self.device))
+                guidance = torch.ones(batch, device=self.device) if guided else None
+                x_t = torch.randn(loop.shape, device=self.device)
+                loop.load(x_t, torch.arange(batch, device=self.device), guidance)
                 loop.capture(loop.steps_per_graph)
             self.timings["loop_s"] = time.perf_counter() - t0
-            self.loops[key] = (caller_sampler, loop)  # the caller's sampler is kept so its id stays unique
-        self.current = self.loops[key][1]
+            self.loops[key] = (caller_sampler, loop, step)  # the caller's sampler is kept so its id stays unique
+        _, self.current, self.current_step_model = self.loops[key]
         return self.current
 
-    def run(self, x_t: torch.Tensor, seeds: torch.Tensor, num_steps: int | None = None) -> torch.Tensor:
+    def run(
+        self, x_t: torch.Tensor, seeds: torch.Tensor, num_steps: int | None = None, *,
+        context: torch.Tensor | None = None, guidance: torch.Tensor | None = None, scale: bool = True,
+    ) -> torch.Tensor:  # fmt: skip
         """x after the prepared sampler's steps (default all) from unit-variance x_T, with step noise from
-        ``seeds`` (int64 [B]); fp32 [B, C, H, W], unclamped."""
+        ``seeds`` (int64 [B]); fp32 [B, C, H, W], unclamped. Text-conditioned models: ``context`` holds the
+        text states [B or 2B, L, D] ([uncond; cond] with guidance) and ``guidance`` the scales [B];
+        ``scale=False`` starts from an already scaled state (img2img)."""
         if self.current is None:
             raise FastdiffError("Engine.run before Engine.prepare")
-        return self.current.run(x_t.to(self.device), seeds.to(self.device), num_steps)
+        if context is not None:
+            self.current_step_model.set_context(context.to(self.device, self.current.x_in.dtype))
+        elif getattr(self.current_step_model, "context", None) is not None:
+            raise FastdiffError("this model needs text states: pass context=")
+        if guidance is not None:
+            guidance = guidance.to(self.device, torch.float32)
+        return self.current.run(x_t.to(self.device), seeds.to(self.device), num_steps, guidance, scale)
 
     def sample(
         self, model: nn.Module, sampler: Sampler, x_t: torch.Tensor, seeds: torch.Tensor, dtype: torch.dtype
@@ -145,6 +203,21 @@ class Engine:
         """prepare + run in one call."""
         self.prepare(model, sampler, x_t.shape[0], dtype)
         return self.run(x_t, seeds)
+
+    @torch.no_grad()
+    def decode(self, vae: nn.Module, latents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``vae.decode(latents / scaling_factor)`` on the fused engine, replayed as a CUDA graph (built and
+        autotuned once per (batch, size, dtype)); fp32 images [B, 3, 8h, 8w], unclamped."""
+        lowering_for(vae)  # a one-line error for a model without a fused decode
+        b, _, h, w = latents.shape
+        key = (id(vae), b, h, w, dtype)
+        if key not in self.decoders:
+            t0 = time.perf_counter()
+            fused = self._fused(vae, b, dtype, (h, w), None)
+            x_in = channels_last_empty(fused.x_in_value.shape, dtype, self.device)
+            self.decoders[key] = (fused, CapturedForward(fused.forward_from_row, x_in, self.use_graphs))
+            self.timings["decoder_build_s"] = time.perf_counter() - t0
+        return self.decoders[key][1].run(latents.to(self.device, dtype)).float()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -56,6 +56,7 @@ class SamplingLoop:
         device: torch.device,
         steps_per_graph: int | None = None,
         use_graphs: bool = True,
+        guided: bool = False,
     ) -> None:
         device = normalize_device(device)
         if sampler.coefs.device != device:
@@ -71,7 +72,10 @@ class SamplingLoop:
             raise FastdiffError(f"steps_per_graph must be a positive int or None, got {steps_per_graph!r}")
         self.steps_per_graph = min(sampler.num_steps, steps_per_graph or sampler.num_steps)
         self.x = channels_last_empty(sample_shape, torch.float32, device)
-        self.x_in = channels_last_empty(sample_shape, dtype, device)
+        self.guided = guided
+        model_rows = (2 * sample_shape[0], *sample_shape[1:]) if guided else sample_shape
+        self.x_in = channels_last_empty(model_rows, dtype, device)  # [x; x] with classifier-free guidance
+        self.guidance = torch.ones(sample_shape[0], dtype=torch.float32, device=device) if guided else None
         self.h1 = channels_last_empty(sample_shape, torch.float32, device)  # this step's x0 (the history)
         self.h2 = channels_last_empty(sample_shape, torch.float32, device) if sampler.uses_h2 else None
         self.aux = channels_last_empty(sample_shape, torch.float32, device) if sampler.uses_aux else None
@@ -92,20 +96,30 @@ class SamplingLoop:
         sampler = self.sampler
         sampler_step(
             self.x, out, sampler.coefs, self.counter, self.h1 if sampler.uses_h1 else None, self.h2, self.aux,
-            seeds=self.seeds if sampler.needs_noise else None, clip_range=sampler.clip_range,
-            out=self.state, model_input=self.x_in,
+            seeds=self.seeds if sampler.needs_noise else None, guidance=self.guidance,
+            clip_range=sampler.clip_range, out=self.state, model_input=self.x_in,
         )  # fmt: skip
         self.counter.add_(1)
 
-    def load(self, x_t: torch.Tensor, seeds: torch.Tensor) -> None:
-        """Put unit-variance x_T [B, C, H, W] (scaled by the sampler's ``init_scale``) and the images' seeds
-        (int64 [B], for the step noise) in place and reset the history and the step counter."""
+    def load(
+        self, x_t: torch.Tensor, seeds: torch.Tensor, guidance: torch.Tensor | None = None, scale: bool = True
+    ) -> None:
+        """Put unit-variance x_T [B, C, H, W] (scaled by the sampler's ``init_scale``; with ``scale=False`` an
+        already scaled state, e.g. img2img's noised image), the images' seeds (int64 [B], for the step noise) and
+        their guidance scales ([B], guided loops only) in place and reset the history and the step counter."""
         if tuple(x_t.shape) != self.shape:
             raise FastdiffError(f"x_T has shape {tuple(x_t.shape)}, the engine was prepared for {self.shape}")
         if tuple(seeds.shape) != (self.shape[0],):
             raise FastdiffError(f"got {tuple(seeds.shape)} seeds for a batch of {self.shape[0]}")
-        self.x.copy_(x_t).mul_(self.sampler.init_scale)
-        self.x_in.copy_(self.x)
+        if self.guided != (guidance is not None):
+            raise FastdiffError("guidance scales must be given exactly when the loop was prepared with guidance")
+        self.x.copy_(x_t)
+        if scale:
+            self.x.mul_(self.sampler.init_scale)
+        for half in self.x_in.chunk(2) if self.guided else (self.x_in,):
+            half.copy_(self.x)
+        if guidance is not None:
+            self.guidance.copy_(guidance)
         for history in self.state[1:]:
             history.zero_()  # read with coefficient 0 at the first steps: must be finite
         self.seeds.copy_(seeds)
@@ -117,7 +131,8 @@ class SamplingLoop:
         if length in self.graphs:
             return self.graphs[length]
         t0 = time.perf_counter()
-        saved = [t.clone() for t in (*self.state, self.x_in, self.counter)]
+        buffers = (*self.state, self.x_in, self.counter)
+        saved = [t.clone() for t in buffers]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up outside capture: kernel compilation, library handles
@@ -128,7 +143,7 @@ class SamplingLoop:
             for _ in range(length):
                 self.step()
         torch.cuda.synchronize(self.device)
-        for buffer, value in zip((*self.state, self.x_in, self.counter), saved, strict=True):
+        for buffer, value in zip(buffers, saved, strict=True):
             buffer.copy_(value)
         self.graphs[length] = graph
         self.capture_seconds[length] = time.perf_counter() - t0
@@ -151,11 +166,46 @@ class SamplingLoop:
             self.capture(rest).replay()
 
     @torch.no_grad()
-    def run(self, x_t: torch.Tensor, seeds: torch.Tensor, num_steps: int | None = None) -> torch.Tensor:
-        """x after ``num_steps`` (default: all) steps from x_T, fp32 [B, C, H, W] (a fresh tensor)."""
+    def run(
+        self, x_t: torch.Tensor, seeds: torch.Tensor, num_steps: int | None = None,
+        guidance: torch.Tensor | None = None, scale: bool = True,
+    ) -> torch.Tensor:  # fmt: skip
+        """x after ``num_steps`` (default: all) steps from x_T, fp32 [B, C, H, W] (a fresh tensor); ``guidance``
+        and ``scale`` as in ``load``."""
         num_steps = self.sampler.num_steps if num_steps is None else num_steps
         if not 0 <= num_steps <= self.sampler.num_steps:
             raise FastdiffError(f"num_steps must be in 0..{self.sampler.num_steps}, got {num_steps}")
-        self.load(x_t, seeds)
+        self.load(x_t, seeds, guidance, scale)
         self.run_steps(num_steps)
         return self.x.clone(memory_format=torch.contiguous_format)
+
+
+class CapturedForward:
+    """One model forward replayed as a CUDA graph over a static input buffer (the VAE decode): ``run(x)`` copies
+    x in, replays and returns the output buffer (valid until the next run). The first run is eager (it may
+    stream weights and compile kernels); the graph is captured on the second. Eager always off CUDA."""
+
+    def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor], x_in: torch.Tensor, use_graphs: bool = True):
+        self.forward, self.x_in = forward, x_in
+        self.use_graphs = use_graphs and x_in.device.type == "cuda"
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+        self.runs = 0
+
+    @torch.no_grad()
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        if tuple(x.shape) != tuple(self.x_in.shape):
+            raise FastdiffError(f"input {tuple(x.shape)} does not match the prepared {tuple(self.x_in.shape)}")
+        self.x_in.copy_(x)
+        if self.graph is not None:
+            self.graph.replay()
+        elif self.use_graphs and self.runs >= 1:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.out = self.forward(self.x_in)
+            graph.replay()
+            self.graph = graph
+        else:
+            self.out = self.forward(self.x_in)
+        self.runs += 1
+        return self.out

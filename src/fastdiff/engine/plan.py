@@ -6,7 +6,7 @@ lifetimes are disjoint. Placement is greedy by size (largest first, each at the 
 overlaps no already placed buffer with an intersecting lifetime; Pisarchyk & Lee 2020, "greedy by size"), so
 the arena is at least the largest live set and at most the sum of all sizes.
 
-Zero-copy concat lives one level up (``fastdiff.engine.fused_unet``): a concat input is a channel slice of the
+Zero-copy concat lives one level up (``fastdiff.engine.executor``): a concat input is a channel slice of the
 concat's buffer, so only the concat buffer is planned, with a lifetime covering all its parts.
 """
 

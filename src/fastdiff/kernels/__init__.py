@@ -4,8 +4,9 @@ engine imports the kernel functions themselves). Shared helpers live in ``common
 ``cost_model``.
 
 Conventions: activations are logical ``[N, C, H, W]`` tensors in channels-last memory (NHWC); attention takes
-``[B, heads, L, head_dim]``. On the GPU the kernels run fp16/bf16 with fp32 accumulation and statistics; on
-the CPU they run in fp32 in Triton's interpreter (``TRITON_INTERPRET=1``).
+``[B, heads, L, head_dim]``; layer_norm and linear take 2-D token matrices ``[B*H*W, C]`` (a channels-last
+activation's rows: unit column stride, any row stride). On the GPU the kernels run fp16/bf16 with fp32
+accumulation and statistics; on the CPU they run in fp32 in Triton's interpreter (``TRITON_INTERPRET=1``).
 """
 
 from fastdiff.kernels import (
@@ -14,6 +15,8 @@ from fastdiff.kernels import (
     conv2d,
     depthwise_conv2d,
     group_norm_act,
+    layer_norm,
+    linear,
     philox_noise,
     sampler_step,
     winograd_conv3x3,
@@ -27,6 +30,8 @@ REGISTRY: dict[str, KernelOp] = {
         depthwise_conv2d,
         winograd_conv3x3,
         group_norm_act,
+        layer_norm,
+        linear,
         attention,
         attention_gate,
         sampler_step,

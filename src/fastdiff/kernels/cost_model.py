@@ -91,6 +91,36 @@ def group_norm_cost(
     return Cost(float(flops), float((n * (2 + int(residual)) + 2 * channels * int(affine)) * elem_bytes))
 
 
+def layer_norm_cost(rows: int, channels: int, elem_bytes: int = 2, affine: bool = True) -> Cost:
+    """LayerNorm over the ``channels`` of each of ``rows`` tokens: a GroupNorm with one group per row, so the
+    same counts as :func:`group_norm_cost` with ``hw`` = 1.
+
+    FLOPs per element: statistics 3 (add to the sum; the deviation from the mean squared and added to the sum
+    of squares, a multiply-add) + normalise 2 (the deviation, times rstd) + affine 2 (times gamma, plus beta; 0
+    without ``affine``) = 7. Bytes = (x read once + y written once + gamma and beta 2*C) * elem_bytes.
+    """
+    return group_norm_cost(rows, channels, 1, elem_bytes, affine=affine)
+
+
+def linear_cost(
+    m: int, n: int, k: int, elem_bytes: int = 2, bias: bool = False, geglu: bool = False, residual: bool = False,
+    act: str | None = None, scale: bool = False,
+) -> Cost:  # fmt: skip
+    """A token-matrix linear layer ``[m, k] @ [k, n_w]`` with the linear kernel's fused epilogue; ``n`` is the
+    output width (``n_w`` = 2n weight columns with ``geglu``, else n).
+
+    FLOPs = 2*m*n_w*k, + m*n_w for the ``bias``, + m*n*(``ACT_FLOPS`` + 1) for GEGLU (GELU of the gate, times
+    the value), + m*n for each of ``residual`` and ``scale``, + ``act_flops(act)`` per output element. Bytes =
+    (x m*k + weights k*n_w + bias n_w + residual m*n + output m*n) * elem_bytes; the 2n-wide GEGLU intermediate
+    stays on chip. Without the epilogue this is :func:`matmul_cost`.
+    """
+    n_w = 2 * n if geglu else n
+    epilogue = (ACT_FLOPS + 1) * int(geglu) + int(residual) + int(scale) + act_flops(act)
+    flops = 2 * m * n_w * k + m * n_w * int(bias) + m * n * epilogue
+    elems = m * k + k * n_w + n_w * int(bias) + m * n * (1 + int(residual))
+    return Cost(float(flops), float(elems * elem_bytes))
+
+
 def attention_cost(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, elem_bytes: int = 2) -> Cost:
     """Flash-style attention: FLOPs = 4*B*H*Lq*Lkv*D (Q K^T and P V; softmax and scaling not counted).
     Bytes = (Q and O: 2*B*H*Lq*D, K and V: 2*B*H*Lkv*D) * elem_bytes; the score matrix is never written."""

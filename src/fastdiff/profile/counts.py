@@ -20,11 +20,11 @@ from fastdiff.kernels.cost_model import (
 )
 
 if TYPE_CHECKING:
-    from fastdiff.engine.fused_unet import Op
+    from fastdiff.engine.ir import Op
 
 
 def engine_op_cost(op: Op, elem_bytes: int) -> Cost:
-    """The cost of one :class:`fastdiff.engine.fused_unet.Op`, from its value shapes and params only.
+    """The cost of one :class:`fastdiff.engine.ir.Op`, from its value shapes and params only.
 
     conv: :func:`conv2d_cost` (an upsampling conv reads its input at the low resolution; a bias (every U-Net conv
     has one) unless ``temb`` is set (the bias is folded into it)) + the activation and ``scale`` per output element.

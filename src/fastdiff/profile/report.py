@@ -136,7 +136,7 @@ def _engine_step(system: System, x_t, seeds) -> Callable[[], None]:
     return torch.no_grad()(loop.step)
 
 
-def _fused_unet(system: System):
+def _fused_model(system: System):
     return next(iter(system.engine.step_models.values()))
 
 
@@ -188,15 +188,15 @@ def aten_kernel_rows(run_step: Callable[[], None], device: torch.device, elem_by
 
 def engine_kernel_rows(system: System, sampler: Sampler, elem_bytes: int) -> list:
     """Per-op rows of one engine step: every fused op's time with its chosen implementation (CUDA graph of
-    repeated launches, see ``FusedUNet.time_ops``) and its cost from :func:`engine_op_cost`, plus the sampler
+    repeated launches, see ``FusedModel.time_ops``) and its cost from :func:`engine_op_cost`, plus the sampler
     update kernel (its cost from the kernel module: reads the state and the model output, writes the state)."""
-    from fastdiff.engine.fused_unet import time_call_us
+    from fastdiff.engine.executor import time_call_us
     from fastdiff.kernels.sampler_step import OP as SAMPLER_STEP
     from fastdiff.kernels.sampler_step import sampler_step
 
-    fused = _fused_unet(system)
+    fused = _fused_model(system)
     rows = []
-    for op, us in zip(fused.ops, fused.time_ops(), strict=True):
+    for op, us in zip(fused.step_ops, fused.time_ops(), strict=True):
         cost = engine_op_cost(op, elem_bytes)
         rows.append(_kernel_row(f"{op.name} ({op.kind}, {op.impl})", ENGINE_OP_CLASS[op.kind], 1.0, us, cost))
     loop = system.engine.current
@@ -264,11 +264,11 @@ def measure_loads(make_model, batch: int, dtype: torch.dtype, device: torch.devi
         model(x_in.to(dtype), t)
 
     def early_start(model: nn.Module) -> None:
-        from fastdiff.engine import FusedUNet
+        from fastdiff.engine import FusedModel
         from fastdiff.engine.graph import channels_last_empty
         from fastdiff.engine.weights import WeightStreamer
 
-        fused = FusedUNet(model, batch, dtype, device, streamer=WeightStreamer(device))
+        fused = FusedModel(model, batch, dtype, device, streamer=WeightStreamer(device))
         x = channels_last_empty(tuple(x_in.shape), dtype, device)
         x.copy_(x_in)
         fused.forward(x, t[:1])
@@ -443,7 +443,7 @@ def _memory(system: System, name: str, device: torch.device, dtype: torch.dtype)
         "minus weights (workspaces and graph pools included)",
     }
     if name == "engine":
-        fused = _fused_unet(system)
+        fused = _fused_model(system)
         result["plan_peak_bytes"] = fused.plan.peak_bytes
         result["method"] += "; plan = the engine's planned activation arena"
     return result

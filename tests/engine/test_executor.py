@@ -7,25 +7,19 @@ import zlib
 import pytest
 import torch
 
-from fastdiff.engine.fused_unet import FusedUNet
+from fastdiff.engine.executor import FusedModel
 from fastdiff.engine.graph import channels_last_empty
 from fastdiff.errors import FastdiffError
 from fastdiff.models.convnext_unet import ConvNeXtUNet, ConvNeXtUNetConfig
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-TOL = 1e-4 if DEVICE.type == "cpu" else 1e-2  # fp32 on CPU (observed ~1e-7); tf32 dots on the GPU
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
-    return float((out - ref).norm() / ref.norm())
+from .conftest import DEVICE, TOL, rel_err
 
 
 @pytest.mark.parametrize("impls", [("triton", "triton"), ("cudnn", "sdpa")])
 def test_fused_matches_eager(tiny_name, tiny_model, impls):
     model = tiny_model(tiny_name, seed=zlib.crc32(f"{tiny_name}{impls}".encode()) % 1000).to(DEVICE)
     batch = 3
-    fused = FusedUNet(model, batch, torch.float32, DEVICE, *impls)
+    fused = FusedModel(model, batch, torch.float32, DEVICE, *impls)
     fused.arena.view(torch.float32).fill_(float("nan"))
     shape = fused.x_in_value.shape
     gen = torch.Generator().manual_seed(7)
@@ -42,7 +36,7 @@ def test_fused_matches_eager(tiny_name, tiny_model, impls):
 
 
 def test_layer_table(tiny_model):
-    fused = FusedUNet(tiny_model("attn_pad0", 1), 1, torch.float32, DEVICE, "triton", "triton")
+    fused = FusedModel(tiny_model("attn_pad0", 1), 1, torch.float32, DEVICE, "triton", "triton")
     x_in = channels_last_empty(fused.x_in_value.shape, torch.float32, DEVICE).normal_()
     fused.forward(x_in, torch.tensor([5], device=DEVICE))
     rows = fused.layer_table()
@@ -61,7 +55,7 @@ def test_fused_convnext_matches_eager(impls):
         for p in model.parameters():
             p.normal_(0.0, 0.3)
     model.to(DEVICE)
-    fused = FusedUNet(model, 2, torch.float32, DEVICE, *impls)
+    fused = FusedModel(model, 2, torch.float32, DEVICE, *impls)
     fused.arena.view(torch.float32).fill_(float("nan"))
     x = torch.randn(2, 3, 10, 10).to(DEVICE)
     x_in = channels_last_empty((2, 3, 10, 10), torch.float32, DEVICE).copy_(x)
@@ -75,28 +69,28 @@ def test_fused_convnext_matches_eager(impls):
 
 
 def test_rejects_other_models_and_bad_input(tiny_model):
-    with pytest.raises(FastdiffError, match="DDPMUNet and ConvNeXtUNet"):
-        FusedUNet(torch.nn.Conv2d(1, 1, 1), 1, torch.float32, DEVICE)
-    fused = FusedUNet(tiny_model("attn_pad0", 2), 2, torch.float32, DEVICE, "triton", "triton")
+    with pytest.raises(FastdiffError, match="fused engine supports DDPMUNet, .*; got Conv2d"):
+        FusedModel(torch.nn.Conv2d(1, 1, 1), 1, torch.float32, DEVICE)
+    fused = FusedModel(tiny_model("attn_pad0", 2), 2, torch.float32, DEVICE, "triton", "triton")
     with pytest.raises(FastdiffError, match="does not match"):
         fused.forward(torch.zeros(1, 3, 6, 10, device=DEVICE), torch.tensor([1], device=DEVICE))
 
 
 def test_tuning_cache_round_trip(tmp_path, monkeypatch):
-    from fastdiff.engine import fused_unet
+    from fastdiff.engine import executor
 
     monkeypatch.setenv("FASTDIFF_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(fused_unet, "TUNING_CACHE", {"('conv', ...)": {"triton": 3.5, "cudnn": 2.25}})
-    fused_unet._save_tuning_cache()
-    assert fused_unet.tuning_cache_path() == tmp_path / "engine_tuning.json"
-    saved = dict(fused_unet.TUNING_CACHE)
-    fused_unet.TUNING_CACHE.clear()
-    fused_unet._load_tuning_cache()
-    assert fused_unet.TUNING_CACHE == saved
+    monkeypatch.setattr(executor, "TUNING_CACHE", {"('conv', ...)": {"triton": 3.5, "cudnn": 2.25}})
+    executor._save_tuning_cache()
+    assert executor.tuning_cache_path() == tmp_path / "engine_tuning.json"
+    saved = dict(executor.TUNING_CACHE)
+    executor.TUNING_CACHE.clear()
+    executor._load_tuning_cache()
+    assert executor.TUNING_CACHE == saved
     (tmp_path / "engine_tuning.json").write_text("{not json")
-    fused_unet.TUNING_CACHE.clear()
-    fused_unet._load_tuning_cache()  # a broken file is ignored (logged)
-    assert fused_unet.TUNING_CACHE == {}
+    executor.TUNING_CACHE.clear()
+    executor._load_tuning_cache()  # a broken file is ignored (logged)
+    assert executor.TUNING_CACHE == {}
 
 
 def test_step_model_outside_no_grad(tiny_model):
@@ -104,7 +98,7 @@ def test_step_model_outside_no_grad(tiny_model):
     capture does): its time table must not carry autograd history into the ``out=`` row copy."""
     model = tiny_model("attn_pad0", 4).to(DEVICE)
     assert all(p.requires_grad for p in model.parameters())
-    fused = FusedUNet(model, 1, torch.float32, DEVICE, "triton", "triton")
+    fused = FusedModel(model, 1, torch.float32, DEVICE, "triton", "triton")
     timesteps = torch.tensor([999, 500, 1], device=DEVICE)
     step = fused.bind_timesteps(timesteps)
     x_in = channels_last_empty(fused.x_in_value.shape, torch.float32, DEVICE).normal_()

@@ -1,0 +1,583 @@
+"""The engine's executor: a model forward lowered to fused kernels over one planned NHWC arena.
+
+``FusedModel(model, batch, dtype, device)`` asks the model family's lowering (:mod:`fastdiff.engine.lower`) for
+the forward as a list of ops of :mod:`fastdiff.engine.ir`, then:
+
+* plans memory: every step activation is a logical ``[B, C, H, W]`` channels-last view of one arena laid out by
+  :func:`fastdiff.engine.plan.plan_memory` (buffers reused when lifetimes allow); concat parts are channel
+  slices their producers write in place (zero-copy concat); ``context``-stage outputs (cross-attention K/V) have
+  their own buffers, written once per text context by :meth:`FusedModel.set_context`;
+* packs each op's weights in the engine dtype on the host and streams them to the device during the first
+  forward (``engine.weights.WeightStreamer``: module k runs while module k+1 uploads);
+* binds each op to a kernel; where there are two implementations (conv: ``kernels.conv2d`` or cuDNN + a torch
+  epilogue; token GEMM: ``kernels.linear`` or cuBLAS + a torch epilogue; attention: ``kernels.attention`` or
+  torch SDPA) ``autotune`` times both on the GPU and keeps the faster (``conv_impl`` / ``attention_impl``
+  force one; ``conv_impl`` covers both convs and GEMMs: "triton" or the vendor library);
+* evaluates the time embedding only per timestep: for a sampler's timesteps, the time MLP and every block's
+  projection (+ the bias of the conv it is added to) are computed once in fp32 into a table ``[N, sum(C)]``; a
+  step selects its row on the device (one ``index_select``) and each epilogue reads its slice (batch stride 0).
+
+Op-level fusions (in the lowerings and kernels): GroupNorm + SiLU in one pass; conv + bias + time embedding +
+residual + 1/output_scale_factor in the conv epilogue; Upsample2D (nearest x2 + conv) as one conv launch reading
+the low-resolution input; DDPM's asymmetric downsample padding as a 4x4 stride-2 conv with a zero first tap row
+and column; attention's q/k/v projections as one GEMM; GEGLU in the feed-forward GEMM's epilogue.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch import nn
+
+from fastdiff.atomic import write_text_atomic
+from fastdiff.devices import normalize_device
+from fastdiff.engine.ir import GraphBuilder, Op, Value
+from fastdiff.engine.lower import lowering_for
+from fastdiff.engine.plan import BufferSpec, MemoryPlan, plan_memory
+from fastdiff.engine.weights import WeightStreamer
+from fastdiff.errors import FastdiffError
+from fastdiff.kernels.attention import attention
+from fastdiff.kernels.attention_gate import attention_gate
+from fastdiff.kernels.common import activation_ref
+from fastdiff.kernels.conv2d import conv2d, pack_conv_weight
+from fastdiff.kernels.depthwise_conv2d import depthwise_conv2d, pack_depthwise_weight
+from fastdiff.kernels.group_norm_act import group_norm_act
+from fastdiff.kernels.layer_norm import layer_norm
+from fastdiff.kernels.linear import linear, pack_linear_weight
+
+log = logging.getLogger(__name__)
+
+CONV_IMPLS = ("auto", "triton", "cudnn")
+ATTENTION_IMPLS = ("auto", "triton", "sdpa")
+TUNING_CACHE: dict[str, dict[str, float]] = {}
+"""Per-op timings of the implementations (``FusedModel.autotune``), reused by later builds; mirrored on disk in
+``tuning_cache_path()`` so a new process on the same GPU / torch / triton skips the timing too."""
+
+
+def tuning_cache_path() -> Path:
+    """``$FASTDIFF_CACHE_DIR/engine_tuning.json`` (default ``~/.cache/fastdiff``)."""
+    root = os.environ.get("FASTDIFF_CACHE_DIR") or Path.home() / ".cache" / "fastdiff"
+    return Path(root) / "engine_tuning.json"
+
+
+def _load_tuning_cache() -> None:
+    path = tuning_cache_path()
+    if TUNING_CACHE or not path.is_file():
+        return
+    try:
+        TUNING_CACHE.update(json.loads(path.read_text()))
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring unreadable tuning cache %s: %s", path, exc)
+
+
+def _save_tuning_cache() -> None:
+    path = tuning_cache_path()
+    try:
+        write_text_atomic(path, json.dumps(TUNING_CACHE, indent=0, sort_keys=True))
+    except OSError as exc:
+        log.warning("could not write the tuning cache %s: %s", path, exc)
+
+
+def tokens(t: torch.Tensor) -> torch.Tensor:
+    """A channels-last ``[B, C, H, W]`` tensor (or channel slice of one) as its token matrix ``[B*H*W, C]`` (a
+    view; the row stride is the parent buffer's channel count)."""
+    b, c, h, w = t.shape
+    return t.permute(0, 2, 3, 1).reshape(b * h * w, c)
+
+
+WEIGHT_ROLES: dict[tuple[str, str], set[str]] = {
+    ("conv", "triton"): {"packed", "bias"},
+    ("conv", "cudnn"): {"weight", "bias"},
+    ("depthwise", "triton"): {"packed"},
+    ("depthwise", "cudnn"): {"weight"},
+    ("linear", "triton"): {"packed", "bias"},
+    ("linear", "cublas"): {"packed", "bias"},
+}
+"""(op kind, implementation) -> the device weight layouts it reads (the others are dropped after autotune)."""
+
+
+class FusedModel:
+    """The fused forward of one model at one (batch, size, dtype, device); see the module docstring.
+
+    ``bind_timesteps(timesteps)`` returns the step model ``(x_in, step_index) -> model output`` that
+    :class:`fastdiff.engine.graph.SamplingLoop` runs; ``forward(x_in, t)`` is the plain call. Text-conditioned
+    models read the text states set by ``set_context``. ``size`` is the input's (height, width) (default: the
+    family's, e.g. the config's ``sample_size``); ``context_tokens`` the text length (default 77).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        conv_impl: str = "auto",
+        attention_impl: str = "auto",
+        streamer: WeightStreamer | None = None,
+        *,
+        size: tuple[int, int] | None = None,
+        context_tokens: int | None = None,
+    ) -> None:
+        family = lowering_for(model)
+        if conv_impl not in CONV_IMPLS or attention_impl not in ATTENTION_IMPLS:
+            raise FastdiffError(
+                f"conv_impl must be one of {CONV_IMPLS} and attention_impl one of {ATTENTION_IMPLS}, "
+                f"got {conv_impl!r}, {attention_impl!r}"
+            )
+        self.device = normalize_device(device)
+        self.dtype, self.batch = dtype, batch
+        self.cfg = model.config
+        self.height, self.width = size if size is not None else family.default_size(model)
+        self.conv_impl, self.attention_impl = conv_impl, attention_impl
+        graph = GraphBuilder(batch, self.height, self.width, context_tokens)
+        with torch.no_grad():
+            family.lower(model, graph, self.device)
+            if graph.temb_channels:
+                self._proj_w = torch.cat([w for w, _ in graph.temb_proj]).to(self.device, torch.float32)
+                self._proj_b = torch.cat([b for _, b in graph.temb_proj]).to(self.device, torch.float32)
+        if graph.output is None:
+            raise FastdiffError(f"internal: the {type(model).__name__} lowering set no output")
+        self.values, self.ops, self.inputs, self.out_value = graph.values, graph.ops, graph.inputs, graph.output
+        self.x_in_value = self.inputs["x_in"]
+        self.step_ops = [op for op in self.ops if op.stage == "step"]
+        self.context_ops = [op for op in self.ops if op.stage == "context"]
+        self._time_features = graph.time_features
+        self._temb_channels = graph.temb_channels
+        self.temb_row = torch.zeros((1, self._temb_channels), dtype=dtype, device=self.device)
+        self.context: torch.Tensor | None = None
+        if "context" in self.inputs:
+            _, dim, length, _ = self.inputs["context"].shape
+            self.context = torch.zeros((batch, length, dim), dtype=dtype, device=self.device)
+        self.plan = self._plan()
+        self.arena = torch.empty(self.plan.peak_bytes, dtype=torch.uint8, device=self.device)
+        self.persistent = {
+            v.name: torch.empty((v.shape[0], v.shape[2], v.shape[3], v.shape[1]), dtype=dtype, device=self.device)
+            .permute(0, 3, 1, 2)
+            for v in self.values
+            if v.persistent
+        }  # fmt: skip
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.streamer = streamer or WeightStreamer(self.device)
+        self._device_weights: dict[str, dict[str, torch.Tensor]] = {}
+        self._x_in: torch.Tensor | None = None
+        self._calls: list[Callable[[], None]] = []
+        self._context_calls: list[Callable[[], None]] = []
+        self.ops_timed = 0  # set by autotune()
+
+    @property
+    def weights_loaded(self) -> bool:
+        """Whether every op's weights are on the device (after the first forward)."""
+        return len(self._device_weights) == len(self.ops)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the device weights (every layout still held)."""
+        return sum(t.numel() * t.element_size() for w in self._device_weights.values() for t in w.values())
+
+    # ------------------------------------------------------------------------------------------------ plan
+    def _plan(self) -> MemoryPlan:
+        """The step arena: every non-persistent, non-input buffer over its lifetime in the step ops."""
+        first: dict[str, int] = {}
+        last: dict[str, int] = {}
+        for index, op in enumerate(self.step_ops):
+            for v in [*op.inputs, op.output]:
+                r = _root(v)
+                if r.producer == "external" or r.persistent:
+                    continue
+                first.setdefault(r.name, index)
+                last[r.name] = index
+        last[self.out_value.name] = len(self.step_ops)  # read by the sampler step after the forward
+        roots = {_root(v).name: _root(v) for v in self.values}
+        specs = [
+            BufferSpec(name, math.prod(v.shape) * self.dtype.itemsize, first[name], last[name])
+            for name, v in roots.items()
+            if name in first
+        ]
+        return plan_memory(specs)
+
+    def _tensor(self, v: Value) -> torch.Tensor:
+        if v.name in self.tensors:
+            return self.tensors[v.name]
+        if v.producer == "external":
+            if v.name == "context":
+                b, d, length, _ = v.shape
+                return self.context.view(b, length, 1, d).permute(0, 3, 1, 2)
+            if self._x_in is None:
+                raise FastdiffError("internal: input not bound")
+            return self._x_in
+        if v.concat is not None:
+            parent = self._tensor(v.concat)
+            t = parent[:, v.channel_offset : v.channel_offset + v.shape[1]]
+        elif v.persistent:
+            t = self.persistent[v.name]
+        else:
+            t = self.plan.tensor(self.arena, v.name, v.shape, self.dtype)
+        self.tensors[v.name] = t
+        return t
+
+    # --------------------------------------------------------------------------------------------- weights
+    def _host_weights(self, op: Op) -> dict[str, torch.Tensor]:
+        """The device-layout weights of ``op`` in the engine dtype, packed on the host."""
+        out: dict[str, torch.Tensor] = {}
+        triton_too, library_too = self.conv_impl in ("auto", "triton"), self.conv_impl in ("auto", "cudnn")
+        if op.kind == "conv":
+            weight = op.weights["weight"]
+            if triton_too:
+                out["packed"] = pack_conv_weight(weight).to(self.dtype)
+            if library_too:
+                out["weight"] = weight.to(self.dtype).contiguous(memory_format=torch.channels_last)
+            if "bias" in op.weights:
+                out["bias"] = op.weights["bias"].to(self.dtype)
+        elif op.kind == "linear":  # one layout, W^T [K, N], read by both kernels.linear and cuBLAS
+            out["packed"] = pack_linear_weight(op.weights["weight"], op.params["geglu"]).to(self.dtype)
+            if "bias" in op.weights:
+                out["bias"] = op.weights["bias"].to(self.dtype)
+        elif op.kind == "depthwise":
+            weight = op.weights["weight"]
+            if triton_too:
+                out["packed"] = pack_depthwise_weight(weight).to(self.dtype)
+            if library_too:
+                out["weight"] = weight.to(self.dtype).contiguous(memory_format=torch.channels_last)
+        elif op.kind in ("group_norm", "layer_norm", "gate"):
+            out = {k: v.to(self.dtype) for k, v in op.weights.items() if v is not None}
+        return out
+
+    # ----------------------------------------------------------------------------------------------- calls
+    def _conv_call(self, op: Op, impl: str) -> Callable[[], None]:
+        x, out = self._tensor(op.inputs[0]), self._tensor(op.output)
+        residual = self._tensor(op.inputs[1]) if len(op.inputs) > 1 else None
+        w = self._device_weights[op.name]
+        bias = w.get("bias")
+        p = op.params
+        temb = None
+        if p["temb"] is not None:
+            channels = op.output.shape[1]
+            temb = self.temb_row[:, p["temb"] : p["temb"] + channels].expand(self.batch, channels)
+        stride, padding, act, scale, up = p["stride"], p["padding"], p["act"], p["scale"], p["upsample"]
+        if impl == "triton":
+            packed = w["packed"]
+            return lambda: conv2d(
+                x, packed, bias, stride=stride, padding=padding, time_emb=temb, residual=residual,
+                activation=act, out_scale=scale, out=out, upsample=up,
+            )  # fmt: skip
+        weight = w["weight"]
+        temb4 = None if temb is None else temb[:, :, None, None]
+
+        def cudnn_conv() -> None:  # cuDNN conv (+ bias), then the epilogue in as few torch ops as the flags allow
+            src = x if up == 1 else F.interpolate(x, scale_factor=float(up), mode="nearest")
+            y = F.conv2d(src, weight, bias, stride=stride, padding=padding)
+            if temb4 is not None:
+                y += temb4
+            if act is not None:
+                y = activation_ref(y, act)
+            if residual is not None:
+                torch.add(y, residual, out=out)
+            else:
+                out.copy_(y)
+            if scale is not None:
+                out.mul_(scale)
+
+        return cudnn_conv
+
+    def _linear_call(self, op: Op, impl: str) -> Callable[[], None]:
+        x, out = tokens(self._tensor(op.inputs[0])), tokens(self._tensor(op.output))
+        residual = tokens(self._tensor(op.inputs[1])) if len(op.inputs) > 1 else None
+        w, geglu, scale = self._device_weights[op.name], op.params["geglu"], op.params["scale"]
+        weight_t, bias = w["packed"], w.get("bias")
+        if impl == "triton":
+            return lambda: linear(
+                x, weight_t, bias, residual=residual, geglu=geglu, out_scale=scale, out=out, packed=True
+            )
+        half = out.shape[1]
+
+        def cublas_linear() -> None:  # cuBLAS GEMM (+ bias), then the epilogue in torch ops
+            y = torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
+            if geglu:
+                y = y[:, :half] * F.gelu(y[:, half:])
+            if residual is not None:
+                torch.add(y, residual, out=out)
+            else:
+                out.copy_(y)
+            if scale is not None:
+                out.mul_(scale)
+
+        return cublas_linear
+
+    def _depthwise_call(self, op: Op, impl: str) -> Callable[[], None]:
+        x, out = self._tensor(op.inputs[0]), self._tensor(op.output)
+        channels = op.output.shape[1]
+        offset = op.params["temb"]
+        temb = self.temb_row[:, offset : offset + channels].expand(self.batch, channels)
+        w = self._device_weights[op.name]
+        if impl == "triton":
+            packed = w["packed"]
+            return lambda: depthwise_conv2d(x, packed, None, time_emb=temb, out=out)
+        weight, temb4 = w["weight"], temb[:, :, None, None]
+        return lambda: torch.add(F.conv2d(x, weight, None, padding=3, groups=channels), temb4, out=out)
+
+    def _attention_call(self, op: Op, impl: str) -> Callable[[], None]:
+        core = self._tensor(op.output)
+        heads, head_dim = op.params["heads"], op.params["head_dim"]
+        b, _, h, w = core.shape
+        if op.params["cross"]:
+            q = tokens(self._tensor(op.inputs[0])).view(b, h * w, heads, head_dim).transpose(1, 2)
+            kv = self._tensor(op.inputs[1])
+            kv_tokens = tokens(kv).view(b, kv.shape[2] * kv.shape[3], 2, heads, head_dim)
+            k, v = (kv_tokens[:, :, i].transpose(1, 2) for i in range(2))
+        else:
+            qkv = tokens(self._tensor(op.inputs[0])).view(b, h * w, 3, heads, head_dim)  # dense NHWC: a view
+            q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+        o = tokens(core).view(b, h * w, heads, head_dim).transpose(1, 2)
+        if impl == "triton":
+            return lambda: attention(q, k, v, out=o)
+        return lambda: o.copy_(F.scaled_dot_product_attention(q, k, v))
+
+    def _call(self, op: Op, impl: str) -> Callable[[], None]:
+        if op.kind == "conv":
+            return self._conv_call(op, impl)
+        if op.kind == "linear":
+            return self._linear_call(op, impl)
+        if op.kind == "attention":
+            return self._attention_call(op, impl)
+        if op.kind == "depthwise":
+            return self._depthwise_call(op, impl)
+        x, out = self._tensor(op.inputs[0]), self._tensor(op.output)
+        if op.kind == "gate":
+            g, w = self._tensor(op.inputs[1]), self._device_weights[op.name]
+            return lambda: attention_gate(
+                x, g, w["w_x"], w["w_g"], w.get("b_g"), w["w_psi"], w.get("b_psi"), b_x=w.get("b_x"), out=out
+            )
+        if op.kind == "group_norm":
+            w, p = self._device_weights[op.name], op.params
+            return lambda: group_norm_act(
+                x, p["groups"], w["weight"], w["bias"], p["eps"], activation=p["act"], out=out
+            )
+        if op.kind == "layer_norm":
+            w, eps = self._device_weights[op.name], op.params["eps"]
+            x2, out2 = tokens(x), tokens(out)
+            return lambda: layer_norm(x2, w["weight"], w["bias"], eps, out=out2)
+        if op.kind == "center":
+            return lambda: torch.add(x, x, out=out).sub_(1.0)
+        raise FastdiffError(f"internal: unknown op kind {op.kind}")
+
+    def _candidates(self, op: Op) -> tuple[str, ...]:
+        """The implementations ``op`` may run: two to time, or the one forced / the only one."""
+        if op.kind in ("conv", "depthwise", "linear"):
+            library = "cublas" if op.kind == "linear" else "cudnn"
+            return {"auto": ("triton", library), "triton": ("triton",), "cudnn": (library,)}[self.conv_impl]
+        if op.kind == "attention":
+            return {"auto": ("triton", "sdpa"), "triton": ("triton",), "sdpa": ("sdpa",)}[self.attention_impl]
+        return ("torch",) if op.kind == "center" else ("triton",)
+
+    def _default_why(self, op: Op) -> str:
+        if op.kind in ("conv", "depthwise", "linear"):
+            return f"conv_impl={self.conv_impl}" + (" (not timed off CUDA)" if self.conv_impl == "auto" else "")
+        if op.kind == "attention":
+            return f"attention_impl={self.attention_impl}" + (
+                " (not timed off CUDA)" if self.attention_impl == "auto" else ""
+            )
+        return "single implementation"
+
+    def _check_input(self, x_in: torch.Tensor) -> None:
+        if tuple(x_in.shape) != self.x_in_value.shape or x_in.dtype != self.dtype:
+            raise FastdiffError(
+                f"input {tuple(x_in.shape)} {x_in.dtype} does not match the prepared "
+                f"{self.x_in_value.shape} {self.dtype}"
+            )
+
+    def _bind(self, x_in: torch.Tensor) -> None:
+        self._check_input(x_in)
+        self._x_in = x_in
+        self.tensors = {}
+        for op in self.ops:
+            op.impl = op.impl or self._candidates(op)[0]
+            op.why = op.why or self._default_why(op)
+        self._calls = [self._call(op, op.impl) for op in self.step_ops]
+        self._context_calls = [self._call(op, op.impl) for op in self.context_ops]
+
+    # ------------------------------------------------------------------------------------------- forward
+    @torch.no_grad()
+    def time_table(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """[N, sum(C)] per-step epilogue addends (projection(act(MLP(sinusoid(t)))) + conv bias), fp32 -> dtype.
+        Built without autograd: the engine writes rows of it into its buffers with ``out=`` ops."""
+        t = timesteps.to(self.device)
+        if self._time_features is None:
+            return torch.zeros((t.shape[0], 0), dtype=self.dtype, device=self.device)
+        return F.linear(self._time_features(t), self._proj_w, self._proj_b).to(self.dtype)
+
+    @torch.no_grad()
+    def set_context(self, context: torch.Tensor) -> None:
+        """Text states [B, L, D] for the next forwards: copied into the static context buffer, and the
+        cross-attention K/V of every block projected once (device work only: no host sync)."""
+        if self.context is None:
+            raise FastdiffError(f"{type(self).__name__}: this model takes no text context")
+        if tuple(context.shape) != tuple(self.context.shape):
+            raise FastdiffError(
+                f"text states {tuple(context.shape)} do not match the prepared {tuple(self.context.shape)}"
+            )
+        self.context.copy_(context)
+        if self.weights_loaded and self._context_calls:
+            for call in self._context_calls:
+                call()
+
+    def _streamed_forward(self, x_in: torch.Tensor) -> None:
+        """The first forward, interleaved with the weight upload: for each module, pack its weights on the host
+        and queue their copy on the copy stream, then queue its compute behind that module's event only. The
+        GPU runs module k while the host packs and the copy engine uploads modules k+1, ... (the context-stage
+        ops run in model order too, on the context set so far).
+        """
+        self._check_input(x_in)
+        self._x_in, self.tensors = x_in, {}
+        for op in self.ops:
+            self._device_weights[op.name] = self.streamer.submit(op.name, self._host_weights(op))
+            op.weights = {}  # the fp32 source copies are no longer needed
+            self.streamer.wait(op.name)
+            op.impl = op.impl or self._candidates(op)[0]
+            self._call(op, op.impl)()
+        self._bind(x_in)
+
+    def forward_from_row(self, x_in: torch.Tensor) -> torch.Tensor:
+        """The model output for ``x_in`` with the time embedding already in ``temb_row`` (the first call
+        streams the weights in, see ``_streamed_forward``)."""
+        if not self.weights_loaded:
+            self._streamed_forward(x_in)
+        else:
+            if self._x_in is None or x_in.data_ptr() != self._x_in.data_ptr():
+                self._bind(x_in)
+            for call in self._calls:
+                call()
+        return self._tensor(self.out_value)
+
+    @torch.no_grad()
+    def forward(
+        self, x_in: torch.Tensor, t: torch.Tensor | None = None, context: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Model output for ``x_in`` (channels-last, engine dtype) at one timestep ``t`` (shared by the batch;
+        None for models without a time input), with text states ``context`` [B, L, D] when given."""
+        if t is not None and self._temb_channels:
+            self.temb_row.copy_(self.time_table(t.reshape(-1)[:1]))
+        if context is not None:
+            self.set_context(context)
+        return self.forward_from_row(x_in)
+
+    def bind_timesteps(self, timesteps: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The step model for a sampler's timesteps: (x_in, step index [1] on the device) -> model output."""
+        table = self.time_table(timesteps)
+
+        def step(x_in: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+            torch.index_select(table, 0, index, out=self.temb_row)
+            return self.forward_from_row(x_in)
+
+        return step
+
+    # -------------------------------------------------------------------------------------------- choice
+    def autotune(self, x_in: torch.Tensor, reps: int = 20) -> None:
+        """On CUDA, time each op that has two implementations (CUDA graph of ``reps`` launches, so launch
+        overhead does not count) and keep the faster; records the times and the reason per op, and in
+        ``ops_timed`` how many ops were not in the tuning cache. The arena's activations are overwritten."""
+        if self.device.type != "cuda":
+            return
+        if not self.weights_loaded:
+            self._streamed_forward(x_in)
+        self._bind(x_in)
+        _load_tuning_cache()
+        self.ops_timed = 0
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        self.arena.view(self.dtype)[: self.arena.numel() // self.dtype.itemsize].normal_(generator=gen)
+        self.temb_row.normal_(generator=gen)
+        for op in self.ops:
+            candidates = self._candidates(op)
+            if len(candidates) < 2:
+                continue
+            key = self._tuning_key(op)
+            if key not in TUNING_CACHE:
+                TUNING_CACHE[key] = {impl: time_call_us(self._call(op, impl), reps) for impl in candidates}
+                why, self.ops_timed = "timed", self.ops_timed + 1
+            else:
+                why = "timed earlier (tuning cache, same shapes)"
+            op.times_us = dict(TUNING_CACHE[key])
+            op.impl = min(op.times_us, key=op.times_us.get)
+            op.why = f"{why}: " + ", ".join(f"{k} {v:.1f} us" for k, v in op.times_us.items())
+        if self.ops_timed:
+            _save_tuning_cache()
+        self._bind(x_in)
+        self.drop_unused_weights()
+        if self._context_calls:  # the timing overwrote the K/V buffers: recompute them from the context
+            for call in self._context_calls:
+                call()
+
+    def time_ops(self, reps: int = 20) -> list[float]:
+        """Microseconds of each op of ``step_ops`` (in order) with its chosen implementation, timed like
+        ``autotune`` (a CUDA graph of ``reps`` launches, median of 3 replays; launch overhead excluded). Needs
+        CUDA and a bound forward (any ``forward`` call); the ops overwrite the arena's activations."""
+        if self.device.type != "cuda":
+            raise FastdiffError("FusedModel.time_ops needs CUDA")
+        if not self._calls:
+            raise FastdiffError("FusedModel.time_ops before the first forward")
+        return [time_call_us(call, reps) for call in self._calls]
+
+    def _tuning_key(self, op: Op) -> str:
+        """What an op's timing depends on: kind, shapes, strided (concat slice) or not, flags, dtype, GPU and
+        library versions (a string: it is a JSON key on disk)."""
+        params = {k: (v is not None if k == "temb" else v) for k, v in op.params.items()}
+        values = [(v.shape, v.concat is not None) for v in (*op.inputs, op.output)]
+        gpu = torch.cuda.get_device_name(self.device)
+        return repr((op.kind, values, sorted(params.items()), str(self.dtype), gpu, torch.__version__,
+                     triton.__version__))  # fmt: skip
+
+    def drop_unused_weights(self) -> None:
+        """Free the weight layouts the chosen implementation does not read."""
+        for op in self.ops:
+            reads = WEIGHT_ROLES.get((op.kind, op.impl))
+            if reads is not None:
+                w = self._device_weights[op.name]
+                for role in set(w) - reads:
+                    del w[role]
+
+    def layer_table(self) -> list[dict]:
+        """One row per op: name, kind, stage, output shape, implementation, why, times, where its output lives."""
+        rows = []
+        for op in self.ops:
+            out = op.output
+            where = f"slice [{out.channel_offset}:] of {out.concat.name}" if out.concat is not None else "own buffer"
+            rows.append(dict(name=op.name, kind=op.kind, stage=op.stage, shape=list(out.shape), impl=op.impl,
+                             why=op.why, times_us=op.times_us, output=where))  # fmt: skip
+        return rows
+
+
+def _root(v: Value) -> Value:
+    while v.concat is not None:
+        v = v.concat
+    return v
+
+
+def time_call_us(call: Callable[[], None], reps: int) -> float:
+    """Median microseconds per ``call()`` from replays of a CUDA graph of up to ``reps`` calls (fewer for slow
+    ops: the graph holds about 2 ms of work), so launch overhead does not count."""
+    call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    call()
+    end.record()
+    end.synchronize()
+    reps = max(1, min(reps, int(2.0 / max(start.elapsed_time(end), 1e-3))))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            call()
+    graph.replay()
+    times = []
+    for _ in range(3):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    return sorted(times)[len(times) // 2]

@@ -1,0 +1,110 @@
+"""The Stable Diffusion families on the engine: the fused UNet2DConditionModel (self/cross attention, LayerNorm,
+GEGLU) and the fused VAE decode vs the eager models in float64 (fp32 engine; Triton interpreter on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sd_fixtures import randomize_norms, tiny_unet_config, tiny_vae_config
+
+from fastdiff.engine.executor import FusedModel
+from fastdiff.engine.graph import channels_last_empty
+from fastdiff.errors import FastdiffError
+from fastdiff.models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
+from fastdiff.models.unet_2d_condition import UNet2DConditionConfig, UNet2DConditionModel
+
+from .conftest import DEVICE, TOL, rel_err
+
+IRREGULAR_UNET = dict(
+    # 3 levels of 12/20/28 channels, heads 2/3/4 (20 // 3 = 6 channels per head: attention width 18 != 20),
+    # two transformer layers at the lowest level, linear projections, odd text width and length, DDPM-style
+    # downsample padding, centred input, scaled mid block
+    in_channels=3, out_channels=3, block_out_channels=[12, 20, 28], norm_num_groups=4, norm_eps=1e-4,
+    down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+    up_block_types=["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"], layers_per_block=1,
+    attention_head_dim=[2, 3, 4], transformer_layers_per_block=[1, 1, 2], cross_attention_dim=10,
+    use_linear_projection=True, flip_sin_to_cos=False, freq_shift=1, center_input_sample=True,
+    mid_block_scale_factor=1.3, downsample_padding=0,
+)  # fmt: skip
+
+CASES = {
+    # name: (config, U-Net batch, latent (H, W), text tokens)
+    "sd15": (tiny_unet_config("sd15"), 1, (8, 8), 77),  # SD1.5 structure: 1x1-conv projections, 8 heads
+    "sd21": (tiny_unet_config("sd21"), 1, (8, 8), 77),  # SD2.1: linear projections, heads not dividing widths
+    "irregular": (IRREGULAR_UNET, 3, (4, 12), 5),
+}
+"""(Interpreter-sized: the batch-2 and 64x64 shapes run in the GPU tests.)"""
+
+
+def make_unet(config: dict, seed: int) -> UNet2DConditionModel:
+    torch.manual_seed(seed)
+    cfg = UNet2DConditionConfig.from_dict({k: v for k, v in config.items() if not k.startswith("_")})
+    return randomize_norms(UNet2DConditionModel(cfg), seed).eval()
+
+
+@pytest.mark.parametrize("impls", [("triton", "triton"), ("cudnn", "sdpa")])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fused_unet_2d_condition_matches_eager(name, impls):
+    config, batch, size, tokens = CASES[name]
+    model = make_unet(config, seed=len(name)).to(DEVICE)
+    fused = FusedModel(model, batch, torch.float32, DEVICE, *impls, size=size, context_tokens=tokens)
+    fused.arena.view(torch.float32).fill_(float("nan"))
+    kinds = {op.kind for op in fused.ops}
+    assert {"layer_norm", "linear", "attention"} <= kinds
+    assert len(fused.context_ops) == sum(op.params.get("cross", False) for op in fused.ops)  # one K/V per block
+    gen = torch.Generator().manual_seed(3)
+    shape = fused.x_in_value.shape
+    steps = (981, 20) if name == "irregular" else (981,)  # a second call: no weight waits, a new context
+    for t in steps:
+        x = torch.randn(shape, generator=gen)
+        context = torch.randn((batch, tokens, model.config.cross_attention_dim), generator=gen)
+        x_in = channels_last_empty(shape, torch.float32, DEVICE).copy_(x.to(DEVICE))
+        out = fused.forward(x_in, torch.tensor([t], device=DEVICE), context.to(DEVICE))
+        with torch.no_grad():
+            ref = model.double().cpu()(x.double(), torch.tensor([t]), context.double())
+            model.to(DEVICE, torch.float32)
+        assert rel_err(out, ref) < TOL, name
+        assert out.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_fused_unet_context_is_projected_once_per_set_context():
+    config, batch, size, tokens = IRREGULAR_UNET, 1, (4, 4), 5
+    model = make_unet(config, seed=1).to(DEVICE)
+    fused = FusedModel(model, batch, torch.float32, DEVICE, "triton", "triton", size=size, context_tokens=tokens)
+    x_in = channels_last_empty(fused.x_in_value.shape, torch.float32, DEVICE).normal_()
+    context = torch.randn((batch, tokens, model.config.cross_attention_dim), device=DEVICE)
+    t = torch.tensor([500], device=DEVICE)
+    first = fused.forward(x_in, t, context).clone()
+    kv = next(iter(fused.persistent.values())).clone()
+    fused.set_context(2 * context)
+    assert not torch.equal(next(iter(fused.persistent.values())), kv)  # the K/V follow the new context
+    second = fused.forward(x_in, t).clone()  # no context: the last one set
+    fused.set_context(context)
+    assert torch.equal(fused.forward(x_in, t), first)
+    assert not torch.equal(second, first)
+    with pytest.raises(FastdiffError, match="do not match the prepared"):
+        fused.set_context(context[:, :3])
+
+
+def test_unet_latent_size_must_fit_the_levels():
+    config, _, _, _ = CASES["sd15"]
+    with pytest.raises(FastdiffError, match="multiples of 8 .images in multiples of 64 pixels.; got 12x8"):
+        FusedModel(make_unet(config, 0), 2, torch.float32, DEVICE, "triton", "triton", size=(12, 8))
+
+
+@pytest.mark.parametrize("post_quant_conv", [True, False])
+def test_fused_vae_decode_matches_eager(post_quant_conv):
+    config = tiny_vae_config("sd15")
+    config.update(use_post_quant_conv=post_quant_conv, scaling_factor=0.3)
+    torch.manual_seed(5)
+    vae = randomize_norms(AutoencoderKL(AutoencoderKLConfig.from_dict(config)), 5).eval().to(DEVICE)
+    fused = FusedModel(vae, 2, torch.float32, DEVICE, "triton", "triton", size=(3, 5))
+    fused.arena.view(torch.float32).fill_(float("nan"))
+    latents = torch.randn(2, 4, 3, 5, generator=torch.Generator().manual_seed(0))
+    x_in = channels_last_empty((2, 4, 3, 5), torch.float32, DEVICE).copy_(latents.to(DEVICE))
+    out = fused.forward(x_in)
+    with torch.no_grad():
+        ref = vae.double().cpu().decode(latents.double() / 0.3)
+    assert out.shape == (2, 3, 24, 40)
+    assert rel_err(out, ref) < TOL
+    assert {op.kind for op in fused.ops} == {"conv", "group_norm", "attention"}
