@@ -205,8 +205,8 @@ def test_pipeline_from_pretrained_gives_the_text_pipeline(sd15):
     pipe = fastdiff.Pipeline.from_pretrained(root, device="cpu", sampler="euler")
     assert isinstance(pipe, TextToImagePipeline) and pipe.steps == 50 and pipe.sampler_name == "euler"
     assert isinstance(fastdiff.load_unet(root), UNet2DConditionModel)
-    with pytest.raises(FastdiffError, match="does not run text-to-image"):
-        fastdiff.Pipeline.from_pretrained(root, device="cpu", backend="engine")
+    with pytest.raises(FastdiffError, match="unknown backend 'tensorrt'"):
+        fastdiff.Pipeline.from_pretrained(root, device="cpu", backend="tensorrt")
 
 
 def one_line_error(call, match: str) -> None:
@@ -325,3 +325,28 @@ def test_unconditional_only_commands_refuse_text_models_in_one_line(sd15, tmp_pa
                  "--steps", "2"]) == 2  # fmt: skip
     assert "text-to-image model" in capsys.readouterr().err
     assert not any(out_dir.glob("*.png"))
+
+
+@pytest.mark.parametrize("img2img", [False, True], ids=["text", "img2img"])
+def test_engine_backend_matches_diffusers(sd15, img2img, monkeypatch):
+    """The engine backend (fused U-Net loop with guidance in the sampler-step kernel, fused VAE decode; the Triton
+    interpreter on the CPU) against diffusers' pipeline, DPM-Solver++; noise handed over as in the img2img test."""
+    root, pipe = sd15
+    engine = TextToImagePipeline.from_pretrained(root, device="cpu", sampler="dpmsolver++", backend="engine")
+    assert engine.backend == "engine" and engine.unet.conv_in.weight.device.type == "cpu"  # streamed from host
+    shape, seeds = (1, 4, SIZE // 8, SIZE // 8), [5, 6]
+    draws = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+             for g in (torch.Generator().manual_seed(s) for s in seeds)]  # fmt: skip
+    posterior, added = (torch.cat(d) for d in zip(*draws, strict=True))
+    kwargs = dict(negative_prompt=NEGATIVES, output_type="np", num_inference_steps=2)
+    if img2img:  # 4 steps at strength 0.5: the last 2 run
+        monkeypatch.setattr(t2i, "posterior_noise", lambda seed_ids, latent_shape: posterior)
+        kwargs.update(image=init_image(3), strength=0.5, num_inference_steps=4)
+        generators = [torch.Generator().manual_seed(s) for s in seeds]
+        expected = with_scheduler(root, pipe, "dpmsolver++", img2img=True)(PROMPTS, generator=generators, **kwargs)
+    else:
+        expected = with_scheduler(root, pipe, "dpmsolver++")(PROMPTS, latents=added.clone(), **kwargs)
+    steps = kwargs.pop("num_inference_steps")
+    ours = engine(PROMPTS, steps=steps, latents=added, progress=False, **kwargs)
+    assert engine.uses_engine(shape[1:]) and engine.engine.decoders  # the fused decode ran
+    assert max_abs(ours, expected.images) <= TOL

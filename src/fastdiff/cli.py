@@ -108,7 +108,7 @@ def add_sample_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="classifier-free guidance scale; <= 1 turns guidance off (default: 7.5)",
     )
-    size_help = "image {}, a multiple of 8 (default: the model's sample size x 8)"
+    size_help = "image {}, a multiple of 8 (default: the model's sample size x the VAE's scale factor, 8 for SD)"
     p.add_argument("--height", type=positive_int, default=None, help=size_help.format("height"))
     p.add_argument("--width", type=positive_int, default=None, help=size_help.format("width"))
     p.add_argument(

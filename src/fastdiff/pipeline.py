@@ -74,15 +74,14 @@ class Pipeline:
         """Load a preset name or a local diffusers/fastdiff model directory (default 100 steps).
 
         A diffusers pipeline directory (model_index.json: Stable Diffusion) gives a
-        ``fastdiff.text_to_image.TextToImagePipeline`` instead (default 50 steps, as diffusers; eager backend).
+        ``fastdiff.text_to_image.TextToImagePipeline`` instead (default 50 steps, as diffusers).
         """
         from fastdiff.text_to_image import TextToImagePipeline, is_text_to_image_dir
 
         if is_text_to_image_dir(path_or_preset):
-            if backend not in (None, "eager"):
-                raise FastdiffError(f"backend {backend!r} does not run text-to-image models yet: use eager")
+            steps = 50 if steps is None else steps
             return TextToImagePipeline.from_pretrained(
-                path_or_preset, device, dtype, sampler=sampler, steps=50 if steps is None else steps, karras=karras
+                path_or_preset, device, dtype, sampler=sampler, steps=steps, karras=karras, backend=backend
             )
         steps = 100 if steps is None else steps
         dev = resolve_device(device)

@@ -22,16 +22,17 @@ from PIL import Image
 
 from fastdiff.errors import FastdiffError
 from fastdiff.images import to_pil
+from fastdiff.models.autoencoder_kl import AutoencoderKLConfig
 from fastdiff.models.stable_diffusion import StableDiffusionComponents, encode_prompts, load_stable_diffusion
-from fastdiff.pipeline import resolve_device, resolve_dtype
+from fastdiff.pipeline import BACKENDS, resolve_device, resolve_dtype
 from fastdiff.samplers import SAMPLERS, Sampler, ScheduleConfig, initial_noise, make_sampler, run_sampler, seed_tensor
 from fastdiff.samplers.noise import draw
 
 log = logging.getLogger(__name__)
 
 OUTPUT_TYPES = ("pil", "np", "pt", "tensor")
-VAE_SCALE = 8
-"""Pixels per latent: every SD VAE downsamples three times."""
+SIZE_MULTIPLE = 8
+"""Image sides must be multiples of this (diffusers' ``check_inputs``); pixels per latent: ``vae_scale_factor``."""
 ENCODE_COUNTER = 2**31 - 1
 """The ``fastdiff.samplers.noise`` draw that samples image b's VAE posterior in img2img (steps use draws 1..N)."""
 
@@ -49,8 +50,13 @@ def check_size(height: int | None, width: int | None) -> None:
     for name, value in (("height", height), ("width", width)):
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0 or value % VAE_SCALE:
-            raise FastdiffError(f"{name} must be a positive multiple of {VAE_SCALE}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0 or value % SIZE_MULTIPLE:
+            raise FastdiffError(f"{name} must be a positive multiple of {SIZE_MULTIPLE}, got {value!r}")
+
+
+def vae_scale_factor(vae_config: AutoencoderKLConfig) -> int:
+    """Pixels per latent along each side: 2 ** (levels - 1), as diffusers' pipelines compute it (8 for SD's VAE)."""
+    return 2 ** (len(vae_config.block_out_channels) - 1)
 
 
 def check_strength(strength: float) -> None:
@@ -91,8 +97,8 @@ def image_batch(image: InitImage) -> torch.Tensor:
     if not torch.isfinite(batch).all() or batch.min() < 0 or batch.max() > 1:
         raise FastdiffError("image values must be in [0, 1]")
     height, width = batch.shape[-2:]
-    if height % VAE_SCALE or width % VAE_SCALE:
-        raise FastdiffError(f"image size {width}x{height} is not a multiple of {VAE_SCALE}: crop or resize it")
+    if height % SIZE_MULTIPLE or width % SIZE_MULTIPLE:
+        raise FastdiffError(f"image size {width}x{height} is not a multiple of {SIZE_MULTIPLE}: crop or resize it")
     return batch * 2 - 1
 
 
@@ -110,13 +116,20 @@ class TextToImagePipeline:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         karras: bool | None = None,
+        backend: str | None = None,
     ) -> None:
+        self.device = torch.device(device)
+        backend = backend or ("engine" if self.device.type == "cuda" else "eager")
+        if backend not in BACKENDS:
+            raise FastdiffError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+        self.backend = backend
+        self._engine = None
         self.components = components
         self.unet, self.vae = components.unet, components.vae
+        self.vae_scale = vae_scale_factor(self.vae.config)
         self.schedule = ScheduleConfig.from_diffusers(components.scheduler_config)
         self.sampler_name = sampler
         self.steps = steps
-        self.device = torch.device(device)
         self.dtype = dtype
         self.karras = karras
         self._samplers: dict[tuple[str, int, int, float], Sampler] = {}
@@ -131,6 +144,7 @@ class TextToImagePipeline:
         sampler: str = "ddim",
         steps: int = 50,
         karras: bool | None = None,
+        backend: str | None = None,
     ) -> TextToImagePipeline:
         """Load a local diffusers ``StableDiffusionPipeline`` directory (``load_stable_diffusion``).
 
@@ -140,21 +154,52 @@ class TextToImagePipeline:
             raise FastdiffError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype)
-        components = load_stable_diffusion(path, device=dev, dtype=torch_dtype)
-        return cls(components, sampler=sampler, steps=steps, device=dev, dtype=torch_dtype, karras=karras)
+        backend = backend or ("engine" if dev.type == "cuda" else "eager")
+        if backend not in BACKENDS:
+            raise FastdiffError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+        # the engine streams its own packed U-Net weights from host memory: the module stays on the CPU
+        components = load_stable_diffusion(path, device="cpu" if backend == "engine" else dev, dtype=torch_dtype)
+        if backend == "engine":
+            components.text_encoder.to(dev)
+            components.vae.to(dev)
+        return cls(
+            components, sampler=sampler, steps=steps, device=dev, dtype=torch_dtype, karras=karras, backend=backend
+        )
+
+    @property
+    def engine(self):
+        """The pipeline's ``fastdiff.engine.Engine`` (created on first use; backend "engine" only)."""
+        if self._engine is None:
+            from fastdiff.engine import Engine
+
+            self._engine = Engine(self.device)
+        return self._engine
+
+    def uses_engine(self, latent_shape: tuple[int, int, int]) -> bool:
+        """Whether a call at ``latent_shape`` runs on the engine: backend "engine" and latent sides that every
+        U-Net level halves evenly (other sizes run eagerly, as diffusers matches odd skip sizes)."""
+        factor = 2 ** (len(self.unet.config.block_out_channels) - 1)
+        fits = latent_shape[1] % factor == 0 and latent_shape[2] % factor == 0
+        if self.backend == "engine" and not fits:
+            log.info("latents %s are not multiples of %d: this call runs eagerly", latent_shape[1:], factor)
+        return self.backend == "engine" and fits
 
     @property
     def default_size(self) -> tuple[int, int]:
-        """(height, width) of a text-to-image sample when none is asked for: the U-Net's sample size x 8."""
+        """(height, width) of a text-to-image sample when none is asked for: the U-Net's sample size x the VAE's
+        scale factor."""
         size = self.unet.config.sample_size
         h, w = (size, size) if isinstance(size, int) else size
-        return h * VAE_SCALE, w * VAE_SCALE
+        return h * self.vae_scale, w * self.vae_scale
 
     def latent_shape(self, height: int | None = None, width: int | None = None) -> tuple[int, int, int]:
         """The U-Net's sample shape (C, h, w) for a ``height`` x ``width`` image (default: ``default_size``)."""
         check_size(height, width)
         default_h, default_w = self.default_size
-        return (self.unet.config.in_channels, (height or default_h) // VAE_SCALE, (width or default_w) // VAE_SCALE)
+        height, width, scale = height or default_h, width or default_w, self.vae_scale
+        if height % scale or width % scale:
+            raise FastdiffError(f"height and width must be multiples of the VAE's {scale}, got {height}x{width}")
+        return (self.unet.config.in_channels, height // scale, width // scale)
 
     def sampler_for(self, name: str, steps: int, start: int = 0, eta: float = 0.0) -> Sampler:
         """Sampler ``name`` over ``steps`` steps, beginning at step ``start`` (built once, then cached)."""
@@ -189,9 +234,9 @@ class TextToImagePipeline:
         negative_prompt: one for all prompts or one per prompt (default ""); used when ``guidance_scale`` > 1
         (classifier-free guidance; <= 1 runs the conditional model alone). height/width: multiples of 8 (default
         ``default_size``). seeds: one int per image, or one int ``s`` meaning ``s, s+1, ...`` (default ``0..N-1``).
-        latents: unit-variance noise [N, 4, h/8, w/8] replacing the seeded draw: x_T for text-to-image (scaled by
-        the sampler's initial noise scale, as diffusers does) or the noise added to the image for img2img. steps,
-        sampler: override the pipeline's for this call; eta: DDIM's noise scale.
+        latents: unit-variance noise [N, C, h/f, w/f] (f: ``vae_scale``, 8 for SD) replacing the seeded draw: x_T
+        for text-to-image (scaled by the sampler's initial noise scale, as diffusers does) or the noise added to the
+        image for img2img. steps, sampler: override the pipeline's for this call; eta: DDIM's noise scale.
 
         image: img2img from a PIL image (or list, or [0, 1] array/tensor; one for all prompts or one per prompt)
         whose size fixes the output size. It is VAE-encoded and its posterior *sampled* (diffusers' default
@@ -255,8 +300,17 @@ class TextToImagePipeline:
         else:
             x = run.noised_state(self._encode(pixels, len(prompts), per_prompt, seed_ids), noise)
         guidance = torch.full((count,), float(guidance_scale), device=self.device) if guided else None
-        x0 = denoise(self.unet, run, x, context, guidance, seed_ids, self.dtype, progress)
-        decoded = self.vae.decode((x0 / self.vae.config.scaling_factor).to(self.dtype)).float()
+        if self.uses_engine(shape):
+            engine = self.engine
+            engine.prepare(
+                self.unet, run, count, self.dtype, size=shape[1:], guided=guided, context_tokens=context.shape[1]
+            )
+            x0 = engine.run(x, seed_ids, context=context, guidance=guidance, scale=False)
+            decoded = engine.decode(self.vae, x0, self.dtype)
+        else:
+            unet = self.unet.to(self.device)  # (the engine backend keeps it in host memory)
+            x0 = denoise(unet, run, x, context, guidance, seed_ids, self.dtype, progress)
+            decoded = self.vae.decode((x0 / self.vae.config.scaling_factor).to(self.dtype)).float()
         if output_type == "tensor":
             return decoded.clamp(-1, 1)
         images = (decoded / 2 + 0.5).clamp(0, 1)

@@ -187,7 +187,7 @@ class GraphBuilder:
         weights = {"weight": weight}
         if bias is not None:
             weights["bias"] = bias.detach().float()
-        params = dict(geglu=geglu, scale=scale)
+        params = dict(geglu=geglu, scale=scale, bias=bias is not None)
         return self.op(name, "linear", [x, residual], out, params, weights, stage)
 
     def attention(

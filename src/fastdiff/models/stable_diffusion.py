@@ -6,8 +6,10 @@ The U-Net and the VAE are fastdiff's own modules; the CLIP text encoder and toke
 
 from __future__ import annotations
 
+import json
 import logging
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,19 +56,49 @@ TEXT_ENCODER_WEIGHTS = (
 TOKENIZER_FILES = (("vocab.json", "merges.txt"), ("tokenizer.json",))
 
 
+SD15_TEXT_CONFIG: dict = {
+    "vocab_size": 49408, "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+    "num_attention_heads": 12, "max_position_embeddings": 77, "hidden_act": "quick_gelu", "projection_dim": 768,
+}  # fmt: skip
+"""runwayml/stable-diffusion-v1-5 text_encoder/config.json (OpenAI CLIP ViT-L/14's text tower), architecture keys."""
+SD21_TEXT_CONFIG: dict = {
+    "vocab_size": 49408, "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 23,
+    "num_attention_heads": 16, "max_position_embeddings": 77, "hidden_act": "gelu", "projection_dim": 512,
+}  # fmt: skip
+"""stabilityai/stable-diffusion-2-1 text_encoder/config.json (OpenCLIP ViT-H/14's text tower), architecture keys."""
+SD15_SCHEDULER_CONFIG: dict = {
+    "_class_name": "PNDMScheduler", "beta_end": 0.012, "beta_schedule": "scaled_linear", "beta_start": 0.00085,
+    "num_train_timesteps": 1000, "set_alpha_to_one": False, "skip_prk_steps": True, "steps_offset": 1,
+    "trained_betas": None, "clip_sample": False,
+}  # fmt: skip
+"""runwayml/stable-diffusion-v1-5 scheduler/scheduler_config.json."""
+SD21_SCHEDULER_CONFIG: dict = {
+    "_class_name": "DDIMScheduler", "beta_end": 0.012, "beta_schedule": "scaled_linear", "beta_start": 0.00085,
+    "clip_sample": False, "num_train_timesteps": 1000, "prediction_type": "v_prediction", "set_alpha_to_one": False,
+    "skip_prk_steps": True, "steps_offset": 1, "trained_betas": None,
+}  # fmt: skip
+"""stabilityai/stable-diffusion-2-1 scheduler/scheduler_config.json."""
+
+
 @dataclass(frozen=True)
 class StableDiffusionPreset:
     """Architecture of a Stable Diffusion release (random weights only: fastdiff ships no SD weights)."""
 
     unet: UNet2DConditionConfig
     vae: AutoencoderKLConfig
+    text: dict = field(default_factory=dict)
+    """transformers ``CLIPTextConfig`` keys of the text encoder."""
+    scheduler: dict = field(default_factory=dict)
+    """The release's scheduler/scheduler_config.json."""
+    pad_token: str = "<|endoftext|>"
+    """The tokenizer's padding token (SD 2.x pads with "!")."""
     text_tokens: int = 77
     """CLIP's sequence length: ``encoder_hidden_states`` are [B, text_tokens, unet.cross_attention_dim]."""
 
 
 SD_PRESETS: dict[str, StableDiffusionPreset] = {
-    "sd15": StableDiffusionPreset(unet=SD15_CONFIG, vae=SD15_VAE_CONFIG),
-    "sd21": StableDiffusionPreset(unet=SD21_CONFIG, vae=SD21_VAE_CONFIG),
+    "sd15": StableDiffusionPreset(SD15_CONFIG, SD15_VAE_CONFIG, SD15_TEXT_CONFIG, SD15_SCHEDULER_CONFIG),
+    "sd21": StableDiffusionPreset(SD21_CONFIG, SD21_VAE_CONFIG, SD21_TEXT_CONFIG, SD21_SCHEDULER_CONFIG, "!"),
 }
 """runwayml/stable-diffusion-v1-5 and stabilityai/stable-diffusion-2-1 (conditional U-Nets: kept apart from the
 unconditional ``fastdiff.models.PRESETS`` that ``load_unet`` serves)."""
@@ -209,3 +241,70 @@ def encode_prompts(text_encoder: nn.Module, tokenizer: Any, prompts: list[str], 
     with torch.no_grad():
         states = text_encoder(ids.to(device), attention_mask=mask)[0]
     return states.to(dtype=text_encoder.dtype, device=device)
+
+
+BOS_TOKEN, EOS_TOKEN, END_OF_WORD = "<|startoftext|>", "<|endoftext|>", "</w>"
+
+
+def byte_alphabet() -> list[str]:
+    """GPT-2 / CLIP byte-level alphabet: one printable character per byte value, in byte order."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = [], 0
+    for byte in range(256):
+        if byte in printable:
+            chars.append(chr(byte))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+def clip_tokenizer_files(
+    merges: list[tuple[str, str]], pad_token: str = EOS_TOKEN, max_length: int = 77
+) -> dict[str, str]:
+    """File name -> text of a byte-level CLIP BPE tokenizer (vocab.json, merges.txt, tokenizer_config.json,
+    special_tokens_map.json): every byte and byte + ``</w>`` (so any text tokenizes), the ``merges``' results,
+    CLIP's start/end tokens, lower-casing, ``max_length`` tokens."""
+    alphabet = byte_alphabet()
+    tokens = alphabet + [c + END_OF_WORD for c in alphabet] + [a + b for a, b in merges] + [BOS_TOKEN, EOS_TOKEN]
+    vocab = {token: i for i, token in enumerate(dict.fromkeys(tokens))}
+    special = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "unk_token": EOS_TOKEN, "pad_token": pad_token}
+    config = {"tokenizer_class": "CLIPTokenizer", "model_max_length": max_length, "do_lower_case": True, **special}
+    return {
+        "vocab.json": json.dumps(vocab, ensure_ascii=False) + "\n",
+        "merges.txt": "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges),
+        "tokenizer_config.json": json.dumps(config, indent=2) + "\n",
+        "special_tokens_map.json": json.dumps(special, indent=2) + "\n",
+    }
+
+
+def clip_tokenizer(files: dict[str, str]) -> Any:
+    """transformers' CLIPTokenizer on ``clip_tokenizer_files()`` output (written to a temporary folder)."""
+    transformers = import_transformers()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, text in files.items():
+            (Path(tmp) / name).write_text(text, encoding="utf-8")
+        return transformers.CLIPTokenizer.from_pretrained(tmp, local_files_only=True)
+
+
+def random_components(name: str, seed: int = 0) -> StableDiffusionComponents:
+    """A Stable Diffusion preset's components with random weights (seeded; default initialisation), fp32 on the
+    CPU, for speed measurements: fastdiff ships no SD weights. The tokenizer is byte-level (no merges), so prompts
+    tokenize into more pieces than with the real vocabulary; the sequence length (77) is the real one."""
+    if name not in SD_PRESETS:
+        raise FastdiffError(f"unknown Stable Diffusion preset {name!r}; choose one of {', '.join(SD_PRESETS)}")
+    preset = SD_PRESETS[name]
+    log.warning("%s: random weights (fastdiff ships no Stable Diffusion weights); images will be noise", name)
+    transformers = import_transformers()
+    tokenizer = clip_tokenizer(clip_tokenizer_files([], preset.pad_token, preset.text_tokens))
+    text_config = transformers.CLIPTextConfig(
+        **preset.text, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(preset.unet).eval()
+    vae = AutoencoderKL(preset.vae).eval()
+    text_encoder = transformers.CLIPTextModel(text_config).eval()
+    index = {"_class_name": "StableDiffusionPipeline"}
+    return StableDiffusionComponents(unet, vae, text_encoder, tokenizer, dict(preset.scheduler), index)

@@ -16,6 +16,8 @@ from fastdiff.kernels.cost_model import (
     conv2d_cost,
     elementwise_cost,
     group_norm_cost,
+    layer_norm_cost,
+    linear_cost,
     matmul_cost,
 )
 
@@ -31,6 +33,8 @@ def engine_op_cost(op: Op, elem_bytes: int) -> Cost:
     depthwise: 7x7 depthwise conv + temb add. attention: :func:`attention_cost` over H*W tokens. gate: two 1x1 convs
     to ``inter``, bias + bias + sum + ReLU (4 per hidden element), the 1x1 to one channel, its bias + sigmoid (5 per
     pixel), times x (1 per output element); x and g read, the output written, weights and biases read. center: 2x - 1.
+    layer_norm: :func:`layer_norm_cost` over B*H*W tokens. linear: :func:`linear_cost` over B*H*W tokens (bias,
+    GEGLU, residual, scale as the op has them). Cross-attention: :func:`attention_cost` with its K/V token count.
     """
     out, x = op.output.shape, op.inputs[0].shape
     b, c_out, h, w = out
@@ -46,7 +50,15 @@ def engine_op_cost(op: Op, elem_bytes: int) -> Cost:
     if op.kind == "group_norm":
         return group_norm_cost(b, c_out, h * w, elem_bytes, act=p.get("act"))
     if op.kind == "attention":
-        return attention_cost(b, p["heads"], h * w, h * w, p["head_dim"], elem_bytes)
+        kv_len = op.inputs[1].shape[2] * op.inputs[1].shape[3] if p.get("cross") else h * w
+        return attention_cost(b, p["heads"], h * w, kv_len, p["head_dim"], elem_bytes)
+    if op.kind == "layer_norm":
+        return layer_norm_cost(b * h * w, c_out, elem_bytes)
+    if op.kind == "linear":
+        return linear_cost(
+            b * h * w, c_out, x[1], elem_bytes, bias=p["bias"],
+            geglu=p["geglu"], residual=len(op.inputs) > 1, scale=p.get("scale") is not None,
+        )  # fmt: skip
     if op.kind == "gate":
         return attention_gate_cost(b * h * w, c_out, op.inputs[1].shape[1], p["inter"], elem_bytes)
     if op.kind == "center":

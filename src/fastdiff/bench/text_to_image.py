@@ -1,0 +1,318 @@
+"""``fastdiff bench --model sd15``: Stable Diffusion text-to-image, every system on the same weights, prompts
+and initial latents, in one process and run.
+
+Systems: diffusers' ``StableDiffusionPipeline`` (eager fp32 as the quality reference, eager fp16, and fp16 with
+the U-Net ``torch.compile``d in "reduce-overhead" mode with channels-last memory), fastdiff's
+``TextToImagePipeline`` eager fp16 and on the engine (fp16, bf16). The sampler is DDIM (diffusers'
+``DDIMScheduler.from_config`` of the release's scheduler config, as users switch to it) with classifier-free
+guidance, so one image is a U-Net call on a batch of 2 per step.
+
+Per system: time to ready (weights to the GPU, compilation / engine build, first image), the end-to-end time of
+one call (text encoding, all steps, VAE decode, to a [0, 1] tensor) as the median of ``repeats``, the time of one
+U-Net step (diffusers and fastdiff eager: one U-Net call on the guided batch; the engine: a full captured loop
+divided by its steps, so its figure includes the fused sampler step), the peak GPU memory while ready and while
+sampling, the weight bytes on the GPU, and the PSNR of the images against diffusers fp32 from the same latents.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from fastdiff.bench.env import environment
+from fastdiff.devices import DTYPES, synchronize, time_ms
+from fastdiff.errors import FastdiffError
+from fastdiff.models.stable_diffusion import SD_PRESETS, StableDiffusionComponents, random_components
+from fastdiff.quality.psnr import psnr
+from fastdiff.samplers import initial_noise, seed_tensor
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "fastdiff.bench.text_to_image/1"
+T2I_SYSTEMS = ("engine-fp16", "eager-fp16", "diffusers-fp16", "diffusers-fp32", "diffusers+compile-fp16",
+               "engine-bf16")  # fmt: skip
+T2I_KINDS = ("diffusers", "diffusers+compile", "eager", "engine")
+PROMPT = "a photograph of an astronaut riding a horse"
+
+
+@dataclass
+class TextToImageBenchConfig:
+    model: str = "sd15"
+    batch: int = 1
+    """Images per call (prompts); the U-Net sees twice as many rows with guidance."""
+    height: int = 512
+    width: int = 512
+    steps: int = 20
+    guidance: float = 7.5
+    repeats: int = 5
+    unet_calls: int = 20
+    """U-Net calls timed per repeat for the per-step figure."""
+    systems: tuple[str, ...] = T2I_SYSTEMS
+    seed: int = 0
+    device: str = "cuda"
+
+
+@dataclass
+class T2IRow:
+    system: str
+    dtype: str
+    time_to_ready_s: float | None = None
+    end_to_end_ms: float | None = None
+    unet_step_ms: float | None = None
+    peak_ready_mib: float | None = None
+    peak_sampling_mib: float | None = None
+    weights_mib: float | None = None
+    psnr_vs_diffusers_fp32_db: float | None = None
+    notes: str = ""
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def diffusers_config(config: object) -> dict:
+    """A fastdiff model config dataclass as the config dict diffusers' ``from_config`` takes (same field names)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
+
+
+def module_mib(*modules: torch.nn.Module) -> float:
+    return sum(p.numel() * p.element_size() for m in modules for p in m.parameters()) / 2**20
+
+
+class DiffusersT2I:
+    """diffusers' StableDiffusionPipeline on copies of the components (U-Net optionally compiled)."""
+
+    def __init__(self, comps: StableDiffusionComponents, dtype: torch.dtype, device: torch.device, compiled: bool):
+        self.comps, self.dtype, self.device, self.compiled = comps, dtype, device, compiled
+        self.notes = "DDIMScheduler.from_config(release config), default attention processor (SDPA)"
+        if compiled:
+            self.notes += "; U-Net torch.compile(mode='reduce-overhead', fullgraph=True), channels_last"
+
+    def prepare(self) -> None:
+        import diffusers
+
+        comps = self.comps
+        unet = diffusers.UNet2DConditionModel.from_config(diffusers_config(comps.unet.config))
+        unet.load_state_dict(comps.unet.state_dict())
+        vae = diffusers.AutoencoderKL.from_config(diffusers_config(comps.vae.config))
+        vae.load_state_dict(comps.vae.state_dict())
+        scheduler = diffusers.DDIMScheduler.from_config(comps.scheduler_config)
+        self.pipe = diffusers.StableDiffusionPipeline(
+            vae=vae, text_encoder=copy.deepcopy(comps.text_encoder), tokenizer=comps.tokenizer, unet=unet,
+            scheduler=scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+        ).to(self.device, self.dtype)  # fmt: skip
+        self.pipe.set_progress_bar_config(disable=True)
+        self.weights_mib = module_mib(self.pipe.unet, self.pipe.vae, self.pipe.text_encoder)
+        if self.compiled:
+            self.pipe.unet.to(memory_format=torch.channels_last)
+            self.pipe.unet = torch.compile(self.pipe.unet, mode="reduce-overhead", fullgraph=True)
+
+    def generate(self, prompts: list[str], latents: torch.Tensor, cfg: TextToImageBenchConfig) -> torch.Tensor:
+        return self.pipe(
+            prompts, height=cfg.height, width=cfg.width, num_inference_steps=cfg.steps,
+            guidance_scale=cfg.guidance, latents=latents.to(self.device, self.dtype), output_type="pt",
+        ).images.float()  # fmt: skip
+
+    def unet_call(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> None:
+        self.pipe.unet(x, t, encoder_hidden_states=context)
+
+
+class FastdiffT2I:
+    """fastdiff's TextToImagePipeline (eager or engine) on copies of the components."""
+
+    def __init__(self, comps: StableDiffusionComponents, dtype: torch.dtype, device: torch.device, backend: str):
+        self.comps, self.dtype, self.device, self.backend = comps, dtype, device, backend
+        self.notes = "DDIM (equal to DDIMScheduler), one U-Net call on [x; x] per step, fused guidance"
+        if backend == "engine":
+            self.notes += "; engine: U-Net loop in CUDA graphs, VAE decode in a second graph"
+
+    def prepare(self) -> None:
+        from fastdiff.text_to_image import TextToImagePipeline
+
+        comps = copy.copy(self.comps)
+        comps.text_encoder = copy.deepcopy(comps.text_encoder).to(self.device, self.dtype)
+        comps.vae = copy.deepcopy(comps.vae).to(self.device, self.dtype)
+        # the engine streams its own packed U-Net weights from the host copy; eager needs the module on the GPU
+        comps.unet = copy.deepcopy(comps.unet).to(self.device if self.backend == "eager" else "cpu", self.dtype)
+        self.pipe = TextToImagePipeline(
+            comps, sampler="ddim", steps=20, device=self.device, dtype=self.dtype, backend=self.backend
+        )
+
+    def generate(self, prompts: list[str], latents: torch.Tensor, cfg: TextToImageBenchConfig) -> torch.Tensor:
+        return self.pipe(
+            prompts, guidance_scale=cfg.guidance, height=cfg.height, width=cfg.width, latents=latents,
+            steps=cfg.steps, output_type="pt", progress=False,
+        ).float()  # fmt: skip
+
+    @property
+    def weights_mib(self) -> float:
+        on_gpu = [self.pipe.vae, self.pipe.components.text_encoder]
+        mib = module_mib(*on_gpu)
+        if self.backend == "eager":
+            return mib + module_mib(self.pipe.unet)
+        engine = self.pipe.engine
+        fused = [*engine.step_models.values(), *(f for f, _ in engine.decoders.values())]
+        return mib + sum(f.weight_bytes() for f in fused) / 2**20
+
+    def unet_call(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> None:
+        self.pipe.unet(x, t, context)
+
+
+def run_text_to_image_bench(cfg: TextToImageBenchConfig, on_row: Callable[[dict], None] | None = None) -> dict:
+    """Measure every system of ``cfg.systems`` (see the module docstring); returns the JSON-ready result.
+    ``on_row(result so far)`` is called after each system (to save partial results of a long run)."""
+    if cfg.model not in SD_PRESETS:
+        raise FastdiffError(f"unknown Stable Diffusion preset {cfg.model!r}; choose one of {', '.join(SD_PRESETS)}")
+    for name in cfg.systems:
+        kind, _, dtype_name = name.rpartition("-")
+        if kind not in T2I_KINDS or dtype_name not in DTYPES:
+            raise FastdiffError(f"unknown system {name!r}: <kind>-<dtype> with kind one of {', '.join(T2I_KINDS)}")
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise FastdiffError("bench on cuda asked for but no CUDA GPU is available")
+    comps = random_components(cfg.model, cfg.seed)
+    prompts = [PROMPT] * cfg.batch
+    seeds = seed_tensor(range(cfg.seed, cfg.seed + cfg.batch), device)
+    latent_shape = (comps.unet.config.in_channels, cfg.height // 8, cfg.width // 8)
+    latents = initial_noise(seeds, latent_shape, device)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    unet_rows = 2 * cfg.batch
+    text_dim, tokens = comps.unet.config.cross_attention_dim, SD_PRESETS[cfg.model].text_tokens
+    rows: list[T2IRow] = []
+    images: dict[str, torch.Tensor] = {}
+    result = {
+        "schema": SCHEMA,
+        "env": environment(),
+        "config": {**asdict(cfg), "random_weights": True, "sampler": "ddim", "prompt": PROMPT},
+        "results": [],
+    }
+    for name in cfg.systems:
+        kind, _, dtype_name = name.rpartition("-")
+        dtype = DTYPES[dtype_name]
+        row = T2IRow(system=kind, dtype=dtype_name)
+        try:
+            if kind.startswith("diffusers"):
+                system: DiffusersT2I | FastdiffT2I = DiffusersT2I(comps, dtype, device, compiled="compile" in kind)
+            else:
+                system = FastdiffT2I(comps, dtype, device, backend=kind)
+            images[name] = measure_calls(row, system, cfg, prompts, latents, device).cpu()
+            row.unet_step_ms = unet_step_ms(system, cfg, unet_rows, latent_shape, text_dim, tokens, gen, device)
+            if kind == "engine" and device.type == "cuda":
+                row.extra.update(engine_facts(system))
+        except Exception as exc:  # a system that fails is reported, not fatal
+            log.exception("%s failed", name)
+            row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        rows.append(row)
+        system = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        reference = images.get("diffusers-fp32")
+        for done in rows:
+            key = f"{done.system}-{done.dtype}"
+            if reference is not None and key in images and key != "diffusers-fp32":
+                done.psnr_vs_diffusers_fp32_db = float(psnr(images[key], reference, data_range=1.0).mean())
+        result["results"] = [asdict(r) for r in rows]
+        if on_row is not None:
+            on_row(result)
+    return result
+
+
+def measure_calls(
+    row: T2IRow, system: DiffusersT2I | FastdiffT2I, cfg: TextToImageBenchConfig, prompts: list[str],
+    latents: torch.Tensor, device: torch.device,
+) -> torch.Tensor:  # fmt: skip
+    """Fill ``row``'s ready time, end-to-end times and memory; returns the first call's images."""
+    row.notes = system.notes
+    cuda = device.type == "cuda"
+    synchronize(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    system.prepare()
+    images = system.generate(prompts, latents, cfg)
+    synchronize(device)
+    row.time_to_ready_s = time.perf_counter() - t0
+    row.peak_ready_mib = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
+    row.weights_mib = system.weights_mib
+    system.generate(prompts, latents, cfg)  # warm-up (compiled graphs recorded, caches hot)
+    synchronize(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = [time_ms(lambda: system.generate(prompts, latents, cfg), device) for _ in range(cfg.repeats)]
+    row.peak_sampling_mib = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
+    row.end_to_end_ms = statistics.median(times)
+    row.extra["end_to_end_ms_all"] = times
+    return images
+
+
+def unet_step_ms(system, cfg, rows, latent_shape, text_dim, tokens, gen, device) -> float:
+    """Median ms of one U-Net step: one call on the guided batch (diffusers, fastdiff eager), or a whole captured
+    loop over its steps (the engine: U-Net + fused sampler step per step)."""
+    if isinstance(system, FastdiffT2I) and system.backend == "engine":
+        engine = system.pipe.engine
+        loop = engine.current
+        x_t = torch.randn(loop.shape, device=device, generator=gen)
+        seeds = torch.arange(loop.shape[0], device=device)
+        guidance = torch.full((loop.shape[0],), cfg.guidance, device=device)
+
+        def run_loop() -> None:  # the prepared loop with the context already set by the last call
+            loop.run(x_t, seeds, None, guidance)
+
+        run_loop()
+        times = [time_ms(run_loop, device) / loop.sampler.num_steps for _ in range(cfg.repeats)]
+        return statistics.median(times)
+    dtype = system.dtype
+    x = torch.randn((rows, *latent_shape), device=device, generator=gen).to(dtype)
+    context = torch.randn((rows, tokens, text_dim), device=device, generator=gen).to(dtype)
+    t = torch.tensor([500] * rows, device=device)
+
+    def calls() -> None:
+        for _ in range(cfg.unet_calls):
+            system.unet_call(x, t, context)
+
+    with torch.no_grad():
+        calls()
+        synchronize(device)
+        times = [time_ms(calls, device) / cfg.unet_calls for _ in range(cfg.repeats)]
+    return statistics.median(times)
+
+
+def engine_facts(system: FastdiffT2I) -> dict:
+    """Build timings, kernel counts per step and the activation arenas of the engine system."""
+    engine = system.pipe.engine
+    facts: dict = {f"engine_{k}": v for k, v in engine.timings.items()}
+    unet = engine.current_step_model
+    facts["unet_ops_per_step"] = len(unet.step_ops)
+    facts["unet_context_ops"] = len(unet.context_ops)
+    facts["unet_arena_mib"] = unet.plan.peak_bytes / 2**20
+    facts["unet_weights_mib"] = unet.weight_bytes() / 2**20
+    for fused, _ in engine.decoders.values():
+        facts["vae_decoder_arena_mib"] = fused.plan.peak_bytes / 2**20
+        facts["vae_decoder_weights_mib"] = fused.weight_bytes() / 2**20
+    impls: dict[str, dict[str, int]] = {}
+    for op in unet.ops:
+        impls.setdefault(op.kind, {}).setdefault(op.impl, 0)
+        impls[op.kind][op.impl] += 1
+    facts["unet_impls"] = impls
+    facts["unet_ops"] = op_table(unet)
+    return facts
+
+
+def op_table(fused) -> list[dict]:
+    """Every step op of ``fused`` with its chosen implementation, time (CUDA graph of repeated launches: launch
+    overhead excluded) and cost: TFLOP/s and GB/s achieved (the ops overwrite the arena's activations)."""
+    from fastdiff.profile.counts import engine_op_cost
+
+    rows = []
+    for op, us in zip(fused.step_ops, fused.time_ops(), strict=True):
+        cost = engine_op_cost(op, fused.dtype.itemsize)
+        rows.append(dict(name=op.name, kind=op.kind, impl=op.impl, us=us, shape=list(op.output.shape),
+                         tflops=cost.flops / us / 1e6, gbps=cost.bytes / us / 1e3))  # fmt: skip
+    return rows

@@ -1,0 +1,54 @@
+"""The Stable Diffusion bench on a tiny preset on the CPU: every row filled, fastdiff eager equal to diffusers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sd_fixtures import tiny_unet_config, tiny_vae_config
+
+from fastdiff.bench import text_to_image as bench
+from fastdiff.errors import FastdiffError
+from fastdiff.models import stable_diffusion
+from fastdiff.models.autoencoder_kl import AutoencoderKLConfig
+from fastdiff.models.unet_2d_condition import UNet2DConditionConfig
+
+TINY_TEXT = dict(vocab_size=600, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=32)  # fmt: skip
+
+
+@pytest.fixture
+def tiny_preset(monkeypatch):
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    unet = {k: v for k, v in tiny_unet_config("sd15").items() if not k.startswith("_")}
+    vae = {k: v for k, v in tiny_vae_config("sd15").items() if not k.startswith("_")}
+    preset = stable_diffusion.StableDiffusionPreset(
+        UNet2DConditionConfig.from_dict(unet), AutoencoderKLConfig.from_dict(vae), TINY_TEXT,
+        stable_diffusion.SD15_SCHEDULER_CONFIG,
+    )  # fmt: skip
+    monkeypatch.setitem(stable_diffusion.SD_PRESETS, "tiny", preset)
+    return "tiny"
+
+
+def test_tiny_bench_on_cpu(tiny_preset):
+    cfg = bench.TextToImageBenchConfig(
+        model=tiny_preset, height=64, width=64, steps=2, repeats=1, unet_calls=1, device="cpu",
+        systems=("eager-fp32", "diffusers-fp32"),
+    )  # fmt: skip
+    partial = []
+    result = bench.run_text_to_image_bench(cfg, on_row=lambda r: partial.append(len(r["results"])))
+    assert partial == [1, 2]
+    json.dumps(result)  # JSON-ready
+    eager, diffusers = result["results"]
+    for row in (eager, diffusers):
+        assert row["error"] is None, row["error"]
+        assert row["end_to_end_ms"] > 0 and row["unet_step_ms"] > 0 and row["weights_mib"] > 0
+    assert eager["psnr_vs_diffusers_fp32_db"] > 60  # same weights, latents and scheduler: equal images
+
+
+def test_unknown_system_and_preset():
+    with pytest.raises(FastdiffError, match="unknown system 'tensorrt-fp16'"):
+        bench.run_text_to_image_bench(bench.TextToImageBenchConfig(systems=("tensorrt-fp16",)))
+    with pytest.raises(FastdiffError, match="unknown Stable Diffusion preset 'sd9'"):
+        bench.run_text_to_image_bench(bench.TextToImageBenchConfig(model="sd9"))
