@@ -220,6 +220,15 @@ def plot_loss_curve(records: list[dict], path: Path) -> Path | None:
     return path
 
 
+@torch.no_grad()
+def ema_update(ema: torch.nn.Module, model: torch.nn.Module, decay: float, updates: int) -> None:
+    """EMA with warm-up: decay min(decay, (1 + n) / (10 + n)) after n earlier updates; buffers are copied."""
+    d = min(decay, (1 + updates) / (10 + updates))
+    torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1.0 - d)
+    for ema_buf, buf in zip(ema.buffers(), model.buffers(), strict=True):
+        ema_buf.copy_(buf)
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices and conv kernels only, not on biases, norms or scales."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -387,14 +396,8 @@ class Trainer:
         self.update_ema()
         return loss.detach(), grad_norm.detach()
 
-    @torch.no_grad()
     def update_ema(self) -> None:
-        """EMA with warm-up: decay min(ema_decay, (1 + n) / (10 + n)) after n earlier updates."""
-        decay = min(self.config.ema_decay, (1 + self.step) / (10 + self.step))
-        ema_params = list(self.ema.parameters())
-        torch._foreach_lerp_(ema_params, list(self.model.parameters()), 1.0 - decay)
-        for ema_buf, buf in zip(self.ema.buffers(), self.model.buffers(), strict=True):
-            ema_buf.copy_(buf)
+        ema_update(self.ema, self.model, self.config.ema_decay, self.step)
 
     @torch.no_grad()
     def sample_grid(self) -> Path:

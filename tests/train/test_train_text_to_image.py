@@ -1,0 +1,382 @@
+"""The text-to-image recipe on the CPU: prompts and tokenizer; both stages with the tiny preset on synthetic images;
+the written StableDiffusionPipeline directory loaded and sampled by fastdiff and by diffusers (same latents, same
+images); the CLI's one-line errors; and both stages through the CLI on Fashion-MNIST (skipped without the data)."""
+
+from __future__ import annotations
+
+import json
+import random
+import stat
+
+import numpy as np
+import pytest
+import torch
+
+from fastdiff.cli import main
+from fastdiff.errors import FastdiffError
+from fastdiff.models.autoencoder_kl import AutoencoderKL, autoencoder_kl_from_dir
+from fastdiff.models.stable_diffusion import load_stable_diffusion
+from fastdiff.models.unet_2d_condition import UNet2DConditionModel
+from fastdiff.models.weights import read_json_object, read_state_dict
+from fastdiff.quality.psnr import psnr
+from fastdiff.train import text_to_image as t2i
+from fastdiff.train.data import DEFAULT_DATA_DIR, FASHION_MNIST_CLASSES
+from fastdiff.train.text_to_image import UNetStageConfig, VAEStageConfig
+
+TOL = 1e-3  # max abs diff on [0, 1] output images, fp32, as tests/test_text_to_image.py
+needs_data = pytest.mark.skipif(not DEFAULT_DATA_DIR.is_dir(), reason="needs apt-get install dataset-fashion-mnist")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny convolutions gain nothing from threads, and oversubscribed cores make them many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def squares(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic Fashion-MNIST stand-ins: a bright centred square whose side (4..22) is set by the class."""
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 10, (n,), generator=gen)
+    images = -torch.ones(n, 1, 32, 32)
+    for i, label in enumerate(labels.tolist()):
+        lo = 16 - (2 + label)
+        images[i, 0, lo : 32 - lo, lo : 32 - lo] = 1.0
+    return images, labels
+
+
+def stage_settings(out_dir, **overrides) -> dict:
+    """Tiny, CPU, 30 steps at a high learning rate: enough for the text to move the images (see the diffusers test)."""
+    settings = dict(out_dir=out_dir, preset="tiny", batch_size=16, max_steps=30, lr=3e-3, warmup_steps=2, log_every=10)
+    return {**settings, "device": "cpu", "progress": False, **overrides}
+
+
+# ---------------------------------------------------------------- prompts and tokenizer
+
+
+def test_every_class_is_reachable_and_no_prompt_is_ambiguous():
+    rng = random.Random(0)
+    owner: dict[str, int] = {}
+    for label in range(10):
+        prompts = t2i.class_prompts(label)
+        assert len(prompts) == len(set(prompts)) >= 10
+        for prompt in prompts:
+            assert owner.setdefault(prompt, label) == label, f"{prompt!r} names classes {owner[prompt]} and {label}"
+        drawn = {t2i.random_prompt(label, rng) for _ in range(400)}
+        assert drawn <= set(prompts) and len(drawn) > len(prompts) // 2
+    assert "" not in owner
+    canonical = t2i.canonical_prompts()
+    assert canonical[9] == "a photo of an ankle boot" and canonical[1] == "a photo of trousers"
+    assert [owner[p] for p in canonical] == list(range(10))
+    assert len(canonical) == len(FASHION_MNIST_CLASSES)
+    # what users type reaches the right class, the brief's examples included
+    for text, label in [("ankle boot", 9), ("a photo of an ankle boot", 9), ("a pullover, product photo", 2),
+                        ("tee", 0), ("top", 0), ("pants", 1), ("handbag", 8), ("boot", 9), ("sneaker", 7)]:  # fmt: skip
+        assert owner[text] == label, text
+    prompts, labels = t2i.prompt_table()
+    assert prompts[-1] == t2i.EMPTY_PROMPT and labels[-1] == -1 and len(prompts) == len(owner) + 1
+    with pytest.raises(FastdiffError, match="out of range"):
+        t2i.class_prompts(10)
+
+
+def test_articles():
+    assert [t2i.noun_phrase(n) for n in ("ankle boot", "bag", "trousers", "tee shirt", "pair of pants")] == [
+        "an ankle boot",
+        "a bag",
+        "trousers",
+        "a tee shirt",
+        "a pair of pants",
+    ]
+
+
+def test_learned_merges_rebuild_each_word_in_order():
+    """learn_merges on a toy corpus, applied by hand (lowest rank first, as CLIP's BPE does), joins every word."""
+    words = ["boot", "boots", "bag", "top"]
+    merges = t2i.learn_merges(words)
+    rank = {pair: i for i, pair in enumerate(merges)}
+    for word in words:
+        symbols = [*word[:-1], word[-1] + "</w>"]
+        while len(symbols) > 1:
+            pairs = [(rank.get(p, len(rank)), i) for i, p in enumerate(zip(symbols, symbols[1:], strict=False))]
+            best, i = min(pairs)
+            assert best < len(rank), f"{word}: stuck at {symbols}"
+            symbols[i : i + 2] = [symbols[i] + symbols[i + 1]]
+        assert symbols == [word + "</w>"]
+    assert merges[0] == ("b", "o")  # the most frequent pair (boot, boots, and bo-) comes first
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    pytest.importorskip("transformers")
+    return t2i.build_tokenizer()
+
+
+def test_every_prompt_word_is_one_token_in_any_case(tokenizer):
+    vocab = tokenizer.get_vocab()
+    words = t2i.prompt_words()
+    assert {"ankle", "boot", "trousers", "t", "-", "shirt", "handbag", "tee", "sneaker", ","} <= set(words)
+    for word in words:
+        assert word + "</w>" in vocab, word
+        assert tokenizer.tokenize(word) == [word + "</w>"]
+        assert tokenizer.tokenize(word.upper()) == [word + "</w>"]
+    ids = t2i.tokenize(tokenizer, ["A Photo of an ANKLE BOOT", "a photo of an ankle boot", ""])
+    assert ids.shape == (3, 77) and torch.equal(ids[0], ids[1])
+    expected = ["<|startoftext|>", "a</w>", "photo</w>", "of</w>", "an</w>", "ankle</w>", "boot</w>", "<|endoftext|>"]
+    assert tokenizer.convert_ids_to_tokens(ids[0][:8].tolist()) == expected
+    assert ids[2][:2].tolist() == [tokenizer.bos_token_id, tokenizer.eos_token_id]
+    assert (ids[0][8:] == tokenizer.pad_token_id).all()  # SD 1.x pads with <|endoftext|>
+    # words outside the vocabulary still tokenize, as byte-level pieces
+    assert "".join(tokenizer.tokenize("zebra")) == "zebra</w>"
+
+
+def test_fashion_preset_fits_the_size_budget(tokenizer):
+    """fp16 safetensors of the real preset stay under 30 MB; the VAE maps 32x32x1 to the U-Net's 8x8x4."""
+    preset = t2i.PRESETS["fashion-mnist"]
+    vae, unet = AutoencoderKL(preset.vae), UNet2DConditionModel(preset.unet)
+    text_encoder = t2i.make_text_encoder(preset, tokenizer)
+    total = sum(t2i.num_params(m) for m in (vae, unet, text_encoder))
+    assert 2 * total <= 30e6, f"{total} parameters"
+    latents = vae.encode(torch.zeros(1, 1, 32, 32)).mean
+    assert tuple(latents.shape[1:]) == (unet.config.in_channels, unet.config.sample_size, unet.config.sample_size)
+    assert text_encoder.config.hidden_size == unet.config.cross_attention_dim
+
+
+# ---------------------------------------------------------------- both stages, tiny, synthetic data
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(vae stage folder, pipeline folder, vae summary, unet summary, train images, test images)."""
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("t2i")
+    images, labels = squares(96, seed=0)
+    test_images, _ = squares(24, seed=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        vae_summary = t2i.train_vae(
+            VAEStageConfig(**stage_settings(root / "vae-stage", scaling_images=64)), images, test_images
+        )
+        unet_config = UNetStageConfig(
+            **stage_settings(root / "pipeline", vae_dir=root / "vae-stage"),
+            eval_per_class=1,
+            eval_steps=2,
+            grid_per_prompt=1,
+        )
+        unet_summary = t2i.train_text_to_image(unet_config, images, labels)
+    finally:
+        torch.set_num_threads(threads)
+    return root / "vae-stage", root / "pipeline", vae_summary, unet_summary, images, test_images
+
+
+def test_vae_stage_writes_its_vae_scaling_factor_and_psnr(trained):
+    vae_dir, _, summary, _, images, test_images = trained
+    assert {p.name for p in vae_dir.iterdir()} >= {"vae", "summary.json", "loss.jsonl", "reconstructions.png"}
+    assert json.loads((vae_dir / "summary.json").read_text())["psnr_db"] == summary["psnr_db"]
+    config = read_json_object(vae_dir / "vae" / "config.json")
+    assert config["_class_name"] == "AutoencoderKL" and config["in_channels"] == 1
+    assert config["scaling_factor"] == summary["scaling_factor"]
+    weights = read_state_dict(vae_dir / "vae" / "diffusion_pytorch_model.safetensors")
+    assert {v.dtype for v in weights.values()} == {torch.float16}
+    vae = autoencoder_kl_from_dir(vae_dir / "vae", config).float().eval()
+
+    # scaling_factor = 1 / std of the sampled latents of the first scaling_images training images (same draw)
+    mean, std = t2i.encode_batches(vae, images[:64], torch.device("cpu"))
+    noise = torch.randn(mean.shape, generator=torch.Generator().manual_seed(0 + 2))
+    assert config["scaling_factor"] == pytest.approx(1 / float((mean + std * noise).std()), rel=1e-4)
+    # PSNR of decode(posterior mean) on the test images, recomputed from the saved weights
+    with torch.no_grad():
+        recon = vae.decode(vae.encode(test_images).mean).clamp(-1, 1)
+    assert summary["psnr_db"] == pytest.approx(float(psnr(recon, test_images).mean()), abs=2e-3)
+    assert summary["test_images"] == 24 and summary["step"] == 30 and summary["stopped"] == "max_steps"
+    records = [json.loads(line) for line in (vae_dir / "loss.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [10, 20, 30] and all(np.isfinite(r["loss"]) for r in records)
+    assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_pipeline_directory_is_stable_diffusions_format(trained):
+    _, root, _, summary, _, _ = trained
+    index = read_json_object(root / "model_index.json")
+    assert index["_class_name"] == "StableDiffusionPipeline" and index["requires_safety_checker"] is False
+    assert index["safety_checker"] == [None, None] and index["feature_extractor"] == [None, None]
+    assert index["text_encoder"] == ["transformers", "CLIPTextModel"]
+    scheduler = read_json_object(root / "scheduler" / "scheduler_config.json")
+    assert scheduler["beta_schedule"] == "scaled_linear" and scheduler["prediction_type"] == "epsilon"
+    assert (scheduler["beta_start"], scheduler["beta_end"], scheduler["num_train_timesteps"]) == (0.00085, 0.012, 1000)
+    for part, name in (
+        ("unet", "diffusion_pytorch_model"),
+        ("vae", "diffusion_pytorch_model"),
+        ("text_encoder", "model"),
+    ):
+        weights = read_state_dict(root / part / f"{name}.safetensors")
+        assert {v.dtype for v in weights.values() if v.is_floating_point()} == {torch.float16}, part
+    # the stage-1 VAE is shipped as it was written
+    for name in ("config.json", "diffusion_pytorch_model.safetensors"):
+        assert (root / "vae" / name).read_bytes() == (trained[0] / "vae" / name).read_bytes()
+    assert (
+        summary["model_bytes"]
+        == sum(p.stat().st_size for p in root.rglob("*") if p.parent != root)
+        + (root / "model_index.json").stat().st_size
+    )
+    assert (root / "samples.png").is_file() and summary["step"] == 30
+    written = json.loads((root / "summary.json").read_text())
+    assert written["eval"]["per_class"] == 1 and set(written["eval"]["guidance"]) == {"3.0", "7.5"}
+    assert 0 <= written["eval"]["guidance"]["7.5"]["accuracy"] <= 1
+
+
+def test_files_have_the_umask_mode(trained):
+    """Every file, safetensors and transformers' text-encoder files included, has the mode a plain write gives."""
+    _, root, _, _, _, _ = trained
+    modes = {p.relative_to(root): stat.S_IMODE(p.stat().st_mode) for p in root.rglob("*") if p.is_file()}
+    expected = stat.S_IMODE((root / "model_index.json").stat().st_mode)
+    assert modes == dict.fromkeys(modes, expected) and len(modes) >= 12
+
+
+def test_fastdiff_loads_and_samples_it(trained):
+    _, root, _, _, _, _ = trained
+    from fastdiff.text_to_image import TextToImagePipeline
+
+    components = load_stable_diffusion(root)
+    assert components.vae.config.scaling_factor == read_json_object(root / "vae" / "config.json")["scaling_factor"]
+    pipe = TextToImagePipeline(components, steps=3)
+    assert pipe.vae_scale == 4 and pipe.default_size == (32, 32)  # 3 VAE levels: 4 pixels per latent
+    assert pipe.latent_shape() == (4, 8, 8) and pipe.latent_shape(64, 48) == (4, 16, 12)
+    images = pipe(["Ankle Boot", "a pullover, product photo"], seeds=[0, 1], output_type="np", progress=False)
+    assert images.shape == (2, 32, 32, 1) and np.isfinite(images).all()
+    wide = pipe("bag", seeds=2, height=32, width=48, output_type="pt", progress=False)
+    assert wide.shape == (1, 1, 32, 48)
+
+
+def test_diffusers_loads_it_and_draws_the_same_images(trained):
+    """diffusers' own StableDiffusionPipeline.from_pretrained(dir) and fastdiff, same latents, guidance 7.5."""
+    pytest.importorskip("diffusers")
+    import diffusers
+
+    from fastdiff.samplers import SAMPLER_SCHEDULERS
+    from fastdiff.text_to_image import TextToImagePipeline
+
+    _, root, _, _, _, _ = trained
+    reference = diffusers.StableDiffusionPipeline.from_pretrained(root, torch_dtype=torch.float32)
+    reference.set_progress_bar_config(disable=True)
+    assert reference.vae_scale_factor == 4 and isinstance(reference.scheduler, diffusers.DDIMScheduler)
+    ours = TextToImagePipeline.from_pretrained(root, device="cpu", steps=4)
+    prompts = ["a photo of an ankle boot", "T-shirt"]
+    latents = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(3))
+    kwargs = dict(negative_prompt=["", "bag"], guidance_scale=7.5, output_type="np")
+    for sampler in ("ddim", "dpmsolver++"):
+        scheduler = getattr(diffusers, SAMPLER_SCHEDULERS[sampler]).from_pretrained(root, subfolder="scheduler")
+        expected = diffusers.StableDiffusionPipeline(**{**reference.components, "scheduler": scheduler})
+        expected.set_progress_bar_config(disable=True)
+        theirs = expected(prompts, num_inference_steps=4, latents=latents.clone(), **kwargs).images
+        mine = ours(prompts, sampler=sampler, latents=latents, progress=False, **kwargs)
+        assert mine.shape == theirs.shape == (2, 32, 32, 1)
+        assert float(np.abs(mine - theirs).max()) <= TOL, sampler
+    swapped = ours(prompts[::-1], latents=latents, progress=False, **kwargs)
+    assert float(np.abs(swapped - mine).max()) > 10 * TOL  # the prompts matter at this tolerance
+
+
+def test_learning_rate_follows_the_step_or_time_budget(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(t2i.time, "perf_counter", lambda: clock[0])
+    by_steps = t2i.Budget(VAEStageConfig(max_steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1), start=100.0)
+    assert by_steps.lr(0) == pytest.approx(0.1)  # warm-up: (step + 1) / warmup_steps
+    assert by_steps.lr(50) == pytest.approx(0.55)  # half-way down the cosine from 1 to 0.1
+    assert by_steps.lr(100) == pytest.approx(0.1) and not by_steps.out_of_time()
+    by_time = t2i.Budget(VAEStageConfig(max_steps=10**6, warmup_steps=0, lr=1.0, max_seconds=60), start=90.0)
+    clock[0] = 125.0  # the loop started at 100 with 50 s left: 25 s is half of them
+    assert by_time.progress(10) == pytest.approx(0.5) and by_time.lr(10) == pytest.approx(0.55)
+    assert not by_time.out_of_time()
+    clock[0] = 150.0
+    assert by_time.out_of_time() and by_time.progress(11) == 1.0
+
+
+def test_max_seconds_stops_a_stage_and_it_still_writes(tmp_path):
+    images, _ = squares(32, seed=2)
+    summary = t2i.train_vae(VAEStageConfig(**stage_settings(tmp_path / "v", max_seconds=1e-3, scaling_images=16)),
+                            images, images[:8])  # fmt: skip
+    assert summary["stopped"] == "max_seconds" and summary["step"] == 1
+    assert (tmp_path / "v" / "vae" / "config.json").is_file()
+
+
+def test_a_failing_evaluation_keeps_the_written_model(trained, tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise TypeError("no sampling today")
+
+    monkeypatch.setattr(t2i, "evaluate_pipeline", broken)
+    images, labels = squares(32, seed=3)
+    config = UNetStageConfig(**stage_settings(tmp_path / "p", vae_dir=trained[0], max_steps=1))
+    summary = t2i.train_text_to_image(config, images, labels)
+    assert summary["eval"] == {"error": "TypeError: no sampling today"}
+    assert json.loads((tmp_path / "p" / "summary.json").read_text())["eval"] == summary["eval"]
+    load_stable_diffusion(tmp_path / "p")
+
+
+# ---------------------------------------------------------------- errors and the CLI
+
+
+def one_line_cli_error(argv: list[str], match: str, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and match in err, err
+
+
+def test_cli_errors_come_before_any_work(trained, tmp_path, capsys, monkeypatch):
+    vae_dir, pipeline_dir, _, _, _, _ = trained
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("training data was read before the flags were checked")
+
+    monkeypatch.setattr(t2i, "load_split", no_work)
+    base = ["train", "text-to-image", "--device", "cpu", "--preset", "tiny"]
+    out = str(tmp_path / "out")
+    one_line_cli_error([*base, "--stage", "unet", "--out", out], "needs --vae", capsys)
+    one_line_cli_error([*base, "--stage", "unet", "--out", out, "--vae", str(tmp_path / "nope")], "not found", capsys)
+    one_line_cli_error([*base, "--stage", "unet", "--out", out, "--vae", str(tmp_path)], "holds no VAE", capsys)
+    (tmp_path / "file").write_text("x")
+    one_line_cli_error([*base, "--stage", "vae", "--out", str(tmp_path / "file" / "o")], "is a file", capsys)
+    one_line_cli_error([*base, "--stage", "vae", "--out", out, "--steps", "0"], "max_steps must be a positive", capsys)
+    one_line_cli_error([*base, "--stage", "vae", "--out", out, "--ema-decay", "0.9"], "--stage unet only", capsys)
+    one_line_cli_error([*base, "--stage", "unet", "--out", out, "--vae", str(vae_dir), "--kl-weight", "1"],
+                       "--stage vae only", capsys)  # fmt: skip
+    one_line_cli_error([*base, "--stage", "unet", "--out", str(vae_dir), "--vae", str(vae_dir)], "another folder",
+                       capsys)  # fmt: skip
+    fashion = ["train", "text-to-image", "--device", "cpu", "--stage", "unet", "--out", out, "--vae", str(vae_dir)]
+    one_line_cli_error(fashion, "use the same --preset", capsys)
+    one_line_cli_error([*base, "--stage", "unet", "--out", out, "--vae", str(pipeline_dir), "--prompt-dropout", "1"],
+                       "prompt_dropout", capsys)  # fmt: skip
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "text-to-image", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--stage", "--out", "--vae", "--max-seconds", "--steps", "--batch", "--preset", "--compile"):
+        assert flag in text
+
+
+def test_train_help_still_documents_the_convnext_trainer(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    assert "--prediction" in text and "text-to-image" in text
+
+
+@needs_data
+def test_cli_runs_both_stages_on_fashion_mnist(tmp_path):
+    pytest.importorskip("transformers")
+    common = ["--device", "cpu", "--preset", "tiny", "--limit-images", "64", "--batch", "16", "--steps", "3",
+              "--log-every", "1", "--no-progress", "--data", str(DEFAULT_DATA_DIR)]  # fmt: skip
+    vae_out, pipe_out = tmp_path / "vae", tmp_path / "pipe"
+    assert (
+        main(["train", "text-to-image", "--stage", "vae", "--out", str(vae_out), "--eval-images", "100", *common]) == 0
+    )
+    summary = json.loads((vae_out / "summary.json").read_text())
+    assert summary["step"] == 3 and summary["test_images"] == 100 and np.isfinite(summary["psnr_db"])
+    argv = ["train", "text-to-image", "--stage", "unet", "--out", str(pipe_out), "--vae", str(vae_out),
+            "--eval-per-class", "0", "--grid-per-prompt", "1", "--eval-steps", "2", *common]  # fmt: skip
+    assert main(argv) == 0
+    summary = json.loads((pipe_out / "summary.json").read_text())
+    assert summary["step"] == 3 and summary["num_images"] == 64 and "guidance" not in summary["eval"]
+    assert (pipe_out / "samples.png").is_file()
+    load_stable_diffusion(pipe_out)
