@@ -36,6 +36,12 @@ chromium:
 
 sample: venv
 	$(VENV)/bin/fastdiff sample --sampler dpmsolver++ --steps 20 --batch 36 --out samples/grid.png
+	# the bundled text-to-image preset: one row of 8 per Fashion-MNIST class prompt (fastdiff.train.text_to_image.canonical_prompts())
+	$(VENV)/bin/fastdiff sample --model fashion-mnist-t2i --guidance 3 --batch 8 --steps 20 --sampler dpmsolver++ \
+		--prompt "a photo of a t-shirt" --prompt "a photo of trousers" --prompt "a photo of a pullover" \
+		--prompt "a photo of a dress" --prompt "a photo of a coat" --prompt "a photo of a sandal" \
+		--prompt "a photo of a shirt" --prompt "a photo of a sneaker" --prompt "a photo of a bag" \
+		--prompt "a photo of an ankle boot" --out samples/t2i-grid.png
 
 lint: venv
 	$(VENV)/bin/ruff check .

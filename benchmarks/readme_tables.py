@@ -27,6 +27,8 @@ MEASURED_CODE = {
     "parity": ("src/fastdiff/samplers", "src/fastdiff/engine", "src/fastdiff/kernels", "src/fastdiff/models"),
     "profile": ("src/fastdiff/samplers", "src/fastdiff/engine", "src/fastdiff/kernels", "src/fastdiff/profile"),
     "serve": ("src/fastdiff/serve", "src/fastdiff/samplers", "src/fastdiff/engine", "src/fastdiff/kernels"),
+    "t2i": ("src/fastdiff/samplers", "src/fastdiff/engine", "src/fastdiff/kernels", "src/fastdiff/models",
+            "src/fastdiff/text_to_image.py", "src/fastdiff/bench/text_to_image.py"),
 }  # fmt: skip
 """Per table, the code its numbers depend on: a table is older than the code when these paths changed since."""
 
@@ -186,6 +188,97 @@ def serve_table() -> str:
     return "\n\n".join(parts) or "_No load test committed yet._"
 
 
+def _ratio(base: dict, row: dict, key: str) -> str:
+    """base[key] / row[key] (a speed-up over ``base`` for times), or a dash."""
+    return f"{base[key] / row[key]:.2f}" if base.get(key) and row.get(key) else "—"
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def t2i_tables() -> str:
+    """``fastdiff bench --model sd15``: one row per system, then where the engine's U-Net step goes."""
+    parts = []
+    for path in sorted(RESULTS.glob("t2i-bench-*.json")):
+        d = json.loads(path.read_text())
+        env, cfg = d["env"], d["config"]
+        rows = {f"{r['system']}-{r['dtype']}": r for r in d["results"]}
+        base = rows.get("diffusers+compile-fp16", {})
+        lines = [
+            f"From `{path.relative_to(ROOT)}`: **{cfg['model']}** (random weights), {cfg['batch']} image of "
+            f"{cfg['width']}x{cfg['height']}, {cfg['sampler']} {cfg['steps']} steps, guidance {cfg['guidance']} "
+            f"(U-Net batch {2 * cfg['batch']}) — {env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
+            f"diffusers {env['diffusers']}, git {env['git_sha']}, {env['date'][:10]}.",
+            "",
+            "| system | dtype | U-Net step ms | × diffusers+compile | end to end ms | × diffusers+compile | ready s "
+            "| peak MiB (ready / sampling) | weights MiB | PSNR vs diffusers fp32 dB |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+        ]
+
+        for r in d["results"]:
+            if r["error"]:
+                lines.append(f"| {r['system']} | {r['dtype']} | failed: {r['error']} | | | | | | | |")
+                continue
+            lines.append(
+                f"| {r['system']} | {r['dtype']} | {r['unet_step_ms']:.2f} | {_ratio(base, r, 'unet_step_ms')} "
+                f"| {r['end_to_end_ms']:.1f} | {_ratio(base, r, 'end_to_end_ms')} | {r['time_to_ready_s']:.1f} "
+                f"| {r['peak_ready_mib']:.0f} / {r['peak_sampling_mib']:.0f} | {r['weights_mib']:.0f} "
+                f"| {_num(r['psnr_vs_diffusers_fp32_db'], '.1f')} |"
+            )
+        engine = rows.get("engine-fp16", {}).get("extra", {})
+        if engine.get("unet_ops"):
+            by_kind: dict[tuple[str, str], list[float]] = {}
+            for op in engine["unet_ops"]:
+                by_kind.setdefault((op["kind"], op["impl"]), []).append(op["us"])
+            total = sum(sum(v) for v in by_kind.values())
+            lines += [
+                "",
+                f"Engine fp16 U-Net step, op by op ({engine['unet_ops_per_step']} kernels per step, each timed in a "
+                f"CUDA graph of repeated launches; sum {total / 1e3:.2f} ms); activations "
+                f"{engine['unet_arena_mib']:.0f} MiB (U-Net arena) and {engine['vae_decoder_arena_mib']:.0f} MiB "
+                f"(VAE decode arena) next to {engine['unet_weights_mib']:.0f} + "
+                f"{engine['vae_decoder_weights_mib']:.0f} MiB of weights:",
+                "",
+                "| op kind | implementation | ops | ms | share of the step |",
+                "| --- | --- | ---: | ---: | ---: |",
+            ]
+            for (kind, impl), times in sorted(by_kind.items(), key=lambda kv: -sum(kv[1])):
+                lines.append(
+                    f"| {kind} | {impl} | {len(times)} | {sum(times) / 1e3:.3f} | {100 * sum(times) / total:.1f}% |"
+                )
+        lines += ["", freshness(env["git_sha"], "t2i")]
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) or "_No text-to-image bench committed yet._"
+
+
+def t2i_model_table() -> str:
+    """The bundled text-to-image model's training runs and the quality its U-Net stage measured."""
+    docs = ROOT / "docs" / "fashion-mnist-t2i"
+    vae, unet = (json.loads((docs / f"{stage}-stage.json").read_text()) for stage in ("vae", "unet"))
+    v, u = vae["summary"], unet["summary"]
+    ev = u["eval"]
+    lines = [
+        f"Training ({v['env']['gpu']}, torch {v['env']['torch']}, git {v['env']['git_sha']}, {v['env']['date'][:10]}; "
+        f"records in `docs/fashion-mnist-t2i/`): VAE {v['params'] / 1e6:.1f} M parameters, {v['step']} steps of "
+        f"{v['settings']['batch_size']} in {v['train_seconds']:.0f} s, test-set reconstruction PSNR "
+        f"{v['psnr_db']:.1f} dB, scaling factor {v['scaling_factor']:.4f}; U-Net {u['params']['unet'] / 1e6:.1f} M "
+        f"+ text encoder {u['params']['text_encoder'] / 1e6:.2f} M parameters, {u['step']} steps of "
+        f"{u['settings']['batch_size']} in {u['train_seconds']:.0f} s ({u['stopped']}); {u['model_bytes'] / 1e6:.1f} "
+        f"MB on disk.",
+        "",
+        f"Quality of the trained model (fp32, eager; {ev['sampler']} {ev['steps']} steps, {ev['per_class']} images "
+        "per class prompt): the share the bundled Fashion-MNIST classifier assigns to the prompt's class, and "
+        "FD-FMNIST against the test set (1,000 images: biased high next to a 10,000-image FD).",
+        "",
+        "| guidance | conditional accuracy | FD-FMNIST ↓ |",
+        "| ---: | ---: | ---: |",
+    ]
+    for guidance, rec in ev["guidance"].items():
+        lines.append(f"| {guidance} | {100 * rec['accuracy']:.1f}% | {rec.get('fd_fmnist', float('nan')):.1f} |")
+    return "\n".join(lines)
+
+
 SECTIONS = {
     "kernels": kernels_table,
     "fd": fd_table,
@@ -193,6 +286,8 @@ SECTIONS = {
     "bench": bench_tables,
     "profile": profile_table,
     "serve": serve_table,
+    "t2i": t2i_tables,
+    "t2i-model": t2i_model_table,
 }
 
 

@@ -284,6 +284,37 @@ def test_cli_writes_pngs_with_their_parameters(sd15, tmp_path):
     assert params["prompt"] == "ein Bild, 猫" and params["strength"] == 0.6 and params["init_image"] == str(source)
 
 
+def test_cli_repeated_prompt_draws_one_row_per_prompt(tmp_path):
+    """Several --prompt: one grid row of --batch images per prompt (the bundled preset, 32x32), all prompts and
+    seeds recorded in the grid's parameters, each image's own prompt in its PNG."""
+    pytest.importorskip("transformers")
+    out, each = tmp_path / "grid.png", tmp_path / "each"
+    prompts = ["a photo of a bag", "sneaker", "a photo of a dress"]
+    flags = [arg for prompt in prompts for arg in ("--prompt", prompt)]
+    rc = main(["sample", "--model", "fashion-mnist-t2i", *flags, "--guidance", "3", "--steps", "2", "--batch",
+               "2", "--seed", "10", "--device", "cpu", "--out", str(out), "--save-dir", str(each),
+               "--no-progress"])  # fmt: skip
+    assert rc == 0
+    grid = png_parameters(out)
+    assert grid["prompt"] == prompts and grid["seeds"] == list(range(10, 16)) and grid["guidance"] == 3.0
+    assert grid["model"] == "fashion-mnist-t2i" and (grid["width"], grid["height"]) == (32, 32)
+    with Image.open(out) as image:
+        width, height = image.size
+    with Image.open(each / "000010.png") as image:
+        assert image.size == (32, 32)
+    # make_grid: 2 columns, 3 rows of 32-pixel tiles with a 2-pixel border
+    assert (width, height) == (2 * 34 + 2, 3 * 34 + 2)
+    assert [png_parameters(each / f"{seed:06d}.png")["prompt"] for seed in range(10, 16)] == [
+        prompt for prompt in prompts for _ in range(2)
+    ]
+    # the grid's row p holds prompt p's images, as the pipeline draws them
+    pipe = TextToImagePipeline.from_pretrained("fashion-mnist-t2i", device="cpu", steps=2)
+    row = pipe("sneaker", guidance_scale=3.0, seeds=[12, 13], num_images_per_prompt=2, progress=False)
+    for seed, expected in zip((12, 13), row, strict=True):
+        with Image.open(each / f"{seed:06d}.png") as image:
+            assert np.array_equal(np.asarray(image.convert("RGB")), np.asarray(expected.convert("RGB")))
+
+
 CLI_ERRORS = [
     (["--model", "{sd}"], "is a text-to-image model: give --prompt"),
     (["--model", "fashion-mnist", "--prompt", "a cat"], "--prompt needs a text-to-image model"),

@@ -55,7 +55,8 @@ def add_sample_parser(subparsers: argparse._SubParsersAction) -> None:
         help="generate images and write a PNG grid",
         description="Generate images with a U-Net and a sampler; writes a PNG grid (and optionally one PNG per "
         "image). Image k uses seed SEED+k, so an image depends on its seed only, not on the batch size. A "
-        "text-to-image model (a Stable Diffusion directory) needs --prompt. Each PNG holds its generation "
+        "text-to-image model (fashion-mnist-t2i or a Stable Diffusion directory) needs --prompt; with several "
+        "--prompt, each prompt is one grid row of --batch images. Each PNG holds its generation "
         "parameters as JSON in its 'parameters' text chunk.",
         formatter_class=HelpFormatter,
     )
@@ -63,8 +64,9 @@ def add_sample_parser(subparsers: argparse._SubParsersAction) -> None:
         "--model",
         default=DEFAULT_MODEL,
         help="preset name (fashion-mnist, ddpm-cifar10, ddpm-celebahq-256, convnext-cifar10, convnext-64), a "
-        "local diffusers/fastdiff model directory (config.json + weights, or a unet/ subfolder) or a diffusers "
-        "StableDiffusionPipeline directory (model_index.json; text-to-image)",
+        "local diffusers/fastdiff model directory (config.json + weights, or a unet/ subfolder), the bundled "
+        "text-to-image preset fashion-mnist-t2i (Fashion-MNIST class prompts, e.g. --prompt 'ankle boot' "
+        "--guidance 3) or a diffusers StableDiffusionPipeline directory (model_index.json; text-to-image)",
     )
     p.add_argument(
         "--sampler",
@@ -87,7 +89,7 @@ def add_sample_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="number of denoising steps (default: 100; 50 for a text-to-image model)",
     )
-    p.add_argument("--batch", type=positive_int, default=16, help="number of images (of the prompt, with --prompt)")
+    p.add_argument("--batch", type=positive_int, default=16, help="number of images (of each prompt, with --prompt)")
     p.add_argument("--seed", type=int, default=0, help="seed of the first image (image k uses SEED+k)")
     p.add_argument("--eta", type=float, default=0.0, help="DDIM noise scale (0 = deterministic)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"), help="model precision")
@@ -100,7 +102,13 @@ def add_sample_parser(subparsers: argparse._SubParsersAction) -> None:
         help="also write each image here, named by its seed in six digits (seed 42: 000042.png)",
     )
     p.add_argument("--nrow", type=positive_int, default=None, help="images per grid row (default: about square)")
-    p.add_argument("--prompt", default=None, help="text prompt (text-to-image models only)")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        default=None,
+        help="text prompt (text-to-image models only); repeat it for several prompts: one grid row of --batch "
+        "images each (--nrow defaults to --batch), image k of prompt p uses seed SEED + p x BATCH + k",
+    )
     p.add_argument("--negative-prompt", default=None, help="what to steer away from (classifier-free guidance)")
     p.add_argument(
         "--guidance",
@@ -169,7 +177,8 @@ def check_text_flags(args: argparse.Namespace) -> Any:
         return None
     if not is_text_to_image_dir(args.model):
         raise FastdiffError(
-            f"--prompt needs a text-to-image model (a diffusers pipeline directory with model_index.json); "
+            f"--prompt needs a text-to-image model (fashion-mnist-t2i or a diffusers pipeline directory with "
+            f"model_index.json); "
             f"{args.model} is unconditional"
         )
     check_size(args.height, args.width)
@@ -216,10 +225,12 @@ def run_sample(args: argparse.Namespace) -> int:
         images = pipe(batch_size=args.batch, seeds=args.seed, eta=args.eta, progress=not args.no_progress)
     else:
         height, width = (init_image.height, init_image.width) if init_image else (args.height, args.width)
-        check_batch_fits(args.batch, pipe.latent_shape(height, width), pipe.device)
+        count = args.batch * len(args.prompt)
+        check_batch_fits(count, pipe.latent_shape(height, width), pipe.device)
         guidance = DEFAULT_GUIDANCE if args.guidance is None else args.guidance
         strength = DEFAULT_STRENGTH if args.strength is None else args.strength
-        params.update(prompt=args.prompt, negative_prompt=args.negative_prompt or "", guidance=guidance)
+        prompt = args.prompt[0] if len(args.prompt) == 1 else args.prompt
+        params.update(prompt=prompt, negative_prompt=args.negative_prompt or "", guidance=guidance)
         if init_image is not None:
             params.update(init_image=str(args.init_image), strength=strength)
         images = pipe(
@@ -237,15 +248,18 @@ def run_sample(args: argparse.Namespace) -> int:
         )
         params.update(width=images[0].width, height=images[0].height)
     seconds = time.perf_counter() - start
-    seeds = [args.seed + k for k in range(args.batch)]
-    save_png_atomic(make_grid(images, nrow=args.nrow), args.out, {**params, "seeds": seeds})
+    prompts = args.prompt or [None]
+    seeds = [args.seed + k for k in range(args.batch * len(prompts))]
+    nrow = args.nrow or (args.batch if len(prompts) > 1 else None)
+    save_png_atomic(make_grid(images, nrow=nrow), args.out, {**params, "seeds": seeds})
     if args.save_dir is not None:
-        for seed, image in zip(seeds, images, strict=True):
-            save_png_atomic(image, args.save_dir / f"{seed:06d}.png", {**params, "seed": seed})
+        for k, (seed, image) in enumerate(zip(seeds, images, strict=True)):
+            own = params if len(prompts) == 1 else {**params, "prompt": prompts[k // args.batch]}
+            save_png_atomic(image, args.save_dir / f"{seed:06d}.png", {**own, "seed": seed})
     log.info(
         "wrote %s: %d images, %s %d steps on %s (%s) in %.1f s",
         args.out,
-        args.batch,
+        len(seeds),
         args.sampler,
         pipe.steps,
         pipe.device,

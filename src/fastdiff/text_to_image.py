@@ -23,7 +23,12 @@ from PIL import Image
 from fastdiff.errors import FastdiffError
 from fastdiff.images import to_pil
 from fastdiff.models.autoencoder_kl import AutoencoderKLConfig
-from fastdiff.models.stable_diffusion import StableDiffusionComponents, encode_prompts, load_stable_diffusion
+from fastdiff.models.stable_diffusion import (
+    StableDiffusionComponents,
+    encode_prompts,
+    load_stable_diffusion,
+    resolve_pipeline_dir,
+)
 from fastdiff.pipeline import BACKENDS, resolve_device, resolve_dtype
 from fastdiff.samplers import SAMPLERS, Sampler, ScheduleConfig, initial_noise, make_sampler, run_sampler, seed_tensor
 from fastdiff.samplers.noise import draw
@@ -41,8 +46,9 @@ InitImage = Image.Image | list[Image.Image] | np.ndarray | torch.Tensor
 
 
 def is_text_to_image_dir(path: str | Path) -> bool:
-    """Whether ``path`` is a diffusers pipeline directory (it has model_index.json), not a U-Net or preset."""
-    return (Path(path).expanduser() / "model_index.json").is_file()
+    """Whether ``path`` is a diffusers pipeline directory (it has model_index.json) or a bundled text-to-image
+    preset name (``fastdiff.models.stable_diffusion.BUNDLED_PIPELINES``), not a U-Net or unconditional preset."""
+    return (resolve_pipeline_dir(path) / "model_index.json").is_file()
 
 
 def check_size(height: int | None, width: int | None) -> None:
@@ -146,7 +152,8 @@ class TextToImagePipeline:
         karras: bool | None = None,
         backend: str | None = None,
     ) -> TextToImagePipeline:
-        """Load a local diffusers ``StableDiffusionPipeline`` directory (``load_stable_diffusion``).
+        """Load a local diffusers ``StableDiffusionPipeline`` directory or a bundled text-to-image preset name
+        (e.g. "fashion-mnist-t2i"; ``load_stable_diffusion``).
 
         ``karras``: Karras sigma spacing for the samplers that offer it (default: as the scheduler config says).
         """

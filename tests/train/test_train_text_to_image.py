@@ -15,7 +15,7 @@ import torch
 from fastdiff.cli import main
 from fastdiff.errors import FastdiffError
 from fastdiff.models.autoencoder_kl import AutoencoderKL, autoencoder_kl_from_dir
-from fastdiff.models.stable_diffusion import load_stable_diffusion
+from fastdiff.models.stable_diffusion import BUNDLED_PIPELINES, load_stable_diffusion
 from fastdiff.models.unet_2d_condition import UNet2DConditionModel
 from fastdiff.models.weights import read_json_object, read_state_dict
 from fastdiff.quality.psnr import psnr
@@ -249,15 +249,21 @@ def test_fastdiff_loads_and_samples_it(trained):
     assert wide.shape == (1, 1, 32, 48)
 
 
-def test_diffusers_loads_it_and_draws_the_same_images(trained):
-    """diffusers' own StableDiffusionPipeline.from_pretrained(dir) and fastdiff, same latents, guidance 7.5."""
+@pytest.mark.parametrize("model", ["tiny", "bundled"])
+def test_diffusers_loads_it_and_draws_the_same_images(model, request):
+    """diffusers' own StableDiffusionPipeline.from_pretrained(dir) and fastdiff, same latents, guidance 7.5: the
+    tiny pipeline trained here and the bundled fashion-mnist-t2i preset (the recipe's output on Fashion-MNIST)."""
     pytest.importorskip("diffusers")
     import diffusers
 
     from fastdiff.samplers import SAMPLER_SCHEDULERS
     from fastdiff.text_to_image import TextToImagePipeline
 
-    _, root, _, _, _, _ = trained
+    if model == "tiny":
+        root = request.getfixturevalue("trained")[1]
+    else:
+        pytest.importorskip("transformers")
+        root = BUNDLED_PIPELINES["fashion-mnist-t2i"]
     reference = diffusers.StableDiffusionPipeline.from_pretrained(root, torch_dtype=torch.float32)
     reference.set_progress_bar_config(disable=True)
     assert reference.vae_scale_factor == 4 and isinstance(reference.scheduler, diffusers.DDIMScheduler)
@@ -275,6 +281,46 @@ def test_diffusers_loads_it_and_draws_the_same_images(trained):
         assert float(np.abs(mine - theirs).max()) <= TOL, sampler
     swapped = ours(prompts[::-1], latents=latents, progress=False, **kwargs)
     assert float(np.abs(swapped - mine).max()) > 10 * TOL  # the prompts matter at this tolerance
+
+
+# ---------------------------------------------------------------- the bundled fashion-mnist-t2i preset
+
+
+def test_bundled_preset_loads_through_every_entry_point():
+    pytest.importorskip("transformers")
+    import fastdiff
+    from fastdiff.text_to_image import TextToImagePipeline, is_text_to_image_dir
+
+    root = BUNDLED_PIPELINES["fashion-mnist-t2i"]
+    assert is_text_to_image_dir("fashion-mnist-t2i")
+    sizes = {p.relative_to(root).as_posix(): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+    assert sum(sizes.values()) <= 30 * 2**20, sizes
+    assert {name.split("/")[0] for name in sizes} == {
+        "model_index.json", "training.json", "unet", "vae", "text_encoder", "tokenizer", "scheduler",
+    }  # fmt: skip
+    for part in ("unet/diffusion_pytorch_model", "vae/diffusion_pytorch_model", "text_encoder/model"):
+        weights = read_state_dict(root / f"{part}.safetensors")
+        assert {v.dtype for v in weights.values() if v.is_floating_point()} == {torch.float16}, part
+    record = json.loads((root / "training.json").read_text())
+    assert record["stage"] == "unet" and record["eval"]["guidance"]["3.0"]["accuracy"] > 0.8
+
+    generic = fastdiff.Pipeline.from_pretrained("fashion-mnist-t2i", device="cpu", sampler="dpmsolver++", steps=4)
+    direct = TextToImagePipeline.from_pretrained("fashion-mnist-t2i", device="cpu", sampler="dpmsolver++", steps=4)
+    assert isinstance(generic, TextToImagePipeline) and generic.default_size == (32, 32)
+    kwargs = dict(guidance_scale=3.0, seeds=[5, 6], output_type="np", progress=False)
+    images = generic(["ankle boot", "a photo of trousers"], **kwargs)
+    assert images.shape == (2, 32, 32, 1) and np.isfinite(images).all()
+    assert np.array_equal(images, direct(["ankle boot", "a photo of trousers"], **kwargs))
+
+
+def test_make_sample_draws_one_row_per_canonical_prompt():
+    """The Makefile's prompt grid lists exactly the canonical class prompts, in label order."""
+    import re
+    from pathlib import Path
+
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    assert "--model fashion-mnist-t2i" in makefile
+    assert re.findall(r'--prompt "([^"]+)"', makefile) == t2i.canonical_prompts()
 
 
 def test_learning_rate_follows_the_step_or_time_budget(monkeypatch):

@@ -55,7 +55,7 @@ def run_text_to_image_cli(args: argparse.Namespace) -> int:
         model=args.model, batch=args.batch, steps=args.steps or 20, repeats=args.repeats, systems=systems,
         seed=args.seed, device=args.device,
     )  # fmt: skip
-    path = args.out_dir / f"{args.name or f'bench-{args.model}-b{args.batch}'}.json"
+    path = args.out_dir / f"{args.name or f't2i-bench-{args.model}-b{args.batch}'}.json"
     check_output_location(path, "--out-dir")
 
     def save(result: dict) -> None:  # after every system: a long run that is cut short keeps what it measured

@@ -104,6 +104,25 @@ SD_PRESETS: dict[str, StableDiffusionPreset] = {
 unconditional ``fastdiff.models.PRESETS`` that ``load_unet`` serves)."""
 
 
+BUNDLED_PIPELINES: dict[str, Path] = {
+    "fashion-mnist-t2i": Path(__file__).resolve().parent.parent / "weights" / "fashion-mnist-t2i",
+}
+"""Text-to-image preset name -> its bundled StableDiffusionPipeline directory (trained weights, fp16 safetensors):
+fashion-mnist-t2i is ``fastdiff train text-to-image`` on Fashion-MNIST (32x32 grayscale, 10 class prompts)."""
+
+
+def resolve_pipeline_dir(name_or_path: str | Path) -> Path:
+    """A bundled text-to-image preset's directory (``BUNDLED_PIPELINES``), else ``name_or_path`` as a path.
+
+    A local file or folder of the same name as a preset wins, as with ``fastdiff.models.load_unet``.
+    """
+    path = Path(name_or_path).expanduser()
+    name = str(name_or_path)
+    if name in BUNDLED_PIPELINES and not path.exists():
+        return BUNDLED_PIPELINES[name]
+    return path
+
+
 @dataclass
 class StableDiffusionComponents:
     """Everything a text-to-image sampler needs, on one device and dtype."""
@@ -124,12 +143,13 @@ def load_stable_diffusion(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> StableDiffusionComponents:
-    """Load U-Net, VAE, CLIP text encoder, tokenizer and scheduler config from a diffusers pipeline directory.
+    """Load U-Net, VAE, CLIP text encoder, tokenizer and scheduler config from a diffusers pipeline directory
+    (or a bundled text-to-image preset name: ``BUNDLED_PIPELINES``).
 
     Weight files may be safetensors or .bin, in any floating dtype; every model is converted to ``dtype``.
     Each missing or unusable piece raises a one-line FastdiffError naming it.
     """
-    root = Path(path).expanduser()
+    root = resolve_pipeline_dir(path)
     if not root.exists():
         raise FastdiffError(f"Stable Diffusion path not found: {root}")
     if not root.is_dir():
@@ -268,7 +288,7 @@ def clip_tokenizer_files(
     CLIP's start/end tokens, lower-casing, ``max_length`` tokens."""
     alphabet = byte_alphabet()
     tokens = alphabet + [c + END_OF_WORD for c in alphabet] + [a + b for a, b in merges] + [BOS_TOKEN, EOS_TOKEN]
-    vocab = {token: i for i, token in enumerate(dict.fromkeys(tokens))}
+    vocab = {token: i for i, token in enumerate(tokens)}
     special = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "unk_token": EOS_TOKEN, "pad_token": pad_token}
     config = {"tokenizer_class": "CLIPTokenizer", "model_max_length": max_length, "do_lower_case": True, **special}
     return {

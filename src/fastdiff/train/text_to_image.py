@@ -44,6 +44,7 @@ from fastdiff.devices import resolve_device, synchronize
 from fastdiff.errors import FastdiffError
 from fastdiff.images import make_grid, save_png_atomic, to_pil
 from fastdiff.models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig, autoencoder_kl_from_dir
+from fastdiff.models.stable_diffusion import END_OF_WORD, clip_tokenizer_files
 from fastdiff.models.unet_2d_condition import UNet2DConditionConfig, UNet2DConditionModel
 from fastdiff.models.weights import find_weights, read_json_object
 from fastdiff.samplers import ScheduleConfig, alphas_cumprod
@@ -147,22 +148,6 @@ def prompt_table() -> tuple[list[str], list[int]]:
 
 TEXT_TOKENS = 77
 """CLIP's sequence length (SD's ``model_max_length``)."""
-BOS, EOS = "<|startoftext|>", "<|endoftext|>"
-END_OF_WORD = "</w>"
-
-
-def byte_alphabet() -> list[str]:
-    """GPT-2 / CLIP byte-level alphabet: one printable character per byte value, in byte order."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = [], 0
-    for byte in range(256):
-        if byte in printable:
-            chars.append(chr(byte))
-        else:
-            chars.append(chr(256 + extra))
-            extra += 1
-    return chars
 
 
 def prompt_words() -> list[str]:
@@ -198,21 +183,9 @@ def learn_merges(words: list[str]) -> list[tuple[str, str]]:
 
 
 def tokenizer_files() -> dict[str, str]:
-    """File name -> text of a CLIP tokenizer (vocab.json, merges.txt, tokenizer_config.json,
-    special_tokens_map.json): the byte-level alphabet (so any text tokenizes), every prompt word whole, SD 1.x's
-    special tokens and padding (<|endoftext|>), 77 tokens."""
-    alphabet = byte_alphabet()
-    merges = learn_merges(prompt_words())
-    tokens = alphabet + [c + END_OF_WORD for c in alphabet] + [a + b for a, b in merges] + [BOS, EOS]
-    vocab = {token: i for i, token in enumerate(tokens)}
-    special = {"bos_token": BOS, "eos_token": EOS, "unk_token": EOS, "pad_token": EOS}
-    config = {"tokenizer_class": "CLIPTokenizer", "model_max_length": TEXT_TOKENS, "do_lower_case": True, **special}
-    return {
-        "vocab.json": json.dumps(vocab, ensure_ascii=False) + "\n",
-        "merges.txt": "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges),
-        "tokenizer_config.json": json.dumps(config, indent=2) + "\n",
-        "special_tokens_map.json": json.dumps(special, indent=2) + "\n",
-    }
+    """File name -> text of the CLIP tokenizer (``clip_tokenizer_files``): the byte-level alphabet (so any text
+    tokenizes), every prompt word whole, SD 1.x's special tokens and padding (<|endoftext|>), 77 tokens."""
+    return clip_tokenizer_files(learn_merges(prompt_words()), max_length=TEXT_TOKENS)
 
 
 def write_tokenizer(folder: Path) -> None:
