@@ -50,5 +50,40 @@ def test_tiny_bench_on_cpu(tiny_preset):
 def test_unknown_system_and_preset():
     with pytest.raises(FastdiffError, match="unknown system 'tensorrt-fp16'"):
         bench.run_text_to_image_bench(bench.TextToImageBenchConfig(systems=("tensorrt-fp16",)))
-    with pytest.raises(FastdiffError, match="unknown Stable Diffusion preset 'sd9'"):
+    with pytest.raises(FastdiffError, match="unknown Stable Diffusion preset .sd9.: choose one of sd15, sd21"):
         bench.run_text_to_image_bench(bench.TextToImageBenchConfig(model="sd9"))
+
+
+def test_bundled_model_bench_on_cpu():
+    """The bundled fashion-mnist-t2i model at its own size (32x32, 4 pixels per latent), trained weights."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    cfg = bench.TextToImageBenchConfig(
+        model="fashion-mnist-t2i", batch=2, steps=2, repeats=1, unet_calls=1, device="cpu",
+        systems=("eager-fp32", "diffusers-fp32"),
+    )  # fmt: skip
+    result = bench.run_text_to_image_bench(cfg)
+    assert result["config"]["height"] == result["config"]["width"] == 32
+    assert result["config"]["random_weights"] is False
+    eager, diffusers = result["results"]
+    assert eager["error"] is None and diffusers["error"] is None
+    assert eager["psnr_vs_diffusers_fp32_db"] > 60
+
+
+def test_quality_script_on_cpu(tmp_path):
+    """benchmarks/t2i_quality.py on a few images: one row per configuration, accuracy from the classifier."""
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "t2i_quality.py"
+    spec = importlib.util.spec_from_file_location("t2i_quality", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "quality.json"
+    args = ["--out", str(out), "--per-class", "2", "--guidance", "1,3", "--samplers", "dpmsolver++", "--steps", "2",
+            "--systems", "eager-fp32", "--device", "cpu"]  # fmt: skip
+    assert module.main(args) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["guidance"], r["images"]) for r in rows] == [(1.0, 20), (3.0, 20)]
+    assert all(0.0 <= r["accuracy"] <= 1.0 and "fd_fmnist" not in r for r in rows)  # 20 images: too few for an FD

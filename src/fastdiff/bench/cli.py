@@ -24,11 +24,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "eager-fp32. Writes a JSON result and prints a Markdown table. With a Stable Diffusion preset "
         "(--model sd15 or sd21: random weights) it runs the text-to-image systems instead: diffusers' "
         "StableDiffusionPipeline eager and with a compiled U-Net, fastdiff eager and engine; 512x512 images, DDIM, "
-        "guidance 7.5, end-to-end and per-U-Net-step times, memory and PSNR vs diffusers fp32.",
+        "guidance 7.5, end-to-end and per-U-Net-step times, memory and PSNR vs diffusers fp32. The same for a "
+        "text-to-image model (fashion-mnist-t2i, or a diffusers pipeline directory) at its own image size.",
         formatter_class=HelpFormatter,
     )
     p.add_argument(
-        "--model", default="ddpm-cifar10", help="preset name or model directory, or sd15 / sd21 (text-to-image)"
+        "--model",
+        default="ddpm-cifar10",
+        help="preset name or model directory; sd15, sd21, fashion-mnist-t2i or a pipeline directory: text-to-image",
     )
     p.add_argument("--batch", type=int, default=1, help="images per batch")
     p.add_argument("--sampler", default="ddpm", help="sampler whose loop is timed")
@@ -71,8 +74,9 @@ def run_text_to_image_cli(args: argparse.Namespace) -> int:
 def run_bench_cli(args: argparse.Namespace) -> int:
     from fastdiff.bench.report import markdown_table, plot_result
     from fastdiff.models.stable_diffusion import SD_PRESETS
+    from fastdiff.text_to_image import is_text_to_image_dir
 
-    if args.model in SD_PRESETS:
+    if args.model in SD_PRESETS or is_text_to_image_dir(args.model):
         return run_text_to_image_cli(args)
     args.steps = args.steps or 1000
 

@@ -30,9 +30,15 @@ import torch
 from fastdiff.bench.env import environment
 from fastdiff.devices import DTYPES, synchronize, time_ms
 from fastdiff.errors import FastdiffError
-from fastdiff.models.stable_diffusion import SD_PRESETS, StableDiffusionComponents, random_components
+from fastdiff.models.stable_diffusion import (
+    SD_PRESETS,
+    StableDiffusionComponents,
+    load_stable_diffusion,
+    random_components,
+)
 from fastdiff.quality.psnr import psnr
 from fastdiff.samplers import initial_noise, seed_tensor
+from fastdiff.text_to_image import is_text_to_image_dir, vae_scale_factor
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +52,12 @@ PROMPT = "a photograph of an astronaut riding a horse"
 @dataclass
 class TextToImageBenchConfig:
     model: str = "sd15"
+    """A Stable Diffusion preset (random weights), a bundled text-to-image preset or a pipeline directory."""
     batch: int = 1
     """Images per call (prompts); the U-Net sees twice as many rows with guidance."""
-    height: int = 512
-    width: int = 512
+    height: int | None = None
+    """Image height (default: the model's, 512 for sd15)."""
+    width: int | None = None
     steps: int = 20
     guidance: float = 7.5
     repeats: int = 5
@@ -167,8 +175,12 @@ class FastdiffT2I:
 def run_text_to_image_bench(cfg: TextToImageBenchConfig, on_row: Callable[[dict], None] | None = None) -> dict:
     """Measure every system of ``cfg.systems`` (see the module docstring); returns the JSON-ready result.
     ``on_row(result so far)`` is called after each system (to save partial results of a long run)."""
-    if cfg.model not in SD_PRESETS:
-        raise FastdiffError(f"unknown Stable Diffusion preset {cfg.model!r}; choose one of {', '.join(SD_PRESETS)}")
+    random_weights = cfg.model in SD_PRESETS
+    if not random_weights and not is_text_to_image_dir(cfg.model):
+        raise FastdiffError(
+            f"unknown Stable Diffusion preset {cfg.model!r}: choose one of {', '.join(SD_PRESETS)}, a bundled "
+            "text-to-image preset or a diffusers pipeline directory"
+        )
     for name in cfg.systems:
         kind, _, dtype_name = name.rpartition("-")
         if kind not in T2I_KINDS or dtype_name not in DTYPES:
@@ -176,20 +188,24 @@ def run_text_to_image_bench(cfg: TextToImageBenchConfig, on_row: Callable[[dict]
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise FastdiffError("bench on cuda asked for but no CUDA GPU is available")
-    comps = random_components(cfg.model, cfg.seed)
+    comps = random_components(cfg.model, cfg.seed) if random_weights else load_stable_diffusion(cfg.model)
+    scale = vae_scale_factor(comps.vae.config)
+    size = comps.unet.config.sample_size
+    default_h, default_w = (size, size) if isinstance(size, int) else size
+    cfg = dataclasses.replace(cfg, height=cfg.height or default_h * scale, width=cfg.width or default_w * scale)
     prompts = [PROMPT] * cfg.batch
     seeds = seed_tensor(range(cfg.seed, cfg.seed + cfg.batch), device)
-    latent_shape = (comps.unet.config.in_channels, cfg.height // 8, cfg.width // 8)
+    latent_shape = (comps.unet.config.in_channels, cfg.height // scale, cfg.width // scale)
     latents = initial_noise(seeds, latent_shape, device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     unet_rows = 2 * cfg.batch
-    text_dim, tokens = comps.unet.config.cross_attention_dim, SD_PRESETS[cfg.model].text_tokens
+    text_dim, tokens = comps.unet.config.cross_attention_dim, comps.tokenizer.model_max_length
     rows: list[T2IRow] = []
     images: dict[str, torch.Tensor] = {}
     result = {
         "schema": SCHEMA,
         "env": environment(),
-        "config": {**asdict(cfg), "random_weights": True, "sampler": "ddim", "prompt": PROMPT},
+        "config": {**asdict(cfg), "random_weights": random_weights, "sampler": "ddim", "prompt": PROMPT},
         "results": [],
     }
     for name in cfg.systems:
