@@ -206,9 +206,11 @@ def t2i_tables() -> str:
         rows = {f"{r['system']}-{r['dtype']}": r for r in d["results"]}
         base = rows.get("diffusers+compile-fp16", {})
         lines = [
-            f"From `{path.relative_to(ROOT)}`: **{cfg['model']}** (random weights), {cfg['batch']} image of "
+            f"From `{path.relative_to(ROOT)}`: **{cfg['model']}** "
+            f"({'random weights' if cfg['random_weights'] else 'trained weights'}), {cfg['batch']} image(s) of "
             f"{cfg['width']}x{cfg['height']}, {cfg['sampler']} {cfg['steps']} steps, guidance {cfg['guidance']} "
-            f"(U-Net batch {2 * cfg['batch']}) — {env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
+            f"(U-Net batch {(2 if cfg['guidance'] > 1 else 1) * cfg['batch']}) — {env['gpu']}, torch {env['torch']}, "
+            f"triton {env['triton']}, "
             f"diffusers {env['diffusers']}, git {env['git_sha']}, {env['date'][:10]}.",
             "",
             "| system | dtype | U-Net step ms | × diffusers+compile | end to end ms | × diffusers+compile | ready s "

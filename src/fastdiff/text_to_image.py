@@ -315,8 +315,11 @@ class TextToImagePipeline:
             x0 = engine.run(x, seed_ids, context=context, guidance=guidance, scale=False)
             decoded = engine.decode(self.vae, x0, self.dtype)
         else:
-            unet = self.unet.to(self.device)  # (the engine backend keeps it in host memory)
-            x0 = denoise(unet, run, x, context, guidance, seed_ids, self.dtype, progress)
+            home = self.unet.conv_in.weight.device  # the engine backend keeps the U-Net in host memory
+            try:
+                x0 = denoise(self.unet.to(self.device), run, x, context, guidance, seed_ids, self.dtype, progress)
+            finally:
+                self.unet.to(home)
             decoded = self.vae.decode((x0 / self.vae.config.scaling_factor).to(self.dtype)).float()
         if output_type == "tensor":
             return decoded.clamp(-1, 1)

@@ -135,3 +135,19 @@ def test_bundled_text_to_image_model_on_the_engine():
         ref_image = vae.double().cpu().decode(latents.double() / vae.config.scaling_factor)
     assert image.shape == (1, 1, 32, 32)
     assert rel_err(image, ref_image) < TOL
+
+
+def test_engine_decode_returns_a_fresh_tensor_and_times_each_model():
+    from fastdiff.engine import Engine
+
+    config = tiny_vae_config("sd15")
+    torch.manual_seed(2)
+    vae = randomize_norms(AutoencoderKL(AutoencoderKLConfig.from_dict(config)), 2).eval().to(DEVICE)
+    engine = Engine(DEVICE, conv_impl="triton", attention_impl="triton")
+    a, b = (torch.randn(1, 4, 2, 2, generator=torch.Generator().manual_seed(s)) for s in (0, 1))
+    first = engine.decode(vae, a, torch.float32)
+    kept = first.clone()
+    second = engine.decode(vae, b, torch.float32)
+    assert torch.equal(first, kept) and not torch.equal(first, second)  # the graph's buffer is not handed out
+    assert {"decoder_first_forward_s", "decoder_autotune_s"} <= set(engine.timings)
+    assert "step_first_forward_s" not in engine.timings

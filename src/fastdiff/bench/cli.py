@@ -34,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="preset name or model directory; sd15, sd21, fashion-mnist-t2i or a pipeline directory: text-to-image",
     )
     p.add_argument("--batch", type=int, default=1, help="images per batch")
-    p.add_argument("--sampler", default="ddpm", help="sampler whose loop is timed")
+    p.add_argument("--sampler", default=None, help="sampler whose loop is timed (default ddpm; text-to-image: ddim)")
     p.add_argument("--steps", type=int, default=None, help="steps of a full sampling run (default 1000; SD: 20)")
     p.add_argument("--timed-steps", type=int, default=100, help="steps timed per repeat (scaled to --steps)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
@@ -53,6 +53,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_text_to_image_cli(args: argparse.Namespace) -> int:
     from fastdiff.bench.text_to_image import T2I_SYSTEMS, TextToImageBenchConfig, run_text_to_image_bench
 
+    if args.sampler not in (None, "ddim"):
+        raise FastdiffError(f"the text-to-image bench runs DDIM (DDIMScheduler); got --sampler {args.sampler}")
     systems = T2I_SYSTEMS if args.systems == ",".join(ALL_SYSTEMS) else tuple(s for s in args.systems.split(",") if s)
     cfg = TextToImageBenchConfig(
         model=args.model, batch=args.batch, steps=args.steps or 20, repeats=args.repeats, systems=systems,
@@ -79,6 +81,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     if args.model in SD_PRESETS or is_text_to_image_dir(args.model):
         return run_text_to_image_cli(args)
     args.steps = args.steps or 1000
+    args.sampler = args.sampler or "ddpm"
 
     systems = tuple(s for s in args.systems.split(",") if s)
     unknown = [s for s in systems if s not in ALL_SYSTEMS]

@@ -106,10 +106,11 @@ class DiffusersT2I:
         import diffusers
 
         comps = self.comps
-        unet = diffusers.UNet2DConditionModel.from_config(diffusers_config(comps.unet.config))
-        unet.load_state_dict(comps.unet.state_dict())
-        vae = diffusers.AutoencoderKL.from_config(diffusers_config(comps.vae.config))
-        vae.load_state_dict(comps.vae.state_dict())
+        with torch.device("meta"):  # no random initialisation: the weights are the given ones, as from_pretrained
+            unet = diffusers.UNet2DConditionModel.from_config(diffusers_config(comps.unet.config))
+            vae = diffusers.AutoencoderKL.from_config(diffusers_config(comps.vae.config))
+        unet.load_state_dict(comps.unet.state_dict(), assign=True)
+        vae.load_state_dict(comps.vae.state_dict(), assign=True)
         scheduler = diffusers.DDIMScheduler.from_config(comps.scheduler_config)
         self.pipe = diffusers.StableDiffusionPipeline(
             vae=vae, text_encoder=copy.deepcopy(comps.text_encoder), tokenizer=comps.tokenizer, unet=unet,
@@ -198,7 +199,8 @@ def run_text_to_image_bench(cfg: TextToImageBenchConfig, on_row: Callable[[dict]
     latent_shape = (comps.unet.config.in_channels, cfg.height // scale, cfg.width // scale)
     latents = initial_noise(seeds, latent_shape, device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    unet_rows = 2 * cfg.batch
+    guided = cfg.guidance > 1
+    unet_rows = (2 if guided else 1) * cfg.batch
     text_dim, tokens = comps.unet.config.cross_attention_dim, comps.tokenizer.model_max_length
     rows: list[T2IRow] = []
     images: dict[str, torch.Tensor] = {}
@@ -248,8 +250,13 @@ def measure_calls(
     row.notes = system.notes
     cuda = device.type == "cuda"
     synchronize(device)
+    if isinstance(system, FastdiffT2I) and system.backend == "engine":
+        from fastdiff.engine import kernel_cache_state
+
+        row.extra["kernel_cache"] = kernel_cache_state()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+        row.extra["allocated_before_mib"] = torch.cuda.memory_allocated() / 2**20  # left by earlier systems
     t0 = time.perf_counter()
     system.prepare()
     images = system.generate(prompts, latents, cfg)
@@ -276,7 +283,7 @@ def unet_step_ms(system, cfg, rows, latent_shape, text_dim, tokens, gen, device)
         loop = engine.current
         x_t = torch.randn(loop.shape, device=device, generator=gen)
         seeds = torch.arange(loop.shape[0], device=device)
-        guidance = torch.full((loop.shape[0],), cfg.guidance, device=device)
+        guidance = torch.full((loop.shape[0],), cfg.guidance, device=device) if loop.guided else None
 
         def run_loop() -> None:  # the prepared loop with the context already set by the last call
             loop.run(x_t, seeds, None, guidance)

@@ -100,9 +100,10 @@ class Engine:
 
     def _fused(
         self, model: nn.Module, batch: int, dtype: torch.dtype, size: tuple[int, int] | None,
-        context_tokens: int | None,
+        context_tokens: int | None, role: str,
     ) -> FusedModel:  # fmt: skip
-        """A FusedModel with its weights streamed in by a first forward, then autotuned."""
+        """A FusedModel with its weights streamed in by a first forward, then autotuned (``timings`` gets
+        ``<role>_first_forward_s`` and ``<role>_autotune_s``)."""
         t0 = time.perf_counter()
         fused = FusedModel(
             model, batch, dtype, self.device, self.conv_impl, self.attention_impl, WeightStreamer(self.device),
@@ -114,8 +115,12 @@ class Engine:
         fused.forward(x_in, torch.zeros(1, dtype=torch.int64, device=self.device))  # early-start forward
         fused.streamer.wait_all()
         self._sync()
-        self.timings["first_forward_s"] = time.perf_counter() - t0
+        self.timings[f"{role}_first_forward_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
         fused.autotune(x_in)
+        self._sync()
+        self.timings[f"{role}_autotune_s"] = time.perf_counter() - t1
+        self.timings[f"{role}_ops_timed"] = fused.ops_timed
         return fused
 
     def step_model(
@@ -129,7 +134,7 @@ class Engine:
         if key not in self.step_models:
             t0 = time.perf_counter()
             if self.unet_impl == "fused" and supports(model):
-                step: FusedModel | EagerStepModel = self._fused(model, batch, dtype, size, context_tokens)
+                step: FusedModel | EagerStepModel = self._fused(model, batch, dtype, size, context_tokens, "step")
             else:
                 context_shape = None
                 if is_text_conditioned(model):
@@ -213,11 +218,12 @@ class Engine:
         key = (id(vae), b, h, w, dtype)
         if key not in self.decoders:
             t0 = time.perf_counter()
-            fused = self._fused(vae, b, dtype, (h, w), None)
+            fused = self._fused(vae, b, dtype, (h, w), None, "decoder")
             x_in = channels_last_empty(fused.x_in_value.shape, dtype, self.device)
             self.decoders[key] = (fused, CapturedForward(fused.forward_from_row, x_in, self.use_graphs))
             self.timings["decoder_build_s"] = time.perf_counter() - t0
-        return self.decoders[key][1].run(latents.to(self.device, dtype)).float()
+        out = self.decoders[key][1].run(latents.to(self.device, dtype))
+        return out.to(torch.float32, copy=True)  # the graph's output buffer is overwritten by the next decode
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
