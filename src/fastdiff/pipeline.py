@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +24,17 @@ log = logging.getLogger(__name__)
 
 OUTPUT_TYPES = ("pil", "np", "tensor")
 BACKENDS = ("engine", "eager")
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    """``backend`` checked ("engine" or "eager"); None means the engine on CUDA and eager elsewhere. The engine
+    off CUDA needs Triton's interpreter (``TRITON_INTERPRET=1``): said here, before any loading."""
+    backend = backend or ("engine" if device.type == "cuda" else "eager")
+    if backend not in BACKENDS:
+        raise FastdiffError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    if backend == "engine" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise FastdiffError("the engine backend needs a CUDA GPU (or TRITON_INTERPRET=1 for its CPU test mode)")
+    return backend
 
 
 class Pipeline:
@@ -52,11 +64,7 @@ class Pipeline:
         self.device = torch.device(device)
         self.dtype = dtype
         self._samplers: dict[float, Sampler] = {}
-        if backend is None:
-            backend = "engine" if self.device.type == "cuda" else "eager"
-        if backend not in BACKENDS:
-            raise FastdiffError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
-        self.backend = backend
+        self.backend = resolve_backend(backend, self.device)
         self._engine = None
         self.sampler_for(0.0)  # validates sampler name and step count now, not at the first call
 

@@ -29,7 +29,7 @@ from fastdiff.models.stable_diffusion import (
     load_stable_diffusion,
     resolve_pipeline_dir,
 )
-from fastdiff.pipeline import BACKENDS, resolve_device, resolve_dtype
+from fastdiff.pipeline import resolve_backend, resolve_device, resolve_dtype
 from fastdiff.samplers import SAMPLERS, Sampler, ScheduleConfig, initial_noise, make_sampler, run_sampler, seed_tensor
 from fastdiff.samplers.noise import draw
 
@@ -125,10 +125,7 @@ class TextToImagePipeline:
         backend: str | None = None,
     ) -> None:
         self.device = torch.device(device)
-        backend = backend or ("engine" if self.device.type == "cuda" else "eager")
-        if backend not in BACKENDS:
-            raise FastdiffError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
-        self.backend = backend
+        self.backend = resolve_backend(backend, self.device)
         self._engine = None
         self.components = components
         self.unet, self.vae = components.unet, components.vae
@@ -161,9 +158,7 @@ class TextToImagePipeline:
             raise FastdiffError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype)
-        backend = backend or ("engine" if dev.type == "cuda" else "eager")
-        if backend not in BACKENDS:
-            raise FastdiffError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+        backend = resolve_backend(backend, dev)
         # the engine streams its own packed U-Net weights from host memory: the module stays on the CPU
         components = load_stable_diffusion(path, device="cpu" if backend == "engine" else dev, dtype=torch_dtype)
         if backend == "engine":

@@ -101,3 +101,23 @@ def test_convnext_in_the_loop(unet_impl):
     with torch.no_grad():
         ref = sample_loop(model, sampler, x_t.clone(), seeds, torch.float32)
     assert rel_err(out.clamp(-1, 1), ref) < TOL
+
+
+def test_engine_keeps_cached_models_alive_and_clears(tiny_model):
+    """Caches are keyed by id(model): the engine holds the model so its id cannot be reused; clear() drops all."""
+    model = tiny_model("center_scaled", 3).to(DEVICE)
+    sampler = make_sampler("ddim", ScheduleConfig(), 2, device=DEVICE)
+    engine = Engine(DEVICE, unet_impl="eager", use_graphs=False)
+    engine.prepare(model, sampler, 1, torch.float32)
+    assert engine._models[id(model)] is model
+    engine.clear()
+    assert not engine.step_models and not engine.loops and engine.current is None
+    with pytest.raises(FastdiffError, match="Engine.run before Engine.prepare"):
+        engine.run(torch.zeros(1, 2, 10, 6), torch.zeros(1, dtype=torch.int64))
+
+
+def test_guided_loop_checks_the_guidance_length(tiny_model):
+    sampler = make_sampler("ddim", ScheduleConfig(), 2, device=DEVICE)
+    loop = SamplingLoop(lambda x, i: x, sampler, (2, 2, 4, 4), torch.float32, DEVICE, use_graphs=False, guided=True)
+    with pytest.raises(FastdiffError, match=r"got \(3,\) guidance scales for a batch of 2"):
+        loop.load(torch.zeros(2, 2, 4, 4), torch.zeros(2, dtype=torch.int64), torch.ones(3))

@@ -30,3 +30,13 @@ def test_engine_backend_matches_eager(tiny_model):
 def test_unknown_backend_raises(tiny_model):
     with pytest.raises(FastdiffError, match="backend"):
         Pipeline(tiny_model("center_scaled", 0), ScheduleConfig(), backend="tensorrt")
+
+
+def test_engine_off_cuda_without_the_interpreter_fails_before_loading(monkeypatch):
+    from fastdiff.pipeline import resolve_backend
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(FastdiffError, match="the engine backend needs a CUDA GPU"):
+        resolve_backend("engine", torch.device("cpu"))
+    assert resolve_backend(None, torch.device("cpu")) == "eager"
+    assert resolve_backend(None, torch.device("cuda")) == "engine"

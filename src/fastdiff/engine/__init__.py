@@ -97,6 +97,15 @@ class Engine:
         self.current: SamplingLoop | None = None
         self.current_step_model: FusedModel | EagerStepModel | None = None
         self.timings: dict[str, float] = {}
+        self._models: dict[int, nn.Module] = {}  # caches are keyed by id(model): keep those models alive
+
+    def clear(self) -> None:
+        """Drop every prepared step model, loop and decoder (their weights and arenas); the next calls rebuild."""
+        self.step_models.clear()
+        self.loops.clear()
+        self.decoders.clear()
+        self._models.clear()
+        self.current = self.current_step_model = None
 
     def _fused(
         self, model: nn.Module, batch: int, dtype: torch.dtype, size: tuple[int, int] | None,
@@ -131,6 +140,7 @@ class Engine:
         2x the images with guidance); the first build streams the weights."""
         size = sample_size_of(model, size)
         key = (id(model), batch, size, dtype, context_tokens)
+        self._models[id(model)] = model
         if key not in self.step_models:
             t0 = time.perf_counter()
             if self.unet_impl == "fused" and supports(model):
@@ -216,6 +226,7 @@ class Engine:
         lowering_for(vae)  # a one-line error for a model without a fused decode
         b, _, h, w = latents.shape
         key = (id(vae), b, h, w, dtype)
+        self._models[id(vae)] = vae
         if key not in self.decoders:
             t0 = time.perf_counter()
             fused = self._fused(vae, b, dtype, (h, w), None, "decoder")

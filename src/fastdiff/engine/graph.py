@@ -119,6 +119,8 @@ class SamplingLoop:
         for half in self.x_in.chunk(2) if self.guided else (self.x_in,):
             half.copy_(self.x)
         if guidance is not None:
+            if tuple(guidance.shape) != (self.shape[0],):
+                raise FastdiffError(f"got {tuple(guidance.shape)} guidance scales for a batch of {self.shape[0]}")
             self.guidance.copy_(guidance)
         for history in self.state[1:]:
             history.zero_()  # read with coefficient 0 at the first steps: must be finite
