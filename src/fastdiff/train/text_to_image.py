@@ -607,6 +607,35 @@ class LossLog:
         return "".join(json.dumps(r) + "\n" for r in self.records)
 
 
+def run_budgeted_loop(
+    config: Any, budget: Budget, loss_log: LossLog, optimizer: torch.optim.Optimizer,
+    next_batch: Callable[[], torch.Tensor], train_step: Callable[[torch.Tensor], dict], eager: Callable[[], None],
+    after_step: Callable[[int], None] | None = None,
+) -> tuple[int, str]:  # fmt: skip
+    """The training loop of both stages: the budget's learning rate, one ``train_step`` per batch (the first one
+    through ``run_first_step``, which falls back to ``eager`` if a compiled step fails), ``after_step(step)``
+    (EMA), the loss log; stops at ``config.max_steps`` or when the time budget runs out. Returns (steps, why)."""
+    step, stopped = 0, "max_steps"
+    try:
+        while step < config.max_steps:
+            lr = budget.lr(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batch = next_batch()
+            values = run_first_step(train_step, batch, eager) if step == 0 else train_step(batch)
+            if after_step is not None:
+                after_step(step)
+            step += 1
+            out_of_time = budget.out_of_time() or budget.progress(step) >= 1.0
+            loss_log.add(step, values, lr, last=step == config.max_steps or out_of_time)
+            if out_of_time and step < config.max_steps:
+                stopped = "max_seconds"
+                break
+    finally:
+        loss_log.close()
+    return step, stopped
+
+
 def num_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
@@ -777,24 +806,11 @@ def train_vae(
         fns.update(encode=vae.encode, decode=vae.decode)
 
     budget = Budget(config, start)
-    loss_log = LossLog(config, "vae")
     batches = epoch_batches(images.shape[0], config.batch_size, data_rng, device)
-    step, stopped = 0, "max_steps"
-    try:
-        while step < config.max_steps:
-            lr = budget.lr(step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            x = images[next(batches)]
-            values = run_first_step(train_step, x, eager) if step == 0 else train_step(x)
-            step += 1
-            out_of_time = budget.out_of_time() or budget.progress(step) >= 1.0
-            loss_log.add(step, values, lr, last=step == config.max_steps or out_of_time)
-            if out_of_time and step < config.max_steps:
-                stopped = "max_seconds"
-                break
-    finally:
-        loss_log.close()
+    loss_log = LossLog(config, "vae")
+    step, stopped = run_budgeted_loop(
+        config, budget, loss_log, optimizer, lambda: images[next(batches)], train_step, eager
+    )
     synchronize(device)
     train_seconds = time.perf_counter() - budget.loop_start
 
@@ -1033,26 +1049,16 @@ def train_text_to_image(
         fns["unet"] = unet
 
     budget = Budget(config, start)
-    loss_log = LossLog(config, "unet")
     batches = epoch_batches(images.shape[0], config.batch_size, data_rng, device)
-    step, stopped = 0, "max_steps"
-    try:
-        while step < config.max_steps:
-            lr = budget.lr(step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            idx = next(batches)
-            values = run_first_step(train_step, idx, eager) if step == 0 else train_step(idx)
-            ema_update(ema_unet, unet, config.ema_decay, step)
-            ema_update(ema_text, text_encoder, config.ema_decay, step)
-            step += 1
-            out_of_time = budget.out_of_time() or budget.progress(step) >= 1.0
-            loss_log.add(step, values, lr, last=step == config.max_steps or out_of_time)
-            if out_of_time and step < config.max_steps:
-                stopped = "max_seconds"
-                break
-    finally:
-        loss_log.close()
+
+    def after_step(step: int) -> None:
+        ema_update(ema_unet, unet, config.ema_decay, step)
+        ema_update(ema_text, text_encoder, config.ema_decay, step)
+
+    loss_log = LossLog(config, "unet")
+    step, stopped = run_budgeted_loop(
+        config, budget, loss_log, optimizer, lambda: next(batches), train_step, eager, after_step
+    )
     synchronize(device)
     train_seconds = time.perf_counter() - budget.loop_start
 
