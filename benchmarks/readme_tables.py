@@ -7,6 +7,7 @@ python benchmarks/readme_tables.py --check  # exit 1 if README.md is out of date
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import subprocess
@@ -29,6 +30,9 @@ MEASURED_CODE = {
     "serve": ("src/fastdiff/serve", "src/fastdiff/samplers", "src/fastdiff/engine", "src/fastdiff/kernels"),
     "t2i": ("src/fastdiff/samplers", "src/fastdiff/engine", "src/fastdiff/kernels", "src/fastdiff/models",
             "src/fastdiff/text_to_image.py", "src/fastdiff/bench/text_to_image.py"),
+    "t2i-quality": ("src/fastdiff/samplers", "src/fastdiff/engine", "src/fastdiff/kernels", "src/fastdiff/models",
+                    "src/fastdiff/text_to_image.py", "src/fastdiff/weights/fashion-mnist-t2i",
+                    "benchmarks/t2i_quality.py"),
 }  # fmt: skip
 """Per table, the code its numbers depend on: a table is older than the code when these paths changed since."""
 
@@ -57,25 +61,34 @@ def kernels_table() -> str:
     return "\n\n".join(parts)
 
 
+def optional_cell(text: object, shown: bool) -> str:
+    """A Markdown table cell (after its row's last "|"), or nothing when the column is not ``shown``."""
+    return f" {text} |" if shown else ""
+
+
 def fd_table() -> str:
     parts = []
     for path in sorted(RESULTS.glob("fd-fmnist-*.json")):
         d = json.loads(path.read_text())
         env, cfg = d["env"], d["config"]
+        cached = any(r.get("cache_interval", 1) > 1 for r in d["results"])  # a step-cache column if a row caches
+        cache = functools.partial(optional_cell, shown=cached)
         lines = [
             f"From `{path.relative_to(ROOT)}`: {cfg['n']} samples (seeds {cfg['seeds']}) of `{cfg['model']}` "
             f"in {cfg['dtype']} ({d['results'][0]['backend']} backend) vs the 10,000 Fashion-MNIST test images; "
             f"{env['gpu']}, torch {env['torch']}, git {env['git_sha']}, {env['date'][:10]}.",
             "",
-            "| sampler | steps | FD-FMNIST ↓ | seconds to sample all (prepared pipeline) | seconds to prepare |",
-            "| --- | ---: | ---: | ---: | ---: |",
+            f"| sampler | steps |{cache('cache interval')} FD-FMNIST ↓ | seconds to sample all (prepared pipeline) "
+            "| seconds to prepare |",
+            f"| --- | ---: |{cache('---:')} ---: | ---: | ---: |",
         ]
         for r in d["results"]:
             lines.append(
-                f"| {r['sampler']} | {r['steps']} | {r['fd_fmnist']:.2f} | {r['sample_seconds']:.1f} "
-                f"| {r['ready_seconds']:.1f} |"
+                f"| {r['sampler']} | {r['steps']} |{cache(r.get('cache_interval', 1))} {r['fd_fmnist']:.2f} "
+                f"| {r['sample_seconds']:.1f} | {r['ready_seconds']:.1f} |"
             )
-        lines.append(f"| 10,000 training images (the floor) | — | {d['floor_train_vs_test']:.2f} | — | — |")
+        floor = d["floor_train_vs_test"]
+        lines.append(f"| 10,000 training images (the floor) | — |{cache('—')} {floor:.2f} | — | — |")
         lines += ["", freshness(env["git_sha"], "fd")]
         parts.append("\n".join(lines))
     return "\n\n".join(parts)
@@ -260,14 +273,16 @@ def t2i_model_table() -> str:
     vae, unet = (json.loads((docs / f"{stage}-stage.json").read_text()) for stage in ("vae", "unet"))
     v, u = vae["summary"], unet["summary"]
     ev = u["eval"]
+    compiled = ", compiled" if u["settings"].get("compile") else ""
     lines = [
-        f"Training ({v['env']['gpu']}, torch {v['env']['torch']}, git {v['env']['git_sha']}, {v['env']['date'][:10]}; "
-        f"records in `docs/fashion-mnist-t2i/`): VAE {v['params'] / 1e6:.1f} M parameters, {v['step']} steps of "
-        f"{v['settings']['batch_size']} in {v['train_seconds']:.0f} s, test-set reconstruction PSNR "
-        f"{v['psnr_db']:.1f} dB, scaling factor {v['scaling_factor']:.4f}; U-Net {u['params']['unet'] / 1e6:.1f} M "
-        f"+ text encoder {u['params']['text_encoder'] / 1e6:.2f} M parameters, {u['step']} steps of "
-        f"{u['settings']['batch_size']} in {u['train_seconds']:.0f} s ({u['stopped']}); {u['model_bytes'] / 1e6:.1f} "
-        f"MB on disk.",
+        f"Training ({v['env']['gpu']}, torch {v['env']['torch']}; records in `docs/fashion-mnist-t2i/`): VAE "
+        f"{v['params'] / 1e6:.1f} M parameters, {v['step']} steps of {v['settings']['batch_size']} in "
+        f"{v['train_seconds']:.0f} s, test-set reconstruction PSNR {v['psnr_db']:.1f} dB, scaling factor "
+        f"{v['scaling_factor']:.4f} (git {v['env']['git_sha']}, {v['env']['date'][:10]}); U-Net "
+        f"{u['params']['unet'] / 1e6:.1f} M + text encoder {u['params']['text_encoder'] / 1e6:.2f} M parameters on "
+        f"that VAE's latents, {u['step']} steps of {u['settings']['batch_size']} at learning rate "
+        f"{u['settings']['lr']:g}{compiled} in {u['train_seconds']:.0f} s ({u['stopped']}; git {u['env']['git_sha']}, "
+        f"{u['env']['date'][:10]}); {u['model_bytes'] / 1e6:.1f} MB on disk.",
         "",
         f"Quality of the trained model (fp32, eager; {ev['sampler']} {ev['steps']} steps, {ev['per_class']} images "
         "per class prompt): the share the bundled Fashion-MNIST classifier assigns to the prompt's class, and "
@@ -281,6 +296,58 @@ def t2i_model_table() -> str:
     return "\n".join(lines)
 
 
+def t2i_quality_tables() -> str:
+    """``benchmarks/t2i_quality.py``: conditional accuracy / FD-FMNIST per sampler, steps and guidance, one table
+    per system (backend and dtype)."""
+    parts = []
+    for path in sorted(RESULTS.glob("t2i-quality-*.json")):
+        d = json.loads(path.read_text())
+        env, cfg = d["env"], d["config"]
+        guidances = sorted({r["guidance"] for r in d["results"]})
+        images = sorted({r["images"] for r in d["results"]})
+        lines = [
+            f"From `{path.relative_to(ROOT)}`: **{cfg['model']}**, {'/'.join(f'{n:,}' for n in images)} images per "
+            f"configuration ({cfg['per_class']:,} per class prompt, the same seeds in every configuration); each cell "
+            "is conditional accuracy / FD-FMNIST against the 10,000 test images — "
+            f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, git {env['git_sha']}, {env['date'][:10]}.",
+        ]
+        for system in dict.fromkeys(r["system"] for r in d["results"]):
+            rows = [r for r in d["results"] if r["system"] == system]
+            lines += [
+                "",
+                f"**{system}**",
+                "",
+                "| sampler | steps | " + " | ".join(f"guidance {g:g}" for g in guidances) + " |",
+                "| --- | ---: |" + " ---: |" * len(guidances),
+            ]
+            for sampler, steps in dict.fromkeys((r["sampler"], r["steps"]) for r in rows):
+                cells = {r["guidance"]: r for r in rows if (r["sampler"], r["steps"]) == (sampler, steps)}
+                lines.append(
+                    f"| {sampler} | {steps} | "
+                    + " | ".join(
+                        f"{100 * cells[g]['accuracy']:.1f}% / {cells[g]['fd_fmnist']:.1f}" if g in cells else "—"
+                        for g in guidances
+                    )
+                    + " |"
+                )
+            at3 = [r for r in rows if r["guidance"] == 3 and r["steps"] == 20]
+            best = min(rows, key=lambda r: r["fd_fmnist"])
+            if at3:
+                acc = [100 * r["accuracy"] for r in at3]
+                fd = [r["fd_fmnist"] for r in at3]
+                lines += [
+                    "",
+                    f"Guidance 3, 20 steps: accuracy {min(acc):.1f}–{max(acc):.1f}% (target ≥ 95%: "
+                    f"{'met' if min(acc) >= 95 else 'missed'}), FD-FMNIST {min(fd):.1f}–{max(fd):.1f} (target ≤ 5: "
+                    f"{'met' if max(fd) <= 5 else 'missed'}). Lowest FD-FMNIST: {best['fd_fmnist']:.1f} "
+                    f"({best['sampler']} {best['steps']} steps, guidance {best['guidance']:g}, accuracy "
+                    f"{100 * best['accuracy']:.1f}%).",
+                ]
+        lines += ["", freshness(env["git_sha"], "t2i-quality")]
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) or "_No text-to-image quality grid committed yet._"
+
+
 SECTIONS = {
     "kernels": kernels_table,
     "fd": fd_table,
@@ -290,6 +357,7 @@ SECTIONS = {
     "serve": serve_table,
     "t2i": t2i_tables,
     "t2i-model": t2i_model_table,
+    "t2i-quality": t2i_quality_tables,
 }
 
 
