@@ -15,10 +15,28 @@ Epilogue order, in fp32, per output element ``(n, c, h, w)``::
     y = activation(y)                     # None | "silu" | "gelu" (exact, erf) | "relu"
     y = y + residual[n, c, h, w]          # conv2: hidden + shortcut ...
     y = y * out_scale                     # ... then x 1/output_scale_factor
+
+GroupNorm folded into the convs (:class:`FoldedGroupNorm`; a ResnetBlock2D's ``GroupNorm -> SiLU -> conv`` without
+the standalone norm pass)::
+
+    conv2d(x, w1, ..., stats=fold)   # producer: after the epilogue, partial statistics of the output
+    conv2d(h, w2, ..., norm=fold)    # consumer: conv(act(group_norm(h) * gamma + beta)), normalised on load
+
+* Statistics (producer): per (row tile, image, group) the (count, mean, M2) of the values *as stored* (rounded to
+  the output dtype: exactly the tensor the consumer normalises): a corrected two-pass mean / M2 per channel over
+  the tile's rows of each image (a row tile may hold rows of several images), then Chan's combination over the
+  group's channels in the tile (a group may be narrower than the channel tile, or wider: then its channel tiles
+  each write a part). No atomics, no sum of squares: robust when ``|mean| >> std``.
+* Finalize (consumer, :func:`finalize_group_stats`): one tiny launch of N*G programs merges each (image, group)'s
+  partials (Chan) into ``mean_rstd`` [N, G, 2] fp32.
+* Prologue (consumer): each A element is ``act((x - mean[n, g]) * rstd[n, g] * gamma[c] + beta[c])`` in fp32,
+  rounded to the input dtype for the dot; padding taps stay exactly 0 (the reference pads the normalised tensor);
+  with ``upsample`` the low-resolution pixel is normalised (nearest upsampling keeps the group statistics).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,6 +54,7 @@ from fastdiff.kernels.common import (
     check_activation,
     num_sms,
 )
+from fastdiff.kernels.group_norm_act import merge_stats
 from fastdiff.kernels.registry import KernelOp
 
 
@@ -62,6 +81,57 @@ def _packed_kernel_size(packed: torch.Tensor, cin: int) -> int:
             f"packed conv weight shape {tuple(packed.shape)} does not match [KH*KW*Cin, Cout] for Cin={cin}"
         )
     return ksize
+
+
+@dataclass(eq=False)
+class FoldedGroupNorm:
+    """A GroupNorm (+ activation) folded into the conv that produces its input and the conv that consumes it.
+
+    ``groups``, ``eps``, ``activation`` and the affine ``weight``/``bias`` ([C], both or neither, contiguous, on
+    the conv's device; read as fp32) are the norm's. ``conv2d(..., stats=fold)`` fills ``partials`` (fp32 [N, G,
+    row-tile slots, channel-tile parts, (count, mean, M2)], laid out by that call's tiles, kept in ``tiles``);
+    ``conv2d(..., norm=fold)`` merges them into ``mean_rstd`` (fp32 [N, G, (mean, 1/sqrt(var + eps))]) and
+    normalises its input with them. The buffers are allocated on the first call and reused while the shapes stay
+    the same (CUDA-graph safe). :func:`conv2d_ref` with ``stats=fold`` sets ``mean_rstd`` directly (``partials``
+    None); so may any other source of the input's statistics.
+    """
+
+    groups: int
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    eps: float = 1e-5
+    activation: str | None = None
+    partials: torch.Tensor | None = field(default=None, init=False, repr=False)
+    mean_rstd: torch.Tensor | None = field(default=None, init=False, repr=False)
+    tiles: tuple[int, int, int, int] | None = field(default=None, init=False, repr=False)
+    """(BLOCK_M, BLOCK_N, Ho*Wo, Cout) of the conv that wrote ``partials``."""
+
+    def __post_init__(self) -> None:
+        check_activation(self.activation)
+        if isinstance(self.groups, bool) or not isinstance(self.groups, int) or self.groups < 1:
+            raise FastdiffError(f"GroupNorm groups must be a positive int, got {self.groups!r}")
+        if (self.weight is None) != (self.bias is None):
+            raise FastdiffError("GroupNorm weight and bias must be given together (or neither)")
+        if self.eps < 0:
+            raise FastdiffError(f"GroupNorm eps must be >= 0, got {self.eps}")
+
+    def check_channels(self, channels: int, role: str) -> None:
+        """FastdiffError unless the norm fits a tensor of ``channels`` channels (``role``: 'stats' or 'norm')."""
+        if channels % self.groups:
+            raise FastdiffError(f"{role}: {self.groups} GroupNorm groups do not divide {channels} channels")
+        if self.weight is not None and (self.weight.shape != (channels,) or self.bias.shape != (channels,)):
+            raise FastdiffError(
+                f"{role}: GroupNorm weight/bias shapes {tuple(self.weight.shape)}/{tuple(self.bias.shape)} do not "
+                f"fit {channels} channels"
+            )
+
+
+def group_stats_ref(y: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
+    """``[N, G, 2]``: each (image, group)'s mean and ``1/sqrt(var + eps)`` (biased variance) of ``y`` [N, C, H, W],
+    in ``y``'s dtype: what ``F.group_norm`` normalises with."""
+    yg = y.reshape(y.shape[0], groups, -1)
+    var, mean = torch.var_mean(yg, dim=-1, unbiased=False)
+    return torch.stack([mean, torch.rsqrt(var + eps)], dim=-1)
 
 
 def epilogue_ref(
@@ -98,11 +168,17 @@ def conv2d_ref(
     out_scale: float | None = None,
     out: torch.Tensor | None = None,
     upsample: int = 1,
+    norm: FoldedGroupNorm | None = None,
+    stats: FoldedGroupNorm | None = None,
 ) -> torch.Tensor:
-    """Plain torch definition of :func:`conv2d`: (nearest upsampling,) ``F.conv2d``, then the epilogue; raw or
-    packed weights."""
+    """Plain torch definition of :func:`conv2d`: (``F.group_norm`` + activation of the input,) (nearest
+    upsampling,) ``F.conv2d``, then the epilogue; raw or packed weights. With ``stats``, sets ``stats.mean_rstd``
+    to :func:`group_stats_ref` of the result as stored (in ``out``'s dtype when given)."""
     if weight.dim() == 2:
         weight = unpack_conv_weight(weight, x.shape[1])
+    if norm is not None:
+        affine = [None if t is None else t.to(x.dtype) for t in (norm.weight, norm.bias)]
+        x = activation_ref(F.group_norm(x, norm.groups, *affine, norm.eps), norm.activation)
     if upsample > 1:
         x = F.interpolate(x, scale_factor=upsample, mode="nearest")
     y = epilogue_ref(
@@ -114,7 +190,10 @@ def conv2d_ref(
         out_scale,
     )
     if out is not None:
-        return out.copy_(y)
+        y = out.copy_(y)
+    if stats is not None:
+        stats.partials, stats.tiles = None, None
+        stats.mean_rstd = group_stats_ref(y, stats.groups, stats.eps)
     return y
 
 
@@ -154,6 +233,103 @@ def fused_epilogue(
 
 
 @triton.jit
+def _group_norm_tile(
+    a, mask, n_idx, n_first, n_last, offs_k, k_mask, mr_ptr, nw_ptr, nb_ptr, G,
+    CG: tl.constexpr, NPT: tl.constexpr, ACT: tl.constexpr, AFFINE: tl.constexpr,
+):  # fmt: skip
+    """A-tile prologue: input tile ``a`` [rows, channels] -> ``act((a - mean) * rstd * gamma + beta)`` in ``a``'s
+    dtype, with the statistics ``mr_ptr[n, c // CG]`` of each row's sample; masked elements (padding) are 0.
+
+    The tile's rows belong to at most NPT samples from ``n_first`` (clamped to ``n_last``): their statistics are
+    loaded as channel vectors and selected per row (a 2-D gather would be staged through shared memory).
+    """
+    g_k = offs_k // CG
+    mean = tl.load(mr_ptr + (n_first * G + g_k) * 2, mask=k_mask, other=0.0)[None, :]
+    scale = tl.load(mr_ptr + (n_first * G + g_k) * 2 + 1, mask=k_mask, other=0.0)[None, :]
+    for s in tl.static_range(1, NPT):
+        n_s = tl.minimum(n_first + s, n_last)
+        here = (n_idx == n_s)[:, None]
+        mean = tl.where(here, tl.load(mr_ptr + (n_s * G + g_k) * 2, mask=k_mask, other=0.0)[None, :], mean)
+        scale = tl.where(here, tl.load(mr_ptr + (n_s * G + g_k) * 2 + 1, mask=k_mask, other=0.0)[None, :], scale)
+    if AFFINE:
+        scale = scale * tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+    y = (a.to(tl.float32) - mean) * scale
+    if AFFINE:
+        y += tl.load(nb_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+    return apply_activation(tl.where(mask, y, 0.0), ACT).to(a.dtype)  # every activation keeps 0 at 0
+
+
+@triton.jit
+def _tile_group_stats(
+    y, n_idx, offs_n, m_mask, n_mask, pid_m, pid_n, M, HWo, part_ptr, G, S, P,
+    CG: tl.constexpr, GPT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Partial GroupNorm statistics of one output tile ``y`` [BLOCK_M, BLOCK_N] (fp32 of the stored values).
+
+    For each sample among the tile's rows and each group among its channels (at most GPT), stores (count, mean,
+    M2) at ``part_ptr[n, g, pid_m - first row tile of n, pid_n - first channel tile of g]``: per channel a
+    corrected two-pass mean and M2 over the sample's rows (Chan, Golub & LeVeque 1983: the deviations from the
+    rough mean also correct it), then Chan's combination over the group's channels in the tile.
+    """
+    row0 = pid_m * BLOCK_M
+    n_first = row0 // HWo
+    n_last = (tl.minimum(row0 + BLOCK_M, M) - 1) // HWo
+    g_first = (pid_n * BLOCK_N) // CG
+    gi = tl.arange(0, GPT)
+    in_group = ((offs_n // CG - g_first)[:, None] == gi[None, :]) & n_mask[:, None]  # [BLOCK_N, GPT]
+    width = tl.sum(in_group.to(tl.float32), axis=0)  # the group's channels in this tile
+    g_ok = width > 0
+    part = pid_n - ((g_first + gi) * CG) // BLOCK_N
+    for n in range(n_first, n_last + 1):
+        rows = m_mask & (n_idx == n)
+        cnt = tl.sum(rows.to(tl.float32), axis=0)
+        mask = rows[:, None] & n_mask[None, :]
+        rough = tl.sum(tl.where(mask, y, 0.0), axis=0) / cnt
+        dev = tl.where(mask, y - rough[None, :], 0.0)
+        fix = tl.sum(dev, axis=0)  # corrected two-pass: the rough mean's rounding, removed from mean and M2
+        ch_mean = rough + fix / cnt
+        ch_m2 = tl.sum(dev * dev, axis=0) - fix * fix / cnt
+        g_mean = tl.sum(tl.where(in_group, ch_mean[:, None], 0.0), axis=0) / tl.maximum(width, 1.0)
+        spread = ch_mean[:, None] - g_mean[None, :]
+        g_m2 = tl.sum(tl.where(in_group, ch_m2[:, None] + cnt * spread * spread, 0.0), axis=0)
+        slot = pid_m - (n * HWo) // BLOCK_M
+        base = part_ptr + (((n * G + g_first + gi) * S + slot) * P + part) * 3
+        tl.store(base, cnt * width, mask=g_ok)
+        tl.store(base + 1, g_mean, mask=g_ok)
+        tl.store(base + 2, g_m2, mask=g_ok)
+
+
+@triton.jit
+def _group_stats_finalize_kernel(
+    part_ptr, mr_ptr, G, HWo, S, P, eps,
+    CG: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One program per (sample, group): merge its valid partials (Chan) -> mean, 1/sqrt(var + eps)."""
+    pid = tl.program_id(0)
+    n = pid // G
+    g = pid % G
+    slots = ((n + 1) * HWo - 1) // TILE_M - (n * HWo) // TILE_M + 1  # row tiles that hold rows of sample n
+    parts = ((g + 1) * CG - 1) // TILE_N - (g * CG) // TILE_N + 1  # channel tiles that hold channels of group g
+    run_n = tl.zeros([], dtype=tl.float32)
+    run_mean = tl.zeros([], dtype=tl.float32)
+    run_m2 = tl.zeros([], dtype=tl.float32)
+    for i0 in range(0, slots * P, BLOCK):
+        offs = i0 + tl.arange(0, BLOCK)
+        ok = (offs < slots * P) & (offs % P < parts)
+        ptrs = part_ptr + (pid.to(tl.int64) * S * P + offs) * 3
+        cnt = tl.load(ptrs, mask=ok, other=0.0)
+        means = tl.load(ptrs + 1, mask=ok, other=0.0)
+        m2s = tl.load(ptrs + 2, mask=ok, other=0.0)
+        c_n = tl.sum(cnt, axis=0)
+        c_mean = tl.sum(cnt * means, axis=0) / tl.maximum(c_n, 1.0)
+        dev = means - c_mean
+        c_m2 = tl.sum(m2s + cnt * dev * dev, axis=0)
+        run_n, run_mean, run_m2 = merge_stats(run_n, run_mean, run_m2, c_n, c_mean, c_m2)
+    tl.store(mr_ptr + pid * 2, run_mean)
+    tl.store(mr_ptr + pid * 2 + 1, tl.math.rsqrt(run_m2 / run_n + eps))
+
+
+@triton.jit
 def _conv2d_kernel(
     x_ptr,
     w_ptr,
@@ -161,6 +337,10 @@ def _conv2d_kernel(
     temb_ptr,
     res_ptr,
     out_ptr,
+    mr_ptr,
+    nw_ptr,
+    nb_ptr,
+    part_ptr,
     M,
     H,
     W,
@@ -183,6 +363,10 @@ def _conv2d_kernel(
     stride_oh,
     stride_ow,
     out_scale,
+    NORM_G,
+    STATS_G,
+    STATS_S,
+    STATS_P,
     STRIDE: tl.constexpr,
     PAD: tl.constexpr,
     KSIZE: tl.constexpr,
@@ -192,6 +376,14 @@ def _conv2d_kernel(
     HAS_RES: tl.constexpr,
     ACT: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    NORM_CG: tl.constexpr,
+    NORM_NPT: tl.constexpr,
+    NORM_ACT: tl.constexpr,
+    NORM_AFFINE: tl.constexpr,
+    HAS_STATS: tl.constexpr,
+    STATS_CG: tl.constexpr,
+    STATS_GPT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -218,6 +410,8 @@ def _conv2d_kernel(
     ih0 = oh * STRIDE - PAD
     iw0 = ow * STRIDE - PAD
     x_rows = x_ptr + n_idx.to(tl.int64) * stride_xn
+    n_first = (pid_m * BLOCK_M) // (Ho * Wo)  # the samples of this row tile: n_first .. at most n_last
+    n_last = (M - 1) // (Ho * Wo)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_chunks = tl.cdiv(Cin, BLOCK_K)
@@ -232,7 +426,13 @@ def _conv2d_kernel(
         k_mask = offs_k < Cin
         # H, W are the (virtually) upsampled sizes: pixel (ih, iw) is stored at (ih // UP, iw // UP).
         a_ptrs = (x_rows + (ih // UP) * stride_xh + (iw // UP) * stride_xw)[:, None] + offs_k[None, :] * stride_xc
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_mask[None, :], other=0.0)
+        a_mask = row_ok[:, None] & k_mask[None, :]
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        if HAS_NORM:
+            a = _group_norm_tile(
+                a, a_mask, n_idx, n_first, n_last, offs_k, k_mask, mr_ptr, nw_ptr, nb_ptr, NORM_G,
+                NORM_CG, NORM_NPT, NORM_ACT, NORM_AFFINE,
+            )  # fmt: skip
         b_ptrs = w_ptr + (tap * Cin + offs_k)[:, None] * Cout + offs_n[None, :]
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc)
@@ -244,7 +444,13 @@ def _conv2d_kernel(
     )  # fmt: skip
     out_rows = out_ptr + n_idx.to(tl.int64) * stride_on + oh * stride_oh + ow * stride_ow
     out_ptrs = out_rows[:, None] + offs_n[None, :] * stride_oc
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    y = acc.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptrs, y, mask=m_mask[:, None] & n_mask[None, :])
+    if HAS_STATS:
+        _tile_group_stats(
+            y.to(tl.float32), n_idx, offs_n, m_mask, n_mask, pid_m, pid_n, M, Ho * Wo, part_ptr, STATS_G, STATS_S,
+            STATS_P, STATS_CG, STATS_GPT, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
 
 
 def _pow2_at_least(value: int, low: int, high: int) -> int:
@@ -271,6 +477,79 @@ def _gemm_blocks(
     num_warps = 8 if block_m * block_n >= 128 * 128 else 4
     num_stages = 3 if dtype.itemsize <= 2 else 2  # fp32 tiles are twice the shared memory per stage
     return block_m, block_n, block_k, num_warps, num_stages
+
+
+def _stats_layout(n: int, hw: int, cout: int, groups: int, block_m: int, block_n: int) -> tuple[int, int, int]:
+    """(row-tile slots per sample, channel-tile parts per group, groups per channel tile as a power of two) of
+    the partial-statistics buffer of a conv with these tiles: a sample's rows span at most ``slots`` row tiles
+    (one more than ``ceil(hw / block_m)`` when samples straddle tiles), a group's channels ``parts`` channel
+    tiles."""
+    cg = cout // groups
+    slots = triton.cdiv(hw, block_m) + (1 if n > 1 and hw % block_m else 0)
+    parts = max(((g + 1) * cg - 1) // block_n - g * cg // block_n + 1 for g in range(groups))
+    per_tile = max(
+        (min((t + 1) * block_n, cout) - 1) // cg - t * block_n // cg + 1 for t in range(triton.cdiv(cout, block_n))
+    )
+    return slots, parts, triton.next_power_of_2(per_tile)
+
+
+def _samples_per_tile(n: int, hw: int, block_m: int) -> int:
+    """Most samples the rows of one ``block_m`` row tile can belong to (``hw`` rows per sample)."""
+    if hw % block_m == 0:
+        return 1
+    if block_m % hw == 0:
+        return min(n, block_m // hw)
+    return min(n, (block_m - 1) // hw + 2)
+
+
+def finalize_group_stats(fold: FoldedGroupNorm) -> torch.Tensor:
+    """``fold.mean_rstd`` [N, G, 2] fp32 (mean, 1/sqrt(var + eps)) from the partials the last ``stats=fold`` conv
+    wrote: one launch of N*G tiny programs, each merging its (sample, group)'s partials (Chan). Without partials
+    (statistics set by :func:`conv2d_ref` or another source) ``fold.mean_rstd`` is returned as it is."""
+    if fold.partials is None:
+        if fold.mean_rstd is None:
+            raise FastdiffError("norm= needs its input's statistics: run the conv producing it with stats= first")
+        return fold.mean_rstd
+    n, groups, slots, parts, _ = fold.partials.shape
+    block_m, block_n, hw, channels = fold.tiles
+    device = fold.partials.device
+    mr = fold.mean_rstd
+    if mr is None or mr.shape != (n, groups, 2) or mr.dtype != torch.float32 or mr.device != device:
+        fold.mean_rstd = torch.empty((n, groups, 2), device=device, dtype=torch.float32)
+    block = min(1024, triton.next_power_of_2(slots * parts))
+    _group_stats_finalize_kernel[(n * groups,)](
+        fold.partials, fold.mean_rstd, groups, hw, slots, parts, float(fold.eps),
+        CG=channels // groups, TILE_M=block_m, TILE_N=block_n, BLOCK=block, num_warps=1 if block <= 128 else 4,
+    )  # fmt: skip
+    return fold.mean_rstd
+
+
+def _check_fold(fold: Any, role: str, channels: int, device: torch.device) -> None:
+    if not isinstance(fold, FoldedGroupNorm):
+        raise FastdiffError(f"{role} must be a FoldedGroupNorm, got {type(fold).__name__}")
+    fold.check_channels(channels, role)
+    if fold.weight is not None and (fold.weight.device != device or fold.bias.device != device):
+        raise FastdiffError(f"{role}: GroupNorm weight/bias are on {fold.weight.device} but the input is on {device}")
+    if fold.weight is not None and not (fold.weight.is_contiguous() and fold.bias.is_contiguous()):
+        raise FastdiffError(f"{role}: GroupNorm weight and bias must be contiguous")
+
+
+def _check_norm_input(
+    norm: FoldedGroupNorm, stats: FoldedGroupNorm | None, n: int, cin: int, device: torch.device
+) -> None:
+    """FastdiffError unless ``norm`` fits the input and holds statistics of an [n, cin, ...] tensor."""
+    _check_fold(norm, "norm", cin, device)
+    if norm is stats:
+        raise FastdiffError("norm and stats must be different FoldedGroupNorms (the input's and the output's)")
+    source = norm.partials if norm.partials is not None else norm.mean_rstd
+    if source is None:
+        raise FastdiffError("norm= needs its input's statistics: run the conv producing it with stats= first")
+    if tuple(source.shape[:2]) != (n, norm.groups) or (norm.tiles is not None and norm.tiles[3] != cin):
+        channels = norm.tiles[3] if norm.tiles is not None else "?"
+        raise FastdiffError(
+            f"norm: its statistics are of {source.shape[0]} samples x {channels} channels in {source.shape[1]} "
+            f"groups, the input has {n} x {cin} in {norm.groups}"
+        )
 
 
 def check_epilogue_args(
@@ -316,6 +595,8 @@ def conv2d(
     out_scale: float | None = None,
     out: torch.Tensor | None = None,
     upsample: int = 1,
+    norm: FoldedGroupNorm | None = None,
+    stats: FoldedGroupNorm | None = None,
 ) -> torch.Tensor:
     """Fused conv2d: ``((act(conv(x, w) + bias + time_emb[:, :, None, None]) + residual) * out_scale``.
 
@@ -325,6 +606,10 @@ def conv2d(
     channels-last ``[N, Cout, Ho, Wo]`` tensor is returned. Accumulation is fp32 (a tf32 dot for fp32
     inputs on the GPU). ``upsample=k`` convolves the nearest-neighbour x``k`` upsampling of ``x`` without
     materialising it (the U-Net's Upsample2D: interpolate then conv, in one launch).
+
+    GroupNorm folding (module docstring): ``norm=fold`` convolves ``act(group_norm(x))`` instead of ``x``, with
+    the statistics a ``stats=fold`` conv wrote for ``x`` (one extra tiny finalize launch first); ``stats=fold``
+    writes the statistics of this conv's output (as stored) for the ``norm=fold`` conv that consumes it.
     """
     if x.dim() != 4:
         raise FastdiffError(f"conv2d input must be 4-D [N, C, H, W], got shape {tuple(x.shape)}")
@@ -349,22 +634,45 @@ def conv2d(
     if weight.device != x.device or weight.dtype != x.dtype:
         raise FastdiffError(f"weight ({weight.dtype}, {weight.device}) must match input ({x.dtype}, {x.device})")
     check_epilogue_args(n, cout, (ho, wo), x.device, bias, time_emb, residual, activation, out)
+    if norm is not None:
+        _check_norm_input(norm, stats, n, cin, x.device)
+    if stats is not None:
+        _check_fold(stats, "stats", cout, x.device)
+    mean_rstd = None
+    if norm is not None:
+        mean_rstd = finalize_group_stats(norm).to(device=x.device, dtype=torch.float32).contiguous()
     if out is None:
         out = torch.empty((n, cout, ho, wo), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
     rows = n * ho * wo
     block_m, block_n, block_k, num_warps, num_stages = _gemm_blocks(rows, cout, cin, x.dtype, x.device)
+    stats_layout = (0, 0, 1)
+    if stats is not None:
+        stats_layout = _stats_layout(n, ho * wo, cout, stats.groups, block_m, block_n)
+        shape = (n, stats.groups, *stats_layout[:2], 3)
+        if stats.partials is None or stats.partials.shape != shape or stats.partials.device != x.device:
+            stats.partials = torch.empty(shape, device=x.device, dtype=torch.float32)
+        stats.tiles = (block_m, block_n, ho * wo, cout)
     temb = time_emb if time_emb is not None else out
     res = residual if residual is not None else out
     grid = (triton.cdiv(rows, block_m) * triton.cdiv(cout, block_n),)
     temb_strides = time_emb.stride() if time_emb is not None else (0, 0)
+    norm_affine = norm is not None and norm.weight is not None
     _conv2d_kernel[grid](
         x, weight, bias if bias is not None else out, temb, res, out,
+        mean_rstd if norm is not None else out, norm.weight if norm_affine else out, norm.bias if norm_affine else out,
+        stats.partials if stats is not None else out,
         rows, h, w, cin, ho, wo, cout,
         *x.stride(), *temb_strides, *res.stride(), *out.stride(),
         1.0 if out_scale is None else float(out_scale),
+        norm.groups if norm is not None else 1, stats.groups if stats is not None else 1, *stats_layout[:2],
         STRIDE=stride, PAD=padding, KSIZE=ksize, UP=upsample,
         HAS_BIAS=bias is not None, HAS_TEMB=time_emb is not None, HAS_RES=residual is not None,
         ACT=ACTIVATIONS[activation], HAS_SCALE=out_scale is not None,
+        HAS_NORM=norm is not None, NORM_CG=cin // norm.groups if norm is not None else 1,
+        NORM_NPT=_samples_per_tile(n, ho * wo, block_m) if norm is not None else 1,
+        NORM_ACT=ACTIVATIONS[norm.activation] if norm is not None else 0, NORM_AFFINE=norm_affine,
+        HAS_STATS=stats is not None, STATS_CG=cout // stats.groups if stats is not None else 1,
+        STATS_GPT=stats_layout[2],
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
@@ -405,7 +713,8 @@ def conv2d_example_inputs(
 
 def conv2d_cost(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float, float]:
     """(FLOPs, bytes) of one call by :func:`fastdiff.kernels.cost_model.conv2d_cost`: the input read at its stored
-    resolution, the output at the (upsampled) conv's, the epilogue operands that are given."""
+    resolution, the output at the (upsampled) conv's, the epilogue operands that are given, a folded GroupNorm's
+    prologue (``norm``) and statistics (``stats``)."""
     x, weight = args[0], args[1]
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
     n, cin, h, w = x.shape
@@ -413,12 +722,16 @@ def conv2d_cost(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float, f
     cout = weight.shape[1] if weight.dim() == 2 else weight.shape[0]
     ksize = round(taps**0.5)
     stride, padding, upsample = kwargs.get("stride", 1), kwargs.get("padding", 0), kwargs.get("upsample", 1)
+    norm, stats = kwargs.get("norm"), kwargs.get("stats")
     ho = (h * upsample + 2 * padding - ksize) // stride + 1
     wo = (w * upsample + 2 * padding - ksize) // stride + 1
     cost = cost_model.conv2d_cost(
         n, cin, cout, ho, wo, ksize, 1, x.element_size(), h, w, bias=bias is not None,
         residual=kwargs.get("residual") is not None, temb=kwargs.get("time_emb") is not None,
         act=kwargs.get("activation"), scale=kwargs.get("out_scale") is not None,
+        norm_groups=norm.groups if norm is not None else 0, norm_act=norm.activation if norm is not None else None,
+        norm_affine=norm is not None and norm.weight is not None,
+        stats_groups=stats.groups if stats is not None else 0,
     )  # fmt: skip
     return cost.flops, cost.bytes
 

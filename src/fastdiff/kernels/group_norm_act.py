@@ -84,8 +84,8 @@ def group_norm_act_ref(
 
 
 @triton.jit
-def _merge_stats(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
-    """Chan's merge of two (count, mean, M2) summaries; ``n_b`` > 0."""
+def merge_stats(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
+    """Chan's merge of two (count, mean, M2) summaries; ``n_a + n_b`` > 0. Also merges conv2d's GroupNorm partials."""
     n = n_a + n_b
     delta = mean_b - mean_a
     frac = n_b / n
@@ -156,9 +156,9 @@ def _block_group_stats(
             nb = tl.minimum(hw_end - h0, BLOCK_HW).to(tl.float32)
             t_mean = tl.sum(tile, axis=0) / nb
             dev = tl.where(mask, tile - t_mean[None, :], 0.0)
-            cnt, ch_mean, ch_m2 = _merge_stats(cnt, ch_mean, ch_m2, nb, t_mean, tl.sum(dev * dev, axis=0))
+            cnt, ch_mean, ch_m2 = merge_stats(cnt, ch_mean, ch_m2, nb, t_mean, tl.sum(dev * dev, axis=0))
         g_n, g_mean, g_m2 = _channels_to_groups(cnt, ch_mean, ch_m2, local_c, c_mask, CG, GPB == 1)
-        run_n, run_mean, run_m2 = _merge_stats(run_n, run_mean, run_m2, g_n, g_mean, g_m2)
+        run_n, run_mean, run_m2 = merge_stats(run_n, run_mean, run_m2, g_n, g_mean, g_m2)
     return run_n, run_mean, run_m2
 
 
