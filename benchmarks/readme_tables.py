@@ -305,12 +305,22 @@ def t2i_quality_tables() -> str:
         env, cfg = d["env"], d["config"]
         guidances = sorted({r["guidance"] for r in d["results"]})
         images = sorted({r["images"] for r in d["results"]})
-        lines = [
-            f"From `{path.relative_to(ROOT)}`: **{cfg['model']}**, {'/'.join(f'{n:,}' for n in images)} images per "
-            f"configuration ({cfg['per_class']:,} per class prompt, the same seeds in every configuration); each cell "
-            "is conditional accuracy / FD-FMNIST against the 10,000 test images — "
-            f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, git {env['git_sha']}, {env['date'][:10]}.",
-        ]
+        where = f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, git {env['git_sha']}, {env['date'][:10]}"
+        lines = [f"From `{path.relative_to(ROOT)}`: **{cfg['model']}**"]
+        if images:
+            lines[0] += (
+                f", {'/'.join(f'{n:,}' for n in images)} images per configuration ({cfg['per_class']:,} per class "
+                "prompt, the same seeds in every configuration); each cell is conditional accuracy / FD-FMNIST "
+                f"against the 10,000 test images — {where}."
+            )
+        if d.get("floor"):
+            f = d["floor"]
+            lines[0] += (
+                f"{'' if images else f' — {where}.'} Floors, which no sampler can beat: {f['images']:,} real "
+                f"training images are at FD-FMNIST {f['fd_fmnist_real_train']:.1f} from the test set and their VAE "
+                f"reconstructions at {f['fd_fmnist_vae_reconstructions']:.1f}; the classifier labels "
+                f"{100 * f['classifier_accuracy_real_test']:.1f}% of the real test images correctly."
+            )
         for system in dict.fromkeys(r["system"] for r in d["results"]):
             rows = [r for r in d["results"] if r["system"] == system]
             lines += [

@@ -28,8 +28,10 @@ sys.path.insert(0, str(ROOT / "src"))
 from fastdiff.atomic import check_output_location, write_text_atomic  # noqa: E402
 from fastdiff.bench.env import environment  # noqa: E402
 from fastdiff.errors import FastdiffError  # noqa: E402
+from fastdiff.models.stable_diffusion import load_stable_diffusion  # noqa: E402
 from fastdiff.quality.classifier import classifier_accuracy, fd_fmnist, load_classifier  # noqa: E402
 from fastdiff.text_to_image import TextToImagePipeline  # noqa: E402
+from fastdiff.train.data import load_fashion_mnist  # noqa: E402
 from fastdiff.train.text_to_image import canonical_prompts  # noqa: E402
 
 log = logging.getLogger("t2i_quality")
@@ -52,6 +54,26 @@ def sample_class_images(pipe: TextToImagePipeline, per_class: int, guidance: flo
     return torch.cat(images), torch.arange(len(prompts)).repeat_interleave(per_class)
 
 
+@torch.no_grad()
+def floors(model: str, images: int, data_dir: Path | None, device: str, classifier) -> dict:
+    """What no sampler can beat: FD-FMNIST of ``images`` real training images and of their VAE reconstructions
+    (posterior mean, decoded, clamped) against the test set, and the classifier's accuracy on the real test images."""
+    train, _ = load_fashion_mnist("train", data_dir)
+    train = train[:images]
+    vae = load_stable_diffusion(model, device=device).vae.eval()
+    recon = torch.cat([
+        vae.decode(vae.encode(train[i : i + 1000].to(device)).mean).clamp(-1, 1).float().cpu()
+        for i in range(0, train.shape[0], 1000)
+    ])  # fmt: skip
+    test, test_labels = load_fashion_mnist("test", data_dir)
+    return {
+        "images": train.shape[0],
+        "fd_fmnist_real_train": fd_fmnist(train, "test", data_dir=data_dir, device=device),
+        "fd_fmnist_vae_reconstructions": fd_fmnist(recon, "test", data_dir=data_dir, device=device),
+        "classifier_accuracy_real_test": classifier_accuracy(classifier, test, test_labels),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="fashion-mnist-t2i")
@@ -63,14 +85,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", type=csv(str), default=["engine-fp16"], help="<eager|engine>-<dtype>")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--data-dir", type=Path, default=None, help="Fashion-MNIST folder (default: Debian's)")
+    parser.add_argument(
+        "--floor",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also measure the floors on N training images (FD-FMNIST of the real images and of "
+        "their VAE reconstructions; the classifier's accuracy on the real test set)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.per_class <= 0:
         raise FastdiffError(f"--per-class must be positive, got {args.per_class}")
+    if args.floor < 0:
+        raise FastdiffError(f"--floor must be >= 0, got {args.floor}")
     check_output_location(args.out, "--out")
     classifier = load_classifier(device=args.device)
     result = {"env": environment(), "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "results": []}  # fmt: skip
+    if args.floor:
+        result["floor"] = floors(args.model, args.floor, args.data_dir, args.device, classifier)
+        log.info("floor: %s", result["floor"])
+        write_text_atomic(args.out, json.dumps(result, indent=1) + "\n")
     for system in args.systems:
         backend, _, dtype = system.rpartition("-")
         pipe = TextToImagePipeline.from_pretrained(args.model, device=args.device, dtype=dtype, backend=backend)
