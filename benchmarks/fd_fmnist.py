@@ -5,6 +5,11 @@
 
 Images b = 0..n-1 use seed b, for every sampler. "sample_seconds" times the n samples on a prepared pipeline
 (weights loaded, kernels compiled, graphs captured by one untimed batch); "ready_seconds" is that preparation.
+A config "sampler:steps:N" samples with step caching (``cache_interval`` N: the whole U-Net every N-th step, its
+shallow path in between; ``fastdiff.models.step_cache``), for a speed vs FD table:
+
+    --configs ddim:20,ddim:20:2,ddim:20:3,ddim:20:5,dpmsolver++:20,dpmsolver++:20:2,dpmsolver++:20:3
+
 Writes the JSON (with env) after every config and prints a Markdown table.
 """
 
@@ -33,11 +38,12 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def generate(pipe: Pipeline, n: int, batch: int) -> torch.Tensor:
+def generate(pipe: Pipeline, n: int, batch: int, cache_interval: int) -> torch.Tensor:
     chunks = []
     for start in range(0, n, batch):
         size = min(batch, n - start)
-        chunks.append(pipe(batch_size=size, seeds=start, output_type="tensor", progress=False).float().cpu())
+        images = pipe(batch_size=size, seeds=start, output_type="tensor", progress=False, cache_interval=cache_interval)
+        chunks.append(images.float().cpu())
     return torch.cat(chunks)
 
 
@@ -49,7 +55,7 @@ def main() -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="fp16")
     p.add_argument("--data", type=Path, default=None)
-    p.add_argument("--configs", default=CONFIGS, help="sampler:steps,...")
+    p.add_argument("--configs", default=CONFIGS, help="sampler:steps[:cache_interval],...")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--grid", type=Path, default=None, help="PNG grid of the first 64 images of each config")
     args = p.parse_args()
@@ -79,29 +85,33 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for spec in args.configs.split(","):
-        sampler, steps = spec.split(":")
+        sampler, steps, *cache = spec.split(":")
+        cache_interval = int(cache[0]) if cache else 1
         t0 = time.perf_counter()
         pipe = Pipeline.from_pretrained(args.model, device=device, dtype=args.dtype, sampler=sampler, steps=int(steps))
-        pipe(batch_size=min(args.batch, args.n), seeds=0, output_type="tensor", progress=False)  # load + capture
+        generate(pipe, min(args.batch, args.n), args.batch, cache_interval)  # load + capture
         _sync(device)
         ready_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        images = generate(pipe, args.n, args.batch)
+        images = generate(pipe, args.n, args.batch, cache_interval)
         _sync(device)
         seconds = time.perf_counter() - t0
         fd = fd_fmnist(images, "test", data_dir=args.data, device=device)
-        rows.append({"sampler": sampler, "steps": int(steps), "fd_fmnist": fd, "sample_seconds": seconds,
-                     "ready_seconds": ready_s, "backend": pipe.backend})  # fmt: skip
-        log.info("%s %s steps: FD-FMNIST %.3f (%.1f s for %d images)", sampler, steps, fd, seconds, args.n)
+        rows.append({"sampler": sampler, "steps": int(steps), "cache_interval": cache_interval, "fd_fmnist": fd,
+                     "sample_seconds": seconds, "ready_seconds": ready_s, "backend": pipe.backend})  # fmt: skip
+        log.info("%s: FD-FMNIST %.3f (%.1f s for %d images)", spec, fd, seconds, args.n)
         if args.grid is not None:
             grid = make_grid(to_pil(images[:64]), nrow=8)
-            save_png_atomic(grid, args.grid.with_name(f"{args.grid.stem}-{sampler}{steps}.png"))
+            suffix = f"-cache{cache_interval}" if cache_interval > 1 else ""
+            save_png_atomic(grid, args.grid.with_name(f"{args.grid.stem}-{sampler}{steps}{suffix}.png"))
         args.out.write_text(json.dumps(result, indent=1) + "\n")  # after every config: a cut run keeps its rows
-    print(f"| sampler | steps | FD-FMNIST ({args.n} samples vs test) | seconds ({args.dtype}, {rows[0]['backend']}) |")
-    print("| --- | ---: | ---: | ---: |")
+    print(f"| sampler | steps | cache interval | FD-FMNIST ({args.n} samples vs test) | seconds ({args.dtype}, "
+          f"{rows[0]['backend']}) |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['sampler']} | {r['steps']} | {r['fd_fmnist']:.2f} | {r['sample_seconds']:.1f} |")
-    print(f"| train set (floor) | — | {floor:.2f} | — |")
+        cells = (r["sampler"], r["steps"], r["cache_interval"], f"{r['fd_fmnist']:.2f}", f"{r['sample_seconds']:.1f}")
+        print("| " + " | ".join(map(str, cells)) + " |")
+    print(f"| train set (floor) | — | — | {floor:.2f} | — |")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import os
 import re
 import stat
@@ -15,9 +16,11 @@ import pytest
 import torch
 
 import fastdiff
+import fastdiff.bench.runner
 from fastdiff import cli
 from fastdiff.cli import build_parser, main
 from fastdiff.errors import FastdiffError
+from fastdiff.images import make_grid
 from fastdiff.pipeline import Pipeline
 
 
@@ -285,3 +288,32 @@ def test_batch_bound_is_the_largest_that_fits(monkeypatch):
     cli.check_batch_fits(711, (1, 12, 12), cpu)
     with pytest.raises(FastdiffError, match="cannot fit"):
         cli.check_batch_fits(712, (1, 12, 12), cpu)
+
+
+def test_cache_interval_flag(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """--cache-interval 2: the grid holds the Pipeline's step-cached images (not the uncached ones) and its PNG
+    records the interval; a bad interval is a one-line error before any loading, in sample and bench."""
+    from PIL import Image
+
+    out = tmp_path / "grid.png"
+    rc = run_cli("sample", "--model", str(tiny_model_dir), "--steps", "3", "--batch", "2", "--seed", "4",
+                 "--device", "cpu", "--cache-interval", "2", "--out", str(out), "--no-progress")  # fmt: skip
+    assert rc == 0
+    with Image.open(out) as image:
+        assert json.loads(image.text["parameters"])["cache_interval"] == 2
+        grid = np.asarray(image)
+    pipe = Pipeline.from_pretrained(tiny_model_dir, device="cpu", steps=3)
+    cached, plain = (make_grid(pipe(batch_size=2, seeds=4, progress=False, cache_interval=n)) for n in (2, 1))
+    assert np.array_equal(grid, np.asarray(cached)) and not np.array_equal(grid, np.asarray(plain))
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the model was loaded before --cache-interval was checked")
+
+    monkeypatch.setattr(fastdiff.pipeline.Pipeline, "from_pretrained", no_work)
+    monkeypatch.setattr(fastdiff.bench.runner, "run_bench", no_work)
+    expected = "fastdiff: error: --cache-interval must be an integer >= 1 (1: no step caching), got 0"
+    for command in ("sample", "bench"):
+        flags = ["--out", str(tmp_path / "bad.png")] if command == "sample" else ["--out-dir", str(tmp_path / "b")]
+        rc = run_expecting_error(command, "--model", str(tiny_model_dir), "--cache-interval", "0", *flags)
+        assert rc == 2 and one_error_line(capsys) == expected
+    assert os.listdir(tmp_path) == ["grid.png"]

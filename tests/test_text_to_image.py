@@ -234,6 +234,7 @@ BAD_CALLS = [
     (dict(prompt=PROMPTS, negative_prompt=["x"]), "got 1 negative prompts for 2 prompts"),
     (dict(prompt="a", latents=torch.zeros(1, 4, 4, 4)), "latents have shape (1, 4, 4, 4)"),
     (dict(prompt="a", output_type="latent"), "unknown output_type"),
+    (dict(prompt="a", cache_interval=0), "cache_interval must be an integer >= 1"),
 ]
 
 
@@ -381,3 +382,21 @@ def test_engine_backend_matches_diffusers(sd15, img2img, monkeypatch):
     ours = engine(PROMPTS, steps=steps, latents=added, progress=False, **kwargs)
     assert engine.uses_engine(shape[1:]) and engine.engine.decoders  # the fused decode ran
     assert max_abs(ours, expected.images) <= TOL
+
+
+def test_step_cache_reaches_both_backends(fast, monkeypatch):
+    """cache_interval reaches the eager loop (``denoise``) and Engine.prepare (the cached loops themselves are
+    tested in tests/engine/test_step_cache.py, ``denoise`` being the reference there)."""
+    seen = []
+
+    def stop(*args, **kwargs):
+        seen.append(args[8] if len(args) > 8 else kwargs["cache_interval"])
+        raise InterruptedError
+
+    monkeypatch.setattr(t2i, "denoise", stop)
+    engine = TextToImagePipeline(fast["sd15"].components, steps=3, backend="engine")
+    monkeypatch.setattr(type(engine.engine), "prepare", stop)
+    for pipe, interval in ((fast["sd15"], 2), (engine, 3)):
+        with pytest.raises(InterruptedError):
+            pipe("a cat", cache_interval=interval, steps=3, progress=False)
+    assert seen == [2, 3]

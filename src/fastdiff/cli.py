@@ -92,6 +92,14 @@ def add_sample_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=positive_int, default=16, help="number of images (of each prompt, with --prompt)")
     p.add_argument("--seed", type=int, default=0, help="seed of the first image (image k uses SEED+k)")
     p.add_argument("--eta", type=float, default=0.0, help="DDIM noise scale (0 = deterministic)")
+    p.add_argument(
+        "--cache-interval",
+        type=int,
+        default=1,
+        metavar="N",
+        help="step caching (DeepCache): the whole U-Net every N-th step, in between only its shallowest level on "
+        "the deep features kept from the last full step (faster, approximate; 1 = off)",
+    )
     p.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"), help="model precision")
     p.add_argument("--device", default="auto", help="auto (GPU if present, else CPU), cpu, cuda or cuda:N")
     p.add_argument("--out", type=Path, default=Path("samples/grid.png"), help="output PNG grid")
@@ -204,11 +212,13 @@ def run_sample(args: argparse.Namespace) -> int:
     from fastdiff.atomic import check_output_location
     from fastdiff.images import make_grid, save_png_atomic
     from fastdiff.pipeline import Pipeline
+    from fastdiff.samplers import check_cache_interval
 
     if args.out.suffix.lower() != ".png":
         raise FastdiffError(f"--out must be a .png file, got {args.out}")
     if args.eta < 0:
         raise FastdiffError(f"--eta must be >= 0, got {args.eta}")
+    check_cache_interval(args.cache_interval, "--cache-interval")
     check_output_location(args.out, "--out")
     if args.save_dir is not None:
         check_output_location(args.save_dir, "--save-dir", folder=True)
@@ -219,10 +229,18 @@ def run_sample(args: argparse.Namespace) -> int:
     params: dict[str, Any] = {"model": str(args.model), "sampler": args.sampler, "steps": pipe.steps, "eta": args.eta}
     if args.karras:
         params["karras"] = True
+    if args.cache_interval > 1:
+        params["cache_interval"] = args.cache_interval
     start = time.perf_counter()
     if args.prompt is None:
         check_batch_fits(args.batch, pipe.sample_shape, pipe.device)
-        images = pipe(batch_size=args.batch, seeds=args.seed, eta=args.eta, progress=not args.no_progress)
+        images = pipe(
+            batch_size=args.batch,
+            seeds=args.seed,
+            eta=args.eta,
+            progress=not args.no_progress,
+            cache_interval=args.cache_interval,
+        )
     else:
         height, width = (init_image.height, init_image.width) if init_image else (args.height, args.width)
         count = args.batch * len(args.prompt)
@@ -245,6 +263,7 @@ def run_sample(args: argparse.Namespace) -> int:
             strength=strength,
             eta=args.eta,
             progress=not args.no_progress,
+            cache_interval=args.cache_interval,
         )
         params.update(width=images[0].width, height=images[0].height)
     seconds = time.perf_counter() - start

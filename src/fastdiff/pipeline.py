@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,7 @@ from torch import nn
 from fastdiff.devices import resolve_device, resolve_dtype
 from fastdiff.errors import FastdiffError
 from fastdiff.images import to_pil
-from fastdiff.models import load_unet
+from fastdiff.models import load_unet, step_cache
 from fastdiff.samplers import Sampler, ScheduleConfig, initial_noise, make_sampler, run_sampler, seed_tensor
 
 if TYPE_CHECKING:
@@ -133,6 +134,7 @@ class Pipeline:
         eta: float = 0.0,
         output_type: str = "pil",
         progress: bool = True,
+        cache_interval: int = 1,
     ):
         """Sample ``batch_size`` images.
 
@@ -140,8 +142,11 @@ class Pipeline:
         ``seeds[b]`` only (not on the batch size). latents: an optional unit-variance x_T [B, C, H, W], scaled
         inside by the sampler's initial noise scale as diffusers pipelines do (step noise still comes from the
         seeds). output_type: "pil" (list of PIL images), "np" (float32 [B, H, W, C] in [0, 1]) or
-        "tensor" ([B, C, H, W] in [-1, 1], on the pipeline's device).
+        "tensor" ([B, C, H, W] in [-1, 1], on the pipeline's device). cache_interval: step caching
+        (``fastdiff.models.step_cache``, DeepCache): a full U-Net forward every N-th step, the shallow path on its
+        deep feature in between (1: off).
         """
+        step_cache.check(self.unet, cache_interval)
         if output_type not in OUTPUT_TYPES:
             raise FastdiffError(f"unknown output_type {output_type!r}: use one of {', '.join(OUTPUT_TYPES)}")
         if batch_size <= 0:
@@ -164,9 +169,9 @@ class Pipeline:
             x_t = initial_noise(seeds, shape, self.device)
         seed_ids = seed_tensor(seeds, self.device)
         if self.backend == "engine":
-            images = self.engine.sample(self.unet, sampler, x_t, seed_ids, self.dtype).clamp(-1, 1)
+            images = self.engine.sample(self.unet, sampler, x_t, seed_ids, self.dtype, cache_interval).clamp(-1, 1)
         else:
-            images = sample_loop(self.unet, sampler, x_t, seed_ids, self.dtype, progress=progress)
+            images = sample_loop(self.unet, sampler, x_t, seed_ids, self.dtype, progress, cache_interval)
         if output_type == "tensor":
             return images
         if output_type == "np":
@@ -182,9 +187,13 @@ def sample_loop(
     seeds: torch.Tensor,
     model_dtype: torch.dtype,
     progress: bool = False,
+    cache_interval: int = 1,
 ) -> torch.Tensor:
     """The eager reference loop from unit-variance x_T (``fastdiff.samplers.run_sampler``): fp32 sampler state,
     the model in ``model_dtype``, step noise drawn per step from ``seeds`` (int64 [B]); returns x_0 clamped to
-    [-1, 1]."""
+    [-1, 1]. ``cache_interval`` N > 1: step caching (``fastdiff.models.step_cache.cached_forward``)."""
+    cached = step_cache.check(unet, cache_interval) > 1
+    model = partial(step_cache.cached_forward, unet) if cached else unet
     x = x_t.to(torch.float32) * sampler.init_scale
-    return run_sampler(unet, sampler, x, seeds, model_dtype, progress=progress).clamp(-1, 1)
+    x = run_sampler(model, sampler, x, seeds, model_dtype, progress=progress, cache_interval=cache_interval)
+    return x.clamp(-1, 1)

@@ -22,6 +22,7 @@ from PIL import Image
 
 from fastdiff.errors import FastdiffError
 from fastdiff.images import to_pil
+from fastdiff.models import step_cache
 from fastdiff.models.autoencoder_kl import AutoencoderKLConfig
 from fastdiff.models.stable_diffusion import (
     StableDiffusionComponents,
@@ -230,6 +231,7 @@ class TextToImagePipeline:
         eta: float = 0.0,
         output_type: str = "pil",
         progress: bool = True,
+        cache_interval: int = 1,
     ) -> list[Image.Image] | np.ndarray | torch.Tensor:
         """Sample ``num_images_per_prompt`` images for each prompt (image order: prompt-major, as diffusers).
 
@@ -247,7 +249,11 @@ class TextToImagePipeline:
 
         output_type: "pil" (list of PIL images), "np" (float32 [N, H, W, 3] in [0, 1]), "pt" ([N, 3, H, W] in
         [0, 1]) or "tensor" ([N, 3, H, W] in [-1, 1]); tensors stay on the pipeline's device.
+
+        cache_interval: step caching (``fastdiff.models.step_cache``, DeepCache): a full U-Net forward every N-th
+        step of the run, the shallow path on its deep feature in between (1: off).
         """
+        step_cache.check(self.unet, cache_interval)
         prompts = [prompt] if isinstance(prompt, str) else prompt
         if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
             raise FastdiffError(f"prompt must be a string or a non-empty list of strings, got {prompt!r}")
@@ -305,14 +311,16 @@ class TextToImagePipeline:
         if self.uses_engine(shape):
             engine = self.engine
             engine.prepare(
-                self.unet, run, count, self.dtype, size=shape[1:], guided=guided, context_tokens=context.shape[1]
-            )
+                self.unet, run, count, self.dtype, size=shape[1:], guided=guided, context_tokens=context.shape[1],
+                cache_interval=cache_interval,
+            )  # fmt: skip
             x0 = engine.run(x, seed_ids, context=context, guidance=guidance, scale=False)
             decoded = engine.decode(self.vae, x0, self.dtype)
         else:
             home = self.unet.conv_in.weight.device  # the engine backend keeps the U-Net in host memory
             try:
-                x0 = denoise(self.unet.to(self.device), run, x, context, guidance, seed_ids, self.dtype, progress)
+                unet = self.unet.to(self.device)
+                x0 = denoise(unet, run, x, context, guidance, seed_ids, self.dtype, progress, cache_interval)
             finally:
                 self.unet.to(home)
             decoded = self.vae.decode((x0 / self.vae.config.scaling_factor).to(self.dtype)).float()
@@ -371,11 +379,17 @@ def denoise(
     seeds: torch.Tensor,
     model_dtype: torch.dtype,
     progress: bool = False,
+    cache_interval: int = 1,
 ) -> torch.Tensor:
     """Run ``sampler`` from state ``x`` (fp32 [B, ...]) conditioned on text states ``context``; returns the clean
     latents. With ``guidance`` [B] the U-Net sees [x; x] against ``context`` = [uncond; cond] (2B rows) and the
-    sampler step combines the halves; step noise is drawn from ``seeds``."""
+    sampler step combines the halves; step noise is drawn from ``seeds``. ``cache_interval`` N > 1: step caching
+    (``fastdiff.models.step_cache.cached_forward``)."""
     context = context.to(model_dtype)
+    if step_cache.check(unet, cache_interval) > 1:
+        model = lambda inp, t, deep: step_cache.cached_forward(unet, inp, t, deep, context)  # noqa: E731
+    else:
+        model = lambda inp, t: unet(inp, t, context)  # noqa: E731
     return run_sampler(
-        lambda inp, t: unet(inp, t, context), sampler, x, seeds, model_dtype, guidance, progress=progress
+        model, sampler, x, seeds, model_dtype, guidance, progress=progress, cache_interval=cache_interval
     )

@@ -52,6 +52,8 @@ def test_unknown_system_and_preset():
         bench.run_text_to_image_bench(bench.TextToImageBenchConfig(systems=("tensorrt-fp16",)))
     with pytest.raises(FastdiffError, match="unknown Stable Diffusion preset .sd9.: choose one of sd15, sd21"):
         bench.run_text_to_image_bench(bench.TextToImageBenchConfig(model="sd9"))
+    with pytest.raises(FastdiffError, match="cache_interval must be an integer >= 1"):
+        bench.run_text_to_image_bench(bench.TextToImageBenchConfig(cache_interval=0))
 
 
 def test_bundled_model_bench_on_cpu():

@@ -61,7 +61,9 @@ def check_fused_plan(fused: FusedModel) -> None:
         t, parent = fused._tensor(v), fused._tensor(v.concat)
         assert t.data_ptr() == parent.data_ptr() + v.channel_offset * item
         assert t.stride() == parent.stride() and tuple(t.shape) == v.shape
-        assert t.untyped_storage().data_ptr() == fused.arena.untyped_storage().data_ptr()
+        # in the arena, but for the concat holding the step cache's deep feature: its own persistent buffer
+        home = fused.persistent[v.concat.name] if v.concat is fused.cached_value.concat else fused.arena
+        assert t.untyped_storage().data_ptr() == home.untyped_storage().data_ptr()
     for v in fused.values:  # every planned tensor lies inside the arena
         if v.concat is None and v.name in fused.plan.offsets:
             t = fused._tensor(v)

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 from fastdiff.atomic import check_output_location, write_text_atomic
-from fastdiff.bench.runner import ALL_SYSTEMS, BenchConfig, result_path, run_bench
+from fastdiff.bench.runner import ALL_SYSTEMS, OPTIONAL_SYSTEMS, BenchConfig, result_path, run_bench
 from fastdiff.cli import HelpFormatter
 from fastdiff.errors import FastdiffError
 
@@ -41,8 +41,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--quality-sampler", default="dpmsolver++", help="sampler of the paired-quality run")
     p.add_argument("--quality-steps", type=int, default=20, help="steps of the paired-quality run")
     p.add_argument("--energy-seconds", type=float, default=5.0, help="length of the NVML energy window")
-    p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma-separated systems to run")
+    p.add_argument(
+        "--systems",
+        default=",".join(ALL_SYSTEMS),
+        help=f"comma-separated systems to run (also: {', '.join(OPTIONAL_SYSTEMS)}: the engine with GroupNorm folded "
+        "into the convs)",
+    )
     p.add_argument("--device", default="cuda", help="cuda or cpu")
+    p.add_argument(
+        "--cache-interval",
+        type=int,
+        default=1,
+        metavar="N",
+        help="step caching (DeepCache) in fastdiff's eager and engine systems: the whole U-Net every N-th step, its "
+        "shallow path in between (1 = off; torch.compile and diffusers always run every step in full)",
+    )
     p.add_argument("--seed", type=int, default=0, help="first seed (image k uses seed+k)")
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"), help="where the JSON goes")
     p.add_argument("--name", default=None, help="result file name stem (default: model-batch-sampler)")
@@ -58,7 +71,7 @@ def run_text_to_image_cli(args: argparse.Namespace) -> int:
     systems = T2I_SYSTEMS if args.systems == ",".join(ALL_SYSTEMS) else tuple(s for s in args.systems.split(",") if s)
     cfg = TextToImageBenchConfig(
         model=args.model, batch=args.batch, steps=args.steps or 20, repeats=args.repeats, systems=systems,
-        seed=args.seed, device=args.device,
+        seed=args.seed, device=args.device, cache_interval=args.cache_interval,
     )  # fmt: skip
     path = args.out_dir / f"{args.name or f't2i-bench-{args.model}-b{args.batch}'}.json"
     check_output_location(path, "--out-dir")
@@ -76,17 +89,19 @@ def run_text_to_image_cli(args: argparse.Namespace) -> int:
 def run_bench_cli(args: argparse.Namespace) -> int:
     from fastdiff.bench.report import markdown_table, plot_result
     from fastdiff.models.stable_diffusion import SD_PRESETS
+    from fastdiff.samplers import check_cache_interval
     from fastdiff.text_to_image import is_text_to_image_dir
 
+    check_cache_interval(args.cache_interval, "--cache-interval")
     if args.model in SD_PRESETS or is_text_to_image_dir(args.model):
         return run_text_to_image_cli(args)
     args.steps = args.steps or 1000
     args.sampler = args.sampler or "ddpm"
 
     systems = tuple(s for s in args.systems.split(",") if s)
-    unknown = [s for s in systems if s not in ALL_SYSTEMS]
+    unknown = [s for s in systems if s not in ALL_SYSTEMS + OPTIONAL_SYSTEMS]
     if unknown:
-        raise FastdiffError(f"unknown system {unknown[0]!r}: choose from {', '.join(ALL_SYSTEMS)}")
+        raise FastdiffError(f"unknown system {unknown[0]!r}: choose from {', '.join(ALL_SYSTEMS + OPTIONAL_SYSTEMS)}")
     cfg = BenchConfig(
         model=args.model,
         batch=args.batch,
@@ -100,6 +115,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         systems=systems,
         seed=args.seed,
         device=args.device,
+        cache_interval=args.cache_interval,
     )
     result = run_bench(cfg)
     path = result_path(result, args.out_dir, args.name)

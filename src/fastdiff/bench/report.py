@@ -20,6 +20,11 @@ def markdown_table(result: dict) -> str:
         f"{env['date'][:10]}. Quality: {cfg['quality_sampler']} {cfg['quality_steps']} steps, same x_T, PSNR vs "
         "fastdiff's eager fp32 and vs diffusers fp32 (its scheduler's default loop)."
     )
+    if cfg.get("cache_interval", 1) > 1:
+        head += (
+            f" Step caching: a full U-Net every {cfg['cache_interval']} steps in the eager and engine rows, their "
+            "shallow path in between (torch.compile and diffusers run every step in full)."
+        )
     lines = [
         head,
         "",

@@ -20,7 +20,7 @@ from fastdiff.devices import DTYPES, synchronize, time_ms
 from fastdiff.errors import FastdiffError
 from fastdiff.models import PRESETS, load_unet
 from fastdiff.quality.psnr import psnr
-from fastdiff.samplers import ScheduleConfig, initial_noise, make_sampler, seed_tensor
+from fastdiff.samplers import ScheduleConfig, check_cache_interval, initial_noise, make_sampler, seed_tensor
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,8 @@ ALL_SYSTEMS = (
     "engine-fp16",
     "engine-bf16",
 )
+OPTIONAL_SYSTEMS = ("engine+fold-fp16", "engine+fold-bf16")
+"""Systems that run only when named in ``--systems``: the engine with GroupNorm folded into the convs."""
 
 
 @dataclass
@@ -55,6 +57,9 @@ class BenchConfig:
     systems: tuple[str, ...] = ALL_SYSTEMS
     seed: int = 0
     device: str = "cuda"
+    cache_interval: int = 1
+    """Step caching (``fastdiff.models.step_cache``) in the eager and engine systems: a full U-Net forward every
+    N-th step (1: off); torch.compile and diffusers run every step in full. Each row's ``extra`` says which."""
 
 
 @dataclass
@@ -91,23 +96,25 @@ def build_system(
     device: torch.device,
     warmup_x: torch.Tensor,
     schedule: ScheduleConfig | None = None,
+    cache_interval: int = 1,
 ) -> System:
-    """The system ``name`` ("<kind>-<dtype>", e.g. "engine-fp16") on ``make_model()``'s weights."""
+    """The system ``name`` ("<kind>-<dtype>", e.g. "engine-fp16") on ``make_model()``'s weights (step caching every
+    ``cache_interval`` steps where the system has it: eager and engine)."""
     kind, _, dtype_name = name.rpartition("-")
     if dtype_name not in DTYPES:
-        raise FastdiffError(f"unknown bench system {name!r}: choose from {', '.join(ALL_SYSTEMS)}")
+        raise FastdiffError(f"unknown bench system {name!r}: choose from {', '.join(ALL_SYSTEMS + OPTIONAL_SYSTEMS)}")
     dtype = DTYPES[dtype_name]
     if kind == "eager":
-        return EagerSystem(make_model, dtype, device)
+        return EagerSystem(make_model, dtype, device, cache_interval)
     if kind == "compile":
         return CompileSystem(make_model, dtype, device, warmup_x)
     if kind == "diffusers":
         return DiffusersSystem(make_model, dtype, device, schedule)
     if kind == "diffusers+compile":
         return DiffusersSystem(make_model, dtype, device, schedule, compile_warmup=warmup_x)
-    if kind == "engine":
-        return EngineSystem(make_model, dtype, device, warmup_x)
-    raise FastdiffError(f"unknown bench system {name!r}: choose from {', '.join(ALL_SYSTEMS)}")
+    if kind in ("engine", "engine+fold"):
+        return EngineSystem(make_model, dtype, device, warmup_x, cache_interval, fold_norms=kind == "engine+fold")
+    raise FastdiffError(f"unknown bench system {name!r}: choose from {', '.join(ALL_SYSTEMS + OPTIONAL_SYSTEMS)}")
 
 
 def skip_reason(name: str, device: torch.device, model_class: str) -> str | None:
@@ -138,6 +145,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         raise FastdiffError("bench on cuda asked for but no CUDA GPU is available (use --device cpu)")
     if cfg.timed_steps <= 0 or cfg.steps <= 0 or cfg.batch <= 0:
         raise FastdiffError("steps, timed steps and batch must be positive")
+    check_cache_interval(cfg.cache_interval)
     probe = load_unet(cfg.model, device="cpu")
     model_class = type(probe).__name__
     random_weights = cfg.model in PRESETS and getattr(probe, "scheduler_config", None) is None
@@ -167,7 +175,10 @@ def run_bench(cfg: BenchConfig) -> dict:
             log.info("%s: %s", name, row.error)
             continue
         try:
-            system = build_system(name, seeded_model_factory(cfg.model, cfg.seed), device, x_t, schedule)
+            system = build_system(
+                name, seeded_model_factory(cfg.model, cfg.seed), device, x_t, schedule, cfg.cache_interval
+            )
+            row.extra["cache_interval"] = system.cache_interval
             measure_system(row, system, cfg, device, sampler, q_sampler,
                            x_t, seeds, timed, meter, idle_w)  # fmt: skip
             final = row.extra.pop("final").clamp(-1, 1)

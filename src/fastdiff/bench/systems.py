@@ -2,31 +2,37 @@
 
 All systems share the model weights and the seeds' unit-variance x_T. Ours use fastdiff's device-side samplers (step
 noise drawn from the seeds); the diffusers systems use diffusers' own schedulers with their default options, as a
-diffusers user would (stochastic steps draw diffusers' own noise).
+diffusers user would (stochastic steps draw diffusers' own noise). Step caching (``cache_interval`` > 1,
+``fastdiff.models.step_cache``) applies to the eager and engine systems; torch.compile and diffusers run every step
+in full.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
 
 from fastdiff.engine import DEFAULT_STEPS_PER_GRAPH, Engine, kernel_cache_state
+from fastdiff.models import step_cache
 from fastdiff.samplers import SAMPLER_SCHEDULERS, Sampler, ScheduleConfig, run_sampler
 
 log = logging.getLogger(__name__)
 
 
 class System:
-    """One way to run the sampling loop. ``run(x_T, seeds, sampler, num_steps)`` runs steps 0..num_steps-1."""
+    """One way to run the sampling loop. ``run(x_T, seeds, sampler, num_steps)`` runs steps 0..num_steps-1, with a
+    full U-Net forward every ``cache_interval``-th step (step caching; 1: every step)."""
 
     name: str = ""
     notes: str = ""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, cache_interval: int = 1) -> None:
         self.dtype = dtype
+        self.cache_interval = cache_interval
         self.facts: dict[str, object] = {}
         """What ``prepare()`` found out that the result should carry (copied into the row's ``extra``)."""
 
@@ -37,24 +43,37 @@ class System:
         raise NotImplementedError
 
 
+def cache_note(cache_interval: int) -> str:
+    """The notes' words for step caching (empty without it)."""
+    return f"step cache: full U-Net every {cache_interval} steps" if cache_interval > 1 else ""
+
+
 class EagerSystem(System):
     """fastdiff's plain PyTorch model and sampler (fp32 is the reference of every quality number)."""
 
-    def __init__(self, make_model: Callable[[], nn.Module], dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__(dtype)
+    def __init__(
+        self, make_model: Callable[[], nn.Module], dtype: torch.dtype, device: torch.device, cache_interval: int = 1
+    ) -> None:
+        super().__init__(dtype, cache_interval)
         self.make_model, self.device = make_model, device
         self.name = "eager"
+        self.notes = cache_note(cache_interval)
 
     def prepare(self) -> None:
         self.model = self.make_model().to(device=self.device, dtype=self.dtype).eval()
 
     @torch.no_grad()
     def run(self, x_t, seeds, sampler, num_steps):
-        return run_sampler(self.model, sampler, x_t * sampler.init_scale, seeds, self.dtype, num_steps=num_steps)
+        model = self.model if self.cache_interval == 1 else partial(step_cache.cached_forward, self.model)
+        x = x_t * sampler.init_scale
+        return run_sampler(
+            model, sampler, x, seeds, self.dtype, num_steps=num_steps, cache_interval=self.cache_interval
+        )
 
 
 class CompileSystem(EagerSystem):
-    """torch.compile(mode="reduce-overhead") of fastdiff's eager model; compilation counts in time-to-ready."""
+    """torch.compile(mode="reduce-overhead") of fastdiff's eager model; compilation counts in time-to-ready. Every
+    step in full (no step cache)."""
 
     def __init__(self, make_model, dtype, device, warmup_batch: torch.Tensor) -> None:
         super().__init__(make_model, dtype, device)
@@ -136,16 +155,23 @@ class EngineSystem(System):
         dtype: torch.dtype,
         device: torch.device,
         warmup_batch: torch.Tensor | None = None,
+        cache_interval: int = 1,
+        fold_norms: bool = False,
     ) -> None:
-        super().__init__(dtype)
+        super().__init__(dtype, cache_interval)
         self.make_model, self.device, self.warmup_batch = make_model, torch.device(device), warmup_batch
-        self.name = "engine"
+        self.fold_norms = fold_norms
+        self.name = "engine+fold" if fold_norms else "engine"
         self.notes = f"fused kernels + planned buffers + CUDA graphs of {DEFAULT_STEPS_PER_GRAPH} steps"
+        if fold_norms:
+            self.notes += "; GroupNorms folded into the convs around them (fold_norms=True)"
+        if cache_interval > 1:
+            self.notes += f"; {cache_note(cache_interval)}"
 
     def prepare(self) -> None:
         cache = kernel_cache_state()
         self.model = self.make_model().eval()
-        self.engine = Engine(self.device)
+        self.engine = Engine(self.device, fold_norms=self.fold_norms)
         if self.warmup_batch is not None:
             step = self.engine.step_model(self.model, self.warmup_batch.shape[0], self.dtype)
             if getattr(step, "ops_timed", 0):  # the files existed but not for these shapes: it timed and compiled
@@ -154,5 +180,5 @@ class EngineSystem(System):
 
     @torch.no_grad()
     def run(self, x, seeds, sampler, num_steps):
-        self.engine.prepare(self.model, sampler, x.shape[0], self.dtype)
+        self.engine.prepare(self.model, sampler, x.shape[0], self.dtype, cache_interval=self.cache_interval)
         return self.engine.run(x, seeds, num_steps)

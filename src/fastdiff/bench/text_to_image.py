@@ -12,6 +12,9 @@ one call (text encoding, all steps, VAE decode, to a [0, 1] tensor) as the media
 U-Net step (diffusers and fastdiff eager: one U-Net call on the guided batch; the engine: a full captured loop
 divided by its steps, so its figure includes the fused sampler step), the peak GPU memory while ready and while
 sampling, the weight bytes on the GPU, and the PSNR of the images against diffusers fp32 from the same latents.
+With ``cache_interval`` > 1 fastdiff's systems cache steps (``fastdiff.models.step_cache``: a full U-Net every N-th
+step) while diffusers runs every step, so their PSNR also measures what the caching changes; the engine's per-step
+time then averages full and shallow steps, the eager one stays one full U-Net call.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from fastdiff.models.stable_diffusion import (
     random_components,
 )
 from fastdiff.quality.psnr import psnr
-from fastdiff.samplers import initial_noise, seed_tensor
+from fastdiff.samplers import check_cache_interval, initial_noise, seed_tensor
 from fastdiff.text_to_image import is_text_to_image_dir, vae_scale_factor
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,9 @@ class TextToImageBenchConfig:
     systems: tuple[str, ...] = T2I_SYSTEMS
     seed: int = 0
     device: str = "cuda"
+    cache_interval: int = 1
+    """Step caching (``fastdiff.models.step_cache``) in fastdiff's systems: a full U-Net forward every N-th step
+    (1: off); diffusers runs every step in full. Each row's ``extra`` says which."""
 
 
 @dataclass
@@ -156,7 +162,7 @@ class FastdiffT2I:
     def generate(self, prompts: list[str], latents: torch.Tensor, cfg: TextToImageBenchConfig) -> torch.Tensor:
         return self.pipe(
             prompts, guidance_scale=cfg.guidance, height=cfg.height, width=cfg.width, latents=latents,
-            steps=cfg.steps, output_type="pt", progress=False,
+            steps=cfg.steps, output_type="pt", progress=False, cache_interval=cfg.cache_interval,
         ).float()  # fmt: skip
 
     @property
@@ -186,6 +192,7 @@ def run_text_to_image_bench(cfg: TextToImageBenchConfig, on_row: Callable[[dict]
         kind, _, dtype_name = name.rpartition("-")
         if kind not in T2I_KINDS or dtype_name not in DTYPES:
             raise FastdiffError(f"unknown system {name!r}: <kind>-<dtype> with kind one of {', '.join(T2I_KINDS)}")
+    check_cache_interval(cfg.cache_interval)
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise FastdiffError("bench on cuda asked for but no CUDA GPU is available")
@@ -214,6 +221,7 @@ def run_text_to_image_bench(cfg: TextToImageBenchConfig, on_row: Callable[[dict]
         kind, _, dtype_name = name.rpartition("-")
         dtype = DTYPES[dtype_name]
         row = T2IRow(system=kind, dtype=dtype_name)
+        row.extra["cache_interval"] = 1 if kind.startswith("diffusers") else cfg.cache_interval
         try:
             if kind.startswith("diffusers"):
                 system: DiffusersT2I | FastdiffT2I = DiffusersT2I(comps, dtype, device, compiled="compile" in kind)

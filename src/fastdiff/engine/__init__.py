@@ -6,7 +6,9 @@ U-Nets take ``guided=True`` (the U-Net runs on [x; x] against [uncond; cond] tex
 combines the halves) and ``Engine.run(..., context=, guidance=)``; ``Engine.decode(vae, latents)`` runs the VAE
 decode as a second captured graph. Every family of :mod:`fastdiff.engine.lower` runs on
 :class:`~fastdiff.engine.executor.FusedModel`; ``unet_impl="eager"`` (and any other model class) runs the model's
-own forward in the engine dtype with channels-last memory, still inside the captured loop.
+own forward in the engine dtype with channels-last memory, still inside the captured loop. ``cache_interval``
+N > 1 (``Engine.prepare``) turns on step caching (``fastdiff.models.step_cache``): every N-th step a full U-Net
+forward, the others its shallow path on the kept deep feature (see ``graph.py`` for how the graphs follow it).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from fastdiff.engine.graph import CapturedForward, SamplingLoop, StepModel, chan
 from fastdiff.engine.lower import lowering_for, supports
 from fastdiff.engine.weights import WeightStreamer
 from fastdiff.errors import FastdiffError
+from fastdiff.models import step_cache
 from fastdiff.samplers import Sampler
 
 log = logging.getLogger(__name__)
@@ -38,13 +41,16 @@ __all__ = ["DEFAULT_STEPS_PER_GRAPH", "EagerStepModel", "Engine", "FusedModel", 
 
 class EagerStepModel:
     """A model's own forward in the engine dtype, channels-last, with t selected on the device per step (and the
-    text states of ``set_context`` for text-conditioned models, ``context_shape`` [B, L, D])."""
+    text states of ``set_context`` for text-conditioned models, ``context_shape`` [B, L, D]). With step caching, a
+    full step copies the deep feature of ``fastdiff.models.step_cache.cached_forward`` into ``deep`` (a static
+    buffer, so captured graphs can share it) and a shallow step reads it."""
 
     def __init__(
         self, model: nn.Module, dtype: torch.dtype, device: torch.device, context_shape: tuple | None = None
     ) -> None:
         self.model = copy.deepcopy(model).to(device=device, dtype=dtype, memory_format=torch.channels_last).eval()
         self.context = None if context_shape is None else torch.zeros(context_shape, dtype=dtype, device=device)
+        self.deep: torch.Tensor | None = None  # allocated by the first full step (outside graph capture)
 
     def set_context(self, context: torch.Tensor) -> None:
         if self.context is None or tuple(context.shape) != tuple(self.context.shape):
@@ -52,9 +58,19 @@ class EagerStepModel:
         self.context.copy_(context)
 
     def bind_timesteps(self, timesteps: torch.Tensor) -> StepModel:
-        def step(x_in: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        def step(x_in: torch.Tensor, index: torch.Tensor, shallow: bool | None = None) -> torch.Tensor:
+            """The model output; ``shallow`` None: no step caching (the model's own forward)."""
             t = timesteps.index_select(0, index)
-            return self.model(x_in, t) if self.context is None else self.model(x_in, t, self.context)
+            if shallow is None:
+                return self.model(x_in, t) if self.context is None else self.model(x_in, t, self.context)
+            if shallow and self.deep is None:
+                raise FastdiffError("internal: a shallow step before any full one")
+            out, deep = step_cache.cached_forward(self.model, x_in, t, self.deep if shallow else None, self.context)
+            if not shallow:
+                if self.deep is None:
+                    self.deep = torch.empty_like(deep)
+                self.deep.copy_(deep)
+            return out
 
         return step
 
@@ -83,13 +99,17 @@ class Engine:
         attention_impl: str = "auto",
         steps_per_graph: int | None = DEFAULT_STEPS_PER_GRAPH,
         use_graphs: bool = True,
+        fold_norms: bool = False,
     ) -> None:
         self.device = normalize_device(device)
         if self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise FastdiffError("the engine needs a CUDA GPU (or TRITON_INTERPRET=1 for its CPU test mode)")
         if unet_impl not in ("fused", "eager"):
             raise FastdiffError(f"unet_impl must be 'fused' or 'eager', got {unet_impl!r}")
+        if fold_norms and conv_impl == "cudnn":
+            raise FastdiffError("fold_norms needs the Triton conv kernel: conv_impl 'auto' or 'triton', not 'cudnn'")
         self.unet_impl, self.conv_impl, self.attention_impl = unet_impl, conv_impl, attention_impl
+        self.fold_norms = fold_norms
         self.steps_per_graph, self.use_graphs = steps_per_graph, use_graphs
         self.step_models: dict[tuple, FusedModel | EagerStepModel] = {}
         self.loops: dict[tuple, tuple[Sampler, SamplingLoop, FusedModel | EagerStepModel]] = {}
@@ -116,7 +136,7 @@ class Engine:
         t0 = time.perf_counter()
         fused = FusedModel(
             model, batch, dtype, self.device, self.conv_impl, self.attention_impl, WeightStreamer(self.device),
-            size=size, context_tokens=context_tokens,
+            size=size, context_tokens=context_tokens, fold_norms=self.fold_norms,
         )  # fmt: skip
         x_in = channels_last_empty(fused.x_in_value.shape, dtype, self.device).normal_()
         if fused.context is not None:
@@ -159,12 +179,16 @@ class Engine:
     def prepare(
         self, model: nn.Module, sampler: Sampler, batch: int, dtype: torch.dtype, *,
         size: tuple[int, int] | None = None, guided: bool = False, context_tokens: int | None = None,
+        cache_interval: int = 1,
     ) -> SamplingLoop:  # fmt: skip
         """Build (or fetch) everything to sample ``batch`` images of ``size`` (default the model's) with
         ``sampler``; captures the first graph. ``guided``: classifier-free guidance (the U-Net runs on 2x batch);
-        ``context_tokens``: the text length of a text-conditioned model (default 77)."""
+        ``context_tokens``: the text length of a text-conditioned model (default 77); ``cache_interval``: step
+        caching, a full U-Net forward every N steps (1: off). Loops with different intervals share the step
+        model."""
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise FastdiffError(f"engine dtype must be fp16, bf16 or fp32, got {dtype}")
+        cache_interval = step_cache.check(model, cache_interval)
         cfg = model.config
         if getattr(cfg, "out_channels", cfg.in_channels) != cfg.in_channels:
             raise FastdiffError(
@@ -174,7 +198,7 @@ class Engine:
         if guided and not is_text_conditioned(model):
             raise FastdiffError("classifier-free guidance needs a text-conditioned model")
         size = sample_size_of(model, size)
-        key = (id(model), batch, size, dtype, guided, context_tokens, id(sampler))  # the caller's sampler
+        key = (id(model), batch, size, dtype, guided, context_tokens, cache_interval, id(sampler))  # caller's sampler
         if key not in self.loops:
             caller_sampler = sampler
             sampler = sampler if sampler.coefs.device == self.device else sampler.to(self.device)
@@ -182,7 +206,7 @@ class Engine:
             t0 = time.perf_counter()
             loop = SamplingLoop(
                 step.bind_timesteps(sampler.timesteps), sampler, (batch, cfg.in_channels, *size), dtype,
-                self.device, self.steps_per_graph, self.use_graphs, guided=guided,
+                self.device, self.steps_per_graph, self.use_graphs, guided=guided, cache_interval=cache_interval,
             )  # fmt: skip
             if loop.use_graphs:
                 guidance = torch.ones(batch, device=self.device) if guided else None
@@ -213,10 +237,11 @@ class Engine:
         return self.current.run(x_t.to(self.device), seeds.to(self.device), num_steps, guidance, scale)
 
     def sample(
-        self, model: nn.Module, sampler: Sampler, x_t: torch.Tensor, seeds: torch.Tensor, dtype: torch.dtype
-    ) -> torch.Tensor:
+        self, model: nn.Module, sampler: Sampler, x_t: torch.Tensor, seeds: torch.Tensor, dtype: torch.dtype,
+        cache_interval: int = 1,
+    ) -> torch.Tensor:  # fmt: skip
         """prepare + run in one call."""
-        self.prepare(model, sampler, x_t.shape[0], dtype)
+        self.prepare(model, sampler, x_t.shape[0], dtype, cache_interval=cache_interval)
         return self.run(x_t, seeds)
 
     @torch.no_grad()

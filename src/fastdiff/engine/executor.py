@@ -15,7 +15,11 @@ the forward as a list of ops of :mod:`fastdiff.engine.ir`, then:
   force one; ``conv_impl`` covers both convs and GEMMs: "triton" or the vendor library);
 * evaluates the time embedding only per timestep: for a sampler's timesteps, the time MLP and every block's
   projection (+ the bias of the conv it is added to) are computed once in fp32 into a table ``[N, sum(C)]``; a
-  step selects its row on the device (one ``index_select``) and each epilogue reads its slice (batch stride 0).
+  step selects its row on the device (one ``index_select``) and each epilogue reads its slice (batch stride 0);
+* step caching (``fastdiff.models.step_cache``): the value a U-Net's lowering marks as its deep feature lives in
+  a persistent buffer (the whole concat buffer it is a channel slice of: every forward writes the other slices,
+  only full forwards write it); a shallow forward (``shallow=True``) runs ``shallow_ops``, the step ops the output
+  needs given that value (the op graph sliced backwards from the output, stopping at the value), in model order.
 
 Op-level fusions (in the lowerings and kernels): GroupNorm + SiLU in one pass; conv + bias + time embedding +
 residual + 1/output_scale_factor in the conv epilogue; Upsample2D (nearest x2 + conv) as one conv launch reading
@@ -39,6 +43,7 @@ from torch import nn
 
 from fastdiff.atomic import write_text_atomic
 from fastdiff.devices import normalize_device
+from fastdiff.engine.fold import fold_group_norms
 from fastdiff.engine.ir import GraphBuilder, Op, Value
 from fastdiff.engine.lower import lowering_for
 from fastdiff.engine.plan import BufferSpec, MemoryPlan, plan_memory
@@ -47,7 +52,7 @@ from fastdiff.errors import FastdiffError
 from fastdiff.kernels.attention import attention
 from fastdiff.kernels.attention_gate import attention_gate
 from fastdiff.kernels.common import activation_ref
-from fastdiff.kernels.conv2d import conv2d, pack_conv_weight
+from fastdiff.kernels.conv2d import FoldedGroupNorm, conv2d, pack_conv_weight
 from fastdiff.kernels.depthwise_conv2d import depthwise_conv2d, pack_depthwise_weight
 from fastdiff.kernels.group_norm_act import group_norm_act
 from fastdiff.kernels.layer_norm import layer_norm
@@ -94,7 +99,7 @@ def tokens(t: torch.Tensor) -> torch.Tensor:
 
 
 WEIGHT_ROLES: dict[tuple[str, str], set[str]] = {
-    ("conv", "triton"): {"packed", "bias"},
+    ("conv", "triton"): {"packed", "bias", "norm_weight", "norm_bias"},
     ("conv", "cudnn"): {"weight", "bias"},
     ("depthwise", "triton"): {"packed"},
     ("depthwise", "cudnn"): {"weight"},
@@ -107,10 +112,12 @@ WEIGHT_ROLES: dict[tuple[str, str], set[str]] = {
 class FusedModel:
     """The fused forward of one model at one (batch, size, dtype, device); see the module docstring.
 
-    ``bind_timesteps(timesteps)`` returns the step model ``(x_in, step_index) -> model output`` that
+    ``bind_timesteps(timesteps)`` returns the step model ``(x_in, step_index[, shallow]) -> model output`` that
     :class:`fastdiff.engine.graph.SamplingLoop` runs; ``forward(x_in, t)`` is the plain call. Text-conditioned
     models read the text states set by ``set_context``. ``size`` is the input's (height, width) (default: the
     family's, e.g. the config's ``sample_size``); ``context_tokens`` the text length (default 77).
+    ``cached_value`` is the step cache's deep feature (None for a model without one: the VAE) and
+    ``shallow_ops`` the step ops of a shallow forward.
     """
 
     def __init__(
@@ -125,6 +132,7 @@ class FusedModel:
         *,
         size: tuple[int, int] | None = None,
         context_tokens: int | None = None,
+        fold_norms: bool = False,
     ) -> None:
         family = lowering_for(model)
         if conv_impl not in CONV_IMPLS or attention_impl not in ATTENTION_IMPLS:
@@ -132,6 +140,8 @@ class FusedModel:
                 f"conv_impl must be one of {CONV_IMPLS} and attention_impl one of {ATTENTION_IMPLS}, "
                 f"got {conv_impl!r}, {attention_impl!r}"
             )
+        if fold_norms and conv_impl == "cudnn":
+            raise FastdiffError("fold_norms needs the Triton conv kernel: conv_impl 'auto' or 'triton', not 'cudnn'")
         self.device = normalize_device(device)
         self.dtype, self.batch = dtype, batch
         self.cfg = model.config
@@ -146,9 +156,18 @@ class FusedModel:
         if graph.output is None:
             raise FastdiffError(f"internal: the {type(model).__name__} lowering set no output")
         self.values, self.ops, self.inputs, self.out_value = graph.values, graph.ops, graph.inputs, graph.output
+        if fold_norms:  # GroupNorms into the convs around them (engine/fold.py), before anything reads the op list
+            self.ops = fold_group_norms(self.ops)
+        self.folds: dict[str, FoldedGroupNorm] = {}  # by norm name: shared by the producing and consuming convs
         self.x_in_value = self.inputs["x_in"]
         self.step_ops = [op for op in self.ops if op.stage == "step"]
         self.context_ops = [op for op in self.ops if op.stage == "context"]
+        self.cached_value = graph.cached
+        self._shallow_index: list[int] = []
+        if self.cached_value is not None:
+            _root(self.cached_value).persistent = True  # outlives the full forward that wrote it
+            self._shallow_index = self._shallow_slice()
+        self.shallow_ops = [self.step_ops[i] for i in self._shallow_index]
         self._time_features = graph.time_features
         self._temb_channels = graph.temb_channels
         self.temb_row = torch.zeros((1, self._temb_channels), dtype=dtype, device=self.device)
@@ -169,6 +188,7 @@ class FusedModel:
         self._device_weights: dict[str, dict[str, torch.Tensor]] = {}
         self._x_in: torch.Tensor | None = None
         self._calls: list[Callable[[], None]] = []
+        self._shallow_calls: list[Callable[[], None]] = []
         self._context_calls: list[Callable[[], None]] = []
         self.ops_timed = 0  # set by autotune()
 
@@ -201,6 +221,28 @@ class FusedModel:
             if name in first
         ]
         return plan_memory(specs)
+
+    def _shallow_slice(self) -> list[int]:
+        """Indices (in order) of the step ops that the output needs when ``cached_value`` is given: the producers
+        of what each needed op reads (every part of a concat it reads whole), from the output's producer back,
+        never through the cached value's producer."""
+        producer = {id(op.output): i for i, op in enumerate(self.step_ops)}
+        parts: dict[int, list[Value]] = {}
+        for v in self.values:
+            if v.concat is not None:
+                parts.setdefault(id(v.concat), []).append(v)
+        needed: set[int] = set()
+        todo = [producer[id(self.out_value)]]
+        while todo:
+            index = todo.pop()
+            if index in needed:
+                continue
+            needed.add(index)
+            for v in self.step_ops[index].inputs:
+                for part in parts.get(id(v), [v]):
+                    if part is not self.cached_value and id(part) in producer:  # not an input or a context value
+                        todo.append(producer[id(part)])
+        return sorted(needed)
 
     def _tensor(self, v: Value) -> torch.Tensor:
         if v.name in self.tensors:
@@ -235,6 +277,9 @@ class FusedModel:
                 out["weight"] = weight.to(self.dtype).contiguous(memory_format=torch.channels_last)
             if "bias" in op.weights:
                 out["bias"] = op.weights["bias"].to(self.dtype)
+            for role in ("norm_weight", "norm_bias"):  # a folded GroupNorm's affine (engine/fold.py)
+                if role in op.weights:
+                    out[role] = op.weights[role].to(self.dtype)
         elif op.kind == "linear":  # one layout, W^T [K, N], read by both kernels.linear and cuBLAS
             out["packed"] = pack_linear_weight(op.weights["weight"], op.params["geglu"]).to(self.dtype)
             if "bias" in op.weights:
@@ -250,6 +295,15 @@ class FusedModel:
         return out
 
     # ----------------------------------------------------------------------------------------------- calls
+    def _fold(self, spec: tuple | None) -> FoldedGroupNorm | None:
+        """The folded GroupNorm of a conv's ``stats`` / ``norm`` param (one object per norm, shared by both)."""
+        if spec is None:
+            return None
+        name, groups, eps, act = spec
+        if name not in self.folds:
+            self.folds[name] = FoldedGroupNorm(groups, eps=eps, activation=act)
+        return self.folds[name]
+
     def _conv_call(self, op: Op, impl: str) -> Callable[[], None]:
         x, out = self._tensor(op.inputs[0]), self._tensor(op.output)
         residual = self._tensor(op.inputs[1]) if len(op.inputs) > 1 else None
@@ -263,9 +317,12 @@ class FusedModel:
         stride, padding, act, scale, up = p["stride"], p["padding"], p["act"], p["scale"], p["upsample"]
         if impl == "triton":
             packed = w["packed"]
+            stats, norm = (self._fold(p.get(key)) for key in ("stats", "norm"))
+            if norm is not None and "norm_weight" in w:
+                norm.weight, norm.bias = w["norm_weight"], w["norm_bias"]
             return lambda: conv2d(
                 x, packed, bias, stride=stride, padding=padding, time_emb=temb, residual=residual,
-                activation=act, out_scale=scale, out=out, upsample=up,
+                activation=act, out_scale=scale, out=out, upsample=up, norm=norm, stats=stats,
             )  # fmt: skip
         weight = w["weight"]
         temb4 = None if temb is None else temb[:, :, None, None]
@@ -369,6 +426,8 @@ class FusedModel:
 
     def _candidates(self, op: Op) -> tuple[str, ...]:
         """The implementations ``op`` may run: two to time, or the one forced / the only one."""
+        if op.kind == "conv" and ("stats" in op.params or "norm" in op.params):
+            return ("triton",)  # a folded GroupNorm lives in the Triton kernel's epilogue / prologue
         if op.kind in ("conv", "depthwise", "linear"):
             library = "cublas" if op.kind == "linear" else "cudnn"
             return {"auto": ("triton", library), "triton": ("triton",), "cudnn": (library,)}[self.conv_impl]
@@ -377,6 +436,8 @@ class FusedModel:
         return ("torch",) if op.kind == "center" else ("triton",)
 
     def _default_why(self, op: Op) -> str:
+        if op.kind == "conv" and ("stats" in op.params or "norm" in op.params):
+            return "GroupNorm folded in (Triton only)"
         if op.kind in ("conv", "depthwise", "linear"):
             return f"conv_impl={self.conv_impl}" + (" (not timed off CUDA)" if self.conv_impl == "auto" else "")
         if op.kind == "attention":
@@ -400,6 +461,7 @@ class FusedModel:
             op.impl = op.impl or self._candidates(op)[0]
             op.why = op.why or self._default_why(op)
         self._calls = [self._call(op, op.impl) for op in self.step_ops]
+        self._shallow_calls = [self._calls[i] for i in self._shallow_index]
         self._context_calls = [self._call(op, op.impl) for op in self.context_ops]
 
     # ------------------------------------------------------------------------------------------- forward
@@ -443,37 +505,43 @@ class FusedModel:
             self._call(op, op.impl)()
         self._bind(x_in)
 
-    def forward_from_row(self, x_in: torch.Tensor) -> torch.Tensor:
+    def forward_from_row(self, x_in: torch.Tensor, shallow: bool = False) -> torch.Tensor:
         """The model output for ``x_in`` with the time embedding already in ``temb_row`` (the first call
-        streams the weights in, see ``_streamed_forward``)."""
+        streams the weights in, see ``_streamed_forward``); ``shallow``: only ``shallow_ops``, on the deep feature
+        the last full forward left in ``cached_value``'s buffer."""
+        if shallow and (self.cached_value is None or not self.weights_loaded):
+            raise FastdiffError("internal: a shallow forward needs a step cache and a full forward before it")
         if not self.weights_loaded:
             self._streamed_forward(x_in)
         else:
             if self._x_in is None or x_in.data_ptr() != self._x_in.data_ptr():
                 self._bind(x_in)
-            for call in self._calls:
+            for call in self._shallow_calls if shallow else self._calls:
                 call()
         return self._tensor(self.out_value)
 
     @torch.no_grad()
     def forward(
-        self, x_in: torch.Tensor, t: torch.Tensor | None = None, context: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self, x_in: torch.Tensor, t: torch.Tensor | None = None, context: torch.Tensor | None = None,
+        shallow: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
         """Model output for ``x_in`` (channels-last, engine dtype) at one timestep ``t`` (shared by the batch;
-        None for models without a time input), with text states ``context`` [B, L, D] when given."""
+        None for models without a time input), with text states ``context`` [B, L, D] when given; ``shallow`` as
+        in ``forward_from_row``."""
         if t is not None and self._temb_channels:
             self.temb_row.copy_(self.time_table(t.reshape(-1)[:1]))
         if context is not None:
             self.set_context(context)
-        return self.forward_from_row(x_in)
+        return self.forward_from_row(x_in, shallow)
 
-    def bind_timesteps(self, timesteps: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """The step model for a sampler's timesteps: (x_in, step index [1] on the device) -> model output."""
+    def bind_timesteps(self, timesteps: torch.Tensor) -> Callable[..., torch.Tensor]:
+        """The step model for a sampler's timesteps: (x_in, step index [1] on the device[, shallow]) -> model
+        output (``shallow`` None or False: a full forward, which always refreshes the deep feature)."""
         table = self.time_table(timesteps)
 
-        def step(x_in: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        def step(x_in: torch.Tensor, index: torch.Tensor, shallow: bool | None = None) -> torch.Tensor:
             torch.index_select(table, 0, index, out=self.temb_row)
-            return self.forward_from_row(x_in)
+            return self.forward_from_row(x_in, bool(shallow))
 
         return step
 

@@ -10,6 +10,12 @@ captures the whole loop unrolled in one graph.
 The eager fallback (``use_graphs=False``, and always on the CPU) runs the very same step function without
 capture, so graph replay and eager execution launch identical kernels.
 
+Step caching (``cache_interval`` N > 1, ``fastdiff.models.step_cache``): step k is a full U-Net forward when
+``k % N == 0``, else a shallow one. Which of the two a step runs is fixed when it is captured, so the loop keeps the
+step index on the host too (``position``) and keys its graphs by (length, phase = first step's index mod N): a
+graph is valid at every position of its phase. ``steps_per_graph`` is rounded up to a multiple of N, so a run from
+step 0 only ever replays phase-0 graphs (the K-step graph and the remainder's, as without caching).
+
 Per step: the U-Net on the model-dtype input buffer, the fused ``sampler_step`` kernel (updates x, the x0
 history and UniPC's corrected sample in place, draws the noise, and writes the next model input in the model
 dtype), ``counter += 1``. No memory grows with the number of steps.
@@ -26,12 +32,14 @@ import torch
 from fastdiff.devices import normalize_device
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.sampler_step import sampler_step
-from fastdiff.samplers import Sampler
+from fastdiff.samplers import Sampler, check_cache_interval, is_full_step
 
 log = logging.getLogger(__name__)
 
-StepModel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""(x_in [B, C, H, W] in the model dtype, channels-last; step index [1] int64 on the device) -> model output."""
+StepModel = Callable[..., torch.Tensor]
+"""(x_in [B, C, H, W] in the model dtype, channels-last; step index [1] int64 on the device[, shallow]) -> model
+output. ``shallow`` is passed only with step caching: False for a full forward that keeps the deep feature, True for
+a shallow forward on the kept one."""
 
 
 def channels_last_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -44,7 +52,7 @@ class SamplingLoop:
     """Static buffers and captured graphs for one (step model, sampler, batch, model dtype).
 
     ``run(x_T, seeds, num_steps)`` runs steps ``0..num_steps-1`` from unit-variance x_T and returns x (fp32,
-    before the final clamp).
+    before the final clamp). ``cache_interval``: step caching (see the module docstring; 1: off).
     """
 
     def __init__(
@@ -57,6 +65,7 @@ class SamplingLoop:
         steps_per_graph: int | None = None,
         use_graphs: bool = True,
         guided: bool = False,
+        cache_interval: int = 1,
     ) -> None:
         device = normalize_device(device)
         if sampler.coefs.device != device:
@@ -70,7 +79,10 @@ class SamplingLoop:
             isinstance(steps_per_graph, bool) or not isinstance(steps_per_graph, int) or steps_per_graph < 1
         ):
             raise FastdiffError(f"steps_per_graph must be a positive int or None, got {steps_per_graph!r}")
-        self.steps_per_graph = min(sampler.num_steps, steps_per_graph or sampler.num_steps)
+        self.cache_interval = check_cache_interval(cache_interval)
+        per_graph = steps_per_graph or sampler.num_steps
+        per_graph = -(-per_graph // self.cache_interval) * self.cache_interval  # whole cache periods
+        self.steps_per_graph = min(sampler.num_steps, per_graph)
         self.x = channels_last_empty(sample_shape, torch.float32, device)
         self.guided = guided
         model_rows = (2 * sample_shape[0], *sample_shape[1:]) if guided else sample_shape
@@ -81,8 +93,9 @@ class SamplingLoop:
         self.aux = channels_last_empty(sample_shape, torch.float32, device) if sampler.uses_aux else None
         self.seeds = torch.zeros(sample_shape[0], dtype=torch.int64, device=device)
         self.counter = torch.zeros(1, dtype=torch.int64, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.capture_seconds: dict[int, float] = {}
+        self.position = 0  # the counter's value, known on the host (what a step runs depends on it)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (length, phase)
+        self.capture_seconds: dict[tuple[int, int], float] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     @property
@@ -91,8 +104,12 @@ class SamplingLoop:
         return (self.x, self.h1, *(t for t in (self.h2, self.aux) if t is not None))
 
     def step(self) -> None:
-        """One sampling step at the step index held by ``counter`` (device-side only: capturable)."""
-        out = self.step_model(self.x_in, self.counter)
+        """One sampling step at the step index held by ``counter`` (device-side only: capturable); a full or a
+        shallow forward as ``position`` says (step caching)."""
+        if self.cache_interval == 1:
+            out = self.step_model(self.x_in, self.counter)
+        else:
+            out = self.step_model(self.x_in, self.counter, not is_full_step(self.position, self.cache_interval))
         sampler = self.sampler
         sampler_step(
             self.x, out, sampler.coefs, self.counter, self.h1 if sampler.uses_h1 else None, self.h2, self.aux,
@@ -100,6 +117,7 @@ class SamplingLoop:
             clip_range=sampler.clip_range, out=self.state, model_input=self.x_in,
         )  # fmt: skip
         self.counter.add_(1)
+        self.position += 1
 
     def load(
         self, x_t: torch.Tensor, seeds: torch.Tensor, guidance: torch.Tensor | None = None, scale: bool = True
@@ -126,12 +144,16 @@ class SamplingLoop:
             history.zero_()  # read with coefficient 0 at the first steps: must be finite
         self.seeds.copy_(seeds)
         self.counter.zero_()
+        self.position = 0
 
     @torch.no_grad()
     def capture(self, length: int) -> torch.cuda.CUDAGraph:
-        """The graph of ``length`` consecutive steps (captured on first use, then cached)."""
-        if length in self.graphs:
-            return self.graphs[length]
+        """The graph of ``length`` consecutive steps from the current position's phase (captured on first use,
+        then cached); the loop's buffers and position are left as they were."""
+        start = self.position
+        key = (length, start % self.cache_interval)
+        if key in self.graphs:
+            return self.graphs[key]
         t0 = time.perf_counter()
         buffers = (*self.state, self.x_in, self.counter)
         saved = [t.clone() for t in buffers]
@@ -140,6 +162,7 @@ class SamplingLoop:
         with torch.cuda.stream(side):  # warm-up outside capture: kernel compilation, library handles
             self.step()
         torch.cuda.current_stream(self.device).wait_stream(side)
+        self.position = start
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             for _ in range(length):
@@ -147,9 +170,10 @@ class SamplingLoop:
         torch.cuda.synchronize(self.device)
         for buffer, value in zip(buffers, saved, strict=True):
             buffer.copy_(value)
-        self.graphs[length] = graph
-        self.capture_seconds[length] = time.perf_counter() - t0
-        log.info("captured a %d-step graph in %.2f s", length, self.capture_seconds[length])
+        self.position = start
+        self.graphs[key] = graph
+        self.capture_seconds[key] = time.perf_counter() - t0
+        log.info("captured a %d-step graph (phase %d) in %.2f s", length, key[1], self.capture_seconds[key])
         return graph
 
     def run_steps(self, num_steps: int) -> None:
@@ -160,12 +184,9 @@ class SamplingLoop:
             return
         k = self.steps_per_graph
         full, rest = divmod(num_steps, k)
-        if full:
-            graph = self.capture(k)
-            for _ in range(full):
-                graph.replay()
-        if rest:
-            self.capture(rest).replay()
+        for length in [k] * full + [rest] * (rest > 0):
+            self.capture(length).replay()
+            self.position += length
 
     @torch.no_grad()
     def run(

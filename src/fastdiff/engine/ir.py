@@ -21,6 +21,10 @@ Op kinds (``OP_KINDS``) and what the executor runs for them:
 
 An op's ``stage`` is ``"step"`` (every forward) or ``"context"`` (once per text context: the cross-attention
 K/V projections, whose outputs are ``persistent`` values that every later step reads).
+
+Step caching (``fastdiff.models.step_cache``): a U-Net's lowering marks its deep feature with
+``GraphBuilder.cache``; the executor keeps it in a persistent buffer and runs a shallow forward as the step ops the
+output needs given that value.
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ class Value:
     """One activation: logical ``[B, C, H, W]``; a channel slice of ``concat`` when that is set.
 
     ``producer`` is the kind of the op that writes it, ``"external"`` for a graph input. ``persistent`` values
-    (outputs of ``context``-stage ops) get their own allocation instead of a place in the step arena.
+    (outputs of ``context``-stage ops; the buffer holding the step cache's deep feature) get their own allocation
+    instead of a place in the step arena, so they outlive the forward that wrote them.
     """
 
     name: str
@@ -80,8 +85,9 @@ class GraphBuilder:
     """Collects the values and ops of one forward at a fixed (batch, height, width).
 
     ``inputs`` maps input names (``"x_in"``; ``"context"`` for text-conditioned models) to their values;
-    ``output`` is the model output. Time embeddings: a lowering sets ``time_features`` and registers each block's
-    projection with :meth:`add_temb`; the executor evaluates all of them once per timestep into one table row.
+    ``output`` is the model output; ``cached`` the step cache's deep feature (see :meth:`cache`). Time embeddings:
+    a lowering sets ``time_features`` and registers each block's projection with :meth:`add_temb`; the executor
+    evaluates all of them once per timestep into one table row.
     """
 
     def __init__(self, batch: int, height: int, width: int, context_tokens: int | None = None) -> None:
@@ -91,6 +97,7 @@ class GraphBuilder:
         self.ops: list[Op] = []
         self.inputs: dict[str, Value] = {}
         self.output: Value | None = None
+        self.cached: Value | None = None
         self.time_features: TimeFeatures | None = None
         self.temb_channels = 0
         self.temb_proj: list[tuple[torch.Tensor, torch.Tensor]] = []  # (weight, bias + conv bias) per block
@@ -117,6 +124,14 @@ class GraphBuilder:
         output.producer = kind
         self.ops.append(op)
         return output
+
+    def cache(self, value: Value) -> None:
+        """Mark ``value`` as the step cache's deep feature (``fastdiff.models.step_cache``): a full forward writes
+        it, a shallow forward reads it as the last full one left it and runs only the ops the output needs besides
+        it. The executor gives its buffer (the whole concat it is a slice of) its own persistent allocation."""
+        if self.cached is not None:
+            raise FastdiffError(f"internal: {self.cached.name} is already the cached value, not {value.name}")
+        self.cached = value
 
     def add_temb(self, proj: nn.Linear, conv_bias: torch.Tensor | None) -> int:
         """Register a block's time projection (its conv's bias folded in); returns its column offset."""

@@ -173,20 +173,7 @@ class ConvNeXtUNet(nn.Module):
         self.final_conv = nn.Conv2d(dim, c.out_channels, 1)
 
     def forward(self, x: Tensor, t: Tensor | float | int) -> Tensor:
-        c = self.config
-        factor = 2 ** (len(c.dim_mults) - 1)
-        if x.dim() != 4 or x.shape[1] != c.in_channels or x.shape[2] % factor or x.shape[3] % factor:
-            raise FastdiffError(
-                f"ConvNeXtUNet expects [B, {c.in_channels}, H, W] with H, W divisible by {factor}, got {tuple(x.shape)}"
-            )
-        batch = x.shape[0]
-        t = torch.as_tensor(t, device=x.device)
-        if t.dim() == 0 or tuple(t.shape) == (1,):
-            t = t.reshape(1).expand(batch)
-        elif tuple(t.shape) != (batch,):
-            raise FastdiffError(f"timesteps must be a scalar or shape ({batch},), got {tuple(t.shape)}")
-        temb = self.time_mlp(timestep_embedding(t, c.base_dim).to(x.dtype))
-
+        x, temb = self.embed(x, t)
         h = self.init_conv(x)
         skips = []
         for level in self.downs:
@@ -199,11 +186,33 @@ class ConvNeXtUNet(nn.Module):
             h = self.mid_attn(h)
         h = self.mid_block2(h, temb)
         for level in self.ups:
-            skip = level["gate"](skips.pop(), h)
-            h = level["block2"](level["block1"](torch.cat([h, skip], dim=1), temb), temb)
-            if "upsample" in level:
-                h = level["upsample"](F.interpolate(h, scale_factor=2.0, mode="nearest"))
+            h = self.up_level(level, h, skips.pop(), temb)
         return self.final_conv(self.final_block(h, temb))
+
+    def embed(self, x: Tensor, t: Tensor | float | int) -> tuple[Tensor, Tensor]:
+        """The checked input and the time embedding [B, 4 base_dim] every block reads (see ``forward``)."""
+        c = self.config
+        factor = 2 ** (len(c.dim_mults) - 1)
+        if x.dim() != 4 or x.shape[1] != c.in_channels or x.shape[2] % factor or x.shape[3] % factor:
+            raise FastdiffError(
+                f"ConvNeXtUNet expects [B, {c.in_channels}, H, W] with H, W divisible by {factor}, got {tuple(x.shape)}"
+            )
+        batch = x.shape[0]
+        t = torch.as_tensor(t, device=x.device)
+        if t.dim() == 0 or tuple(t.shape) == (1,):
+            t = t.reshape(1).expand(batch)
+        elif tuple(t.shape) != (batch,):
+            raise FastdiffError(f"timesteps must be a scalar or shape ({batch},), got {tuple(t.shape)}")
+        return x, self.time_mlp(timestep_embedding(t, c.base_dim).to(x.dtype))
+
+    @staticmethod
+    def up_level(level: nn.ModuleDict, h: Tensor, skip: Tensor, temb: Tensor) -> Tensor:
+        """One decoder level: the gated ``skip`` after ``h``, two ConvNeXt blocks, then the upsample (if any)."""
+        skip = level["gate"](skip, h)
+        h = level["block2"](level["block1"](torch.cat([h, skip], dim=1), temb), temb)
+        if "upsample" in level:
+            h = level["upsample"](F.interpolate(h, scale_factor=2.0, mode="nearest"))
+        return h
 
 
 CONVNEXT_PRESETS: dict[str, ConvNeXtUNetConfig] = {

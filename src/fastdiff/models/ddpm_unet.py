@@ -270,13 +270,15 @@ class DownBlock2D(nn.Module):
         self.attentions = nn.ModuleList([attention_for(out_ch, cfg) for _ in range(n)]) if attn else None
         self.downsamplers = nn.ModuleList([Downsample2D(out_ch, cfg.downsample_padding)]) if down else None
 
-    def forward(self, x: Tensor, temb: Tensor, skips: list[Tensor]) -> Tensor:
+    def forward(self, x: Tensor, temb: Tensor, skips: list[Tensor], downsample: bool = True) -> Tensor:
+        """Appends each resnet's (attention's) output to ``skips``, then the downsampled one (unless
+        ``downsample`` is False: a step cache's shallow path stops before it)."""
         for i, resnet in enumerate(self.resnets):
             x = resnet(x, temb)
             if self.attentions is not None:
                 x = self.attentions[i](x)
             skips.append(x)
-        if self.downsamplers is not None:
+        if downsample and self.downsamplers is not None:
             x = self.downsamplers[0](x)
             skips.append(x)
         return x
@@ -354,6 +356,20 @@ class DDPMUNet(nn.Module):
 
         A Python float stays fractional (diffusers truncates Python numbers to integers).
         """
+        x, temb = self.embed(x, t)
+        h = self.conv_in(x)
+        skips = [h]
+        for block in self.down_blocks:
+            h = block(h, temb, skips)
+        if self.mid_block is not None:
+            h = self.mid_block(h, temb)
+        for block in self.up_blocks:
+            h = block(h, temb, skips)
+        return self.conv_out(F.silu(self.conv_norm_out(h)))
+
+    def embed(self, x: Tensor, t: Tensor | int | float) -> tuple[Tensor, Tensor]:
+        """The checked input (centred where the config says so) and the time embedding [B, D] every resnet reads
+        (see ``forward``)."""
         cfg = self.config
         factor = 2 ** (len(cfg.block_out_channels) - 1)
         if x.ndim != 4 or x.shape[1] != cfg.in_channels or x.shape[2] % factor or x.shape[3] % factor:
@@ -368,16 +384,7 @@ class DDPMUNet(nn.Module):
             x = 2 * x - 1.0
         t = t.expand(x.shape[0])
         emb = timestep_embedding(t, cfg.block_out_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
-        temb = self.time_embedding(emb.to(self.time_embedding.linear_1.weight.dtype))
-        h = self.conv_in(x)
-        skips = [h]
-        for block in self.down_blocks:
-            h = block(h, temb, skips)
-        if self.mid_block is not None:
-            h = self.mid_block(h, temb)
-        for block in self.up_blocks:
-            h = block(h, temb, skips)
-        return self.conv_out(F.silu(self.conv_norm_out(h)))
+        return x, self.time_embedding(emb.to(self.time_embedding.linear_1.weight.dtype))
 
 
 def convert_old_attention_keys(state: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -334,13 +334,15 @@ class DownBlock(nn.Module):
         last = len(cfg.block_out_channels) - 1
         self.downsamplers = nn.ModuleList([Downsample2D(out_ch, cfg.downsample_padding)]) if level < last else None
 
-    def forward(self, x: Tensor, temb: Tensor, context: Tensor, skips: list[Tensor]) -> Tensor:
+    def forward(self, x: Tensor, temb: Tensor, context: Tensor, skips: list[Tensor], downsample: bool = True) -> Tensor:
+        """Appends each resnet's (transformer's) output to ``skips``, then the downsampled one (unless
+        ``downsample`` is False: a step cache's shallow path stops before it)."""
         for i, resnet in enumerate(self.resnets):
             x = resnet(x, temb)
             if self.attentions is not None:
                 x = self.attentions[i](x, context)
             skips.append(x)
-        if self.downsamplers is not None:
+        if downsample and self.downsamplers is not None:
             x = self.downsamplers[0](x)
             skips.append(x)
         return x
@@ -437,6 +439,23 @@ class UNet2DConditionModel(nn.Module):
 
         Any H and W work: when they are not multiples of 2**(levels - 1), each upsample matches its skip's size.
         """
+        x, temb = self.embed(sample, timestep, encoder_hidden_states)
+        context = encoder_hidden_states
+        h = self.conv_in(x)
+        skips = [h]
+        for block in self.down_blocks:
+            h = block(h, temb, context, skips)
+        if self.mid_block is not None:
+            h = self.mid_block(h, temb, context)
+        for block in self.up_blocks:
+            h = block(h, temb, context, skips)
+        return self.conv_out(F.silu(self.conv_norm_out(h)))
+
+    def embed(
+        self, sample: Tensor, timestep: Tensor | int | float, encoder_hidden_states: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """The checked input (centred where the config says so) and the time embedding [B, D] every resnet reads
+        (see ``forward``; the text states are only checked)."""
         cfg = self.config
         x, context = sample, encoder_hidden_states
         if x.ndim != 4 or x.shape[1] != cfg.in_channels:
@@ -452,16 +471,7 @@ class UNet2DConditionModel(nn.Module):
         if cfg.center_input_sample:
             x = 2 * x - 1.0
         emb = timestep_embedding(t.expand(x.shape[0]), cfg.block_out_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
-        temb = self.time_embedding(emb.to(x.dtype))
-        h = self.conv_in(x)
-        skips = [h]
-        for block in self.down_blocks:
-            h = block(h, temb, context, skips)
-        if self.mid_block is not None:
-            h = self.mid_block(h, temb, context)
-        for block in self.up_blocks:
-            h = block(h, temb, context, skips)
-        return self.conv_out(F.silu(self.conv_norm_out(h)))
+        return x, self.time_embedding(emb.to(x.dtype))
 
 
 def unet_2d_condition_from_dir(root: Path, config: dict) -> UNet2DConditionModel:

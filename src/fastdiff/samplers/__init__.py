@@ -5,7 +5,7 @@ counter-based noise); see ``sampler.Sampler.step``, ``tables`` for how each samp
 ``noise`` for the seeded noise.
 """
 
-from fastdiff.samplers.loop import run_sampler
+from fastdiff.samplers.loop import check_cache_interval, is_full_step, run_sampler
 from fastdiff.samplers.noise import initial_noise, seed_tensor, step_noise
 from fastdiff.samplers.sampler import KARRAS_SAMPLERS, SAMPLERS, Sampler, SamplerState, make_sampler
 from fastdiff.samplers.schedule import SAMPLER_SCHEDULERS, ScheduleConfig, alphas_cumprod
@@ -19,8 +19,10 @@ __all__ = [
     "SamplerState",
     "ScheduleConfig",
     "alphas_cumprod",
+    "check_cache_interval",
     "discrete_timesteps",
     "initial_noise",
+    "is_full_step",
     "make_sampler",
     "run_sampler",
     "seed_tensor",

@@ -68,6 +68,8 @@ def lower(model: ConvNeXtUNet, g: GraphBuilder, device: torch.device) -> None:
         h = g.attention_block("mid_attn", normed, h, attn.to_qkv, attn.to_out, attn.heads, attn.head_dim, None)
     h = _block(g, "mid_block2", model.mid_block2, h)
     for i, level in enumerate(model.ups):
+        if i == len(model.ups) - 1:
+            g.cache(h)  # the step cache's deep feature: the last level's input (fastdiff.models.step_cache)
         skip = _gate(g, f"ups.{i}.gate", level["gate"], skips.pop(), h)
         cat = g.concat(f"ups.{i}.cat", [h, skip])
         h = _block(g, f"ups.{i}.block1", level["block1"], cat)

@@ -59,6 +59,8 @@ def lower(model: DDPMUNet, g: GraphBuilder, device: torch.device) -> None:
             h = g.spatial_attention("mid_block.attentions.0", mid.attentions[0], h)
         h = g.resnet("mid_block.resnets.1", mid.resnets[1], h)
     for i, block in enumerate(model.up_blocks):
+        if i == len(model.up_blocks) - 1:
+            g.cache(h)  # the step cache's deep feature: the last up block's input (fastdiff.models.step_cache)
         for j, resnet in enumerate(block.resnets):
             cat = g.concat(f"up_blocks.{i}.cat.{j}", [h, skips.pop()])
             h = g.resnet(f"up_blocks.{i}.resnets.{j}", resnet, cat)
