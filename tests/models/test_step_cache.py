@@ -16,7 +16,13 @@ from fastdiff.models.ddpm_unet import DDPMUNet, DDPMUNetConfig
 from fastdiff.models.step_cache import cached_forward, check
 from fastdiff.models.unet_2d_condition import UNet2DConditionConfig, UNet2DConditionModel
 
-TOL = 1e-4  # fp32 max abs diff vs diffusers (outputs are O(1))
+TOL = 1e-4  # fp32 max abs diff vs diffusers, relative to the tensor's scale (deep features reach ~40)
+
+
+def close(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    """fp32 agreement up to summation order: max abs diff <= TOL x max(1, max |ref|)."""
+    return bool((out - ref).abs().max() <= TOL * max(1.0, float(ref.abs().max())))
+
 
 DDPM = dict(
     # three levels, two resnets per block, attention in the first down and the last up block, DDPM flags
@@ -102,7 +108,7 @@ def test_cut_matches_diffusers(name):
     with torch.no_grad():
         out_ref, deep_ref = last_up_input(ref, xa, ta, *extra)
         out, deep = cached_forward(ours, xa, ta, context=ctx)
-        assert (out - out_ref).abs().max() <= TOL and (deep - deep_ref).abs().max() <= TOL
+        assert close(out, out_ref) and close(deep, deep_ref)
         assert deep_ref.shape[1] == ref.config.block_out_channels[1]  # the second level's width, full resolution
         assert torch.equal(out, ours(xa, ta, *extra))  # the model's own forward, bit for bit
         calls = []
