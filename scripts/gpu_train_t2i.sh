@@ -6,7 +6,8 @@
 #       -> $OUT/t2i-vae.tar.00 (the stage folder: vae/, summary.json, loss.jsonl, loss.png, reconstructions.png),
 #          $OUT/t2i-vae.json (the log), $OUT/t2i-vae.txt (the output), $OUT/t2i-vae-reconstructions.png
 #   here:  mkdir -p .data && cat t2i-vae.tar.* | tar -xf - -C .data        (gives .data/t2i-vae/)
-#   bash scripts/gpu_train_t2i.sh unet    (carry .data: .data/fashion-mnist and .data/t2i-vae)
+#   bash scripts/gpu_train_t2i.sh unet    (carry .data: .data/fashion-mnist and .data/t2i-vae; or retrain only the
+#       U-Net and text encoder on the shipped VAE: VAE=src/fastdiff/weights/fashion-mnist-t2i)
 #       -> $OUT/t2i-pipeline.tar.00, .01 (the StableDiffusionPipeline directory t2i-pipeline/), $OUT/t2i-unet.json,
 #          $OUT/t2i-unet.txt, $OUT/t2i-samples.png
 #   here:  cat t2i-pipeline.tar.* | tar -xf - -C DEST                      (gives DEST/t2i-pipeline/)
