@@ -201,6 +201,11 @@ def serve_table() -> str:
     return "\n\n".join(parts) or "_No load test committed yet._"
 
 
+def machine(env: dict) -> str:
+    """The GPU's name, or the CPU's for a CPU run (whose ``gpu`` field is "cpu")."""
+    return env["gpu"] if env["gpu"] != "cpu" else f"CPU ({env['cpu']}, no GPU)"
+
+
 def _ratio(base: dict, row: dict, key: str) -> str:
     """base[key] / row[key] (a speed-up over ``base`` for times), or a dash."""
     return f"{base[key] / row[key]:.2f}" if base.get(key) and row.get(key) else "—"
@@ -217,12 +222,12 @@ def t2i_tables() -> str:
         d = json.loads(path.read_text())
         env, cfg = d["env"], d["config"]
         rows = {f"{r['system']}-{r['dtype']}": r for r in d["results"]}
-        base = rows.get("diffusers+compile-fp16", {})
+        base = rows.get("diffusers+compile-fp16") or rows.get("diffusers+compile-fp32", {})  # fp32 on a CPU
         lines = [
             f"From `{path.relative_to(ROOT)}`: **{cfg['model']}** "
             f"({'random weights' if cfg['random_weights'] else 'trained weights'}), {cfg['batch']} image(s) of "
             f"{cfg['width']}x{cfg['height']}, {cfg['sampler']} {cfg['steps']} steps, guidance {cfg['guidance']} "
-            f"(U-Net batch {(2 if cfg['guidance'] > 1 else 1) * cfg['batch']}) — {env['gpu']}, torch {env['torch']}, "
+            f"(U-Net batch {(2 if cfg['guidance'] > 1 else 1) * cfg['batch']}) — {machine(env)}, torch {env['torch']}, "
             f"triton {env['triton']}, "
             f"diffusers {env['diffusers']}, git {env['git_sha']}, {env['date'][:10]}.",
             "",
@@ -238,7 +243,8 @@ def t2i_tables() -> str:
             lines.append(
                 f"| {r['system']} | {r['dtype']} | {r['unet_step_ms']:.2f} | {_ratio(base, r, 'unet_step_ms')} "
                 f"| {r['end_to_end_ms']:.1f} | {_ratio(base, r, 'end_to_end_ms')} | {r['time_to_ready_s']:.1f} "
-                f"| {r['peak_ready_mib']:.0f} / {r['peak_sampling_mib']:.0f} | {r['weights_mib']:.0f} "
+                f"| {_num(r['peak_ready_mib'], '.0f')} / {_num(r['peak_sampling_mib'], '.0f')} "
+                f"| {r['weights_mib']:.0f} "
                 f"| {_num(r['psnr_vs_diffusers_fp32_db'], '.1f')} |"
             )
         engine = rows.get("engine-fp16", {}).get("extra", {})
