@@ -14,6 +14,7 @@ from .conftest import CUDA, DEVICE, float64, rel_err
 TOLERANCE = 2e-3 if CUDA else 1e-4
 EXPECTED = {
     "conv2d",
+    "conv2d_tma",
     "depthwise_conv2d",
     "winograd_conv3x3",
     "group_norm_act",

@@ -9,10 +9,11 @@ the forward as a list of ops of :mod:`fastdiff.engine.ir`, then:
   their own buffers, written once per text context by :meth:`FusedModel.set_context`;
 * packs each op's weights in the engine dtype on the host and streams them to the device during the first
   forward (``engine.weights.WeightStreamer``: module k runs while module k+1 uploads);
-* binds each op to a kernel; where there are two implementations (conv: ``kernels.conv2d`` or cuDNN + a torch
-  epilogue; token GEMM: ``kernels.linear`` or cuBLAS + a torch epilogue; attention: ``kernels.attention`` or
-  torch SDPA) ``autotune`` times both on the GPU and keeps the faster (``conv_impl`` / ``attention_impl``
-  force one; ``conv_impl`` covers both convs and GEMMs: "triton" or the vendor library);
+* binds each op to a kernel; where there are several implementations (conv: ``kernels.conv2d``, on Hopper also
+  ``kernels.conv2d_tma`` for stride-1 convs, or cuDNN + a torch epilogue; token GEMM: ``kernels.linear`` or
+  cuBLAS + a torch epilogue; attention: ``kernels.attention`` or torch SDPA) ``autotune`` times them on the GPU
+  and keeps the fastest (``conv_impl`` / ``attention_impl`` narrow the choice; ``conv_impl`` covers both convs
+  and GEMMs: "triton", our kernels, or the vendor library);
 * evaluates the time embedding only per timestep: for a sampler's timesteps, the time MLP and every block's
   projection (+ the bias of the conv it is added to) are computed once in fp32 into a table ``[N, sum(C)]``; a
   step selects its row on the device (one ``index_select``) and each epilogue reads its slice (batch stride 0);
@@ -53,6 +54,7 @@ from fastdiff.kernels.attention import attention
 from fastdiff.kernels.attention_gate import attention_gate
 from fastdiff.kernels.common import activation_ref
 from fastdiff.kernels.conv2d import FoldedGroupNorm, conv2d, pack_conv_weight
+from fastdiff.kernels.conv2d_tma import conv2d_tma, tma_conv_unsupported
 from fastdiff.kernels.depthwise_conv2d import depthwise_conv2d, pack_depthwise_weight
 from fastdiff.kernels.group_norm_act import group_norm_act
 from fastdiff.kernels.layer_norm import layer_norm
@@ -100,6 +102,7 @@ def tokens(t: torch.Tensor) -> torch.Tensor:
 
 WEIGHT_ROLES: dict[tuple[str, str], set[str]] = {
     ("conv", "triton"): {"packed", "bias", "norm_weight", "norm_bias"},
+    ("conv", "triton-tma"): {"packed", "bias"},
     ("conv", "cudnn"): {"weight", "bias"},
     ("depthwise", "triton"): {"packed"},
     ("depthwise", "cudnn"): {"weight"},
@@ -315,6 +318,12 @@ class FusedModel:
             channels = op.output.shape[1]
             temb = self.temb_row[:, p["temb"] : p["temb"] + channels].expand(self.batch, channels)
         stride, padding, act, scale, up = p["stride"], p["padding"], p["act"], p["scale"], p["upsample"]
+        if impl == "triton-tma":
+            packed = w["packed"]
+            return lambda: conv2d_tma(
+                x, packed, bias, padding=padding, time_emb=temb, residual=residual, activation=act,
+                out_scale=scale, out=out,
+            )  # fmt: skip
         if impl == "triton":
             packed = w["packed"]
             stats, norm = (self._fold(p.get(key)) for key in ("stats", "norm"))
@@ -430,10 +439,20 @@ class FusedModel:
             return ("triton",)  # a folded GroupNorm lives in the Triton kernel's epilogue / prologue
         if op.kind in ("conv", "depthwise", "linear"):
             library = "cublas" if op.kind == "linear" else "cudnn"
-            return {"auto": ("triton", library), "triton": ("triton",), "cudnn": (library,)}[self.conv_impl]
+            ours = ("triton", "triton-tma") if op.kind == "conv" and self._tma_fits(op) else ("triton",)
+            return {"auto": (*ours, library), "triton": ours, "cudnn": (library,)}[self.conv_impl]
         if op.kind == "attention":
             return {"auto": ("triton", "sdpa"), "triton": ("triton",), "sdpa": ("sdpa",)}[self.attention_impl]
         return ("torch",) if op.kind == "center" else ("triton",)
+
+    def _tma_fits(self, op: Op) -> bool:
+        """Whether the TMA conv kernel can run ``op`` (CUDA on Hopper or newer, stride 1, no upsampling)."""
+        if self.device.type != "cuda":
+            return False
+        p = op.params
+        reason = tma_conv_unsupported(self._tensor(op.inputs[0]), op.output.shape[1], p["ksize"], stride=p["stride"],
+                                      padding=p["padding"], upsample=p["upsample"])  # fmt: skip
+        return reason is None
 
     def _default_why(self, op: Op) -> str:
         if op.kind == "conv" and ("stats" in op.params or "norm" in op.params):
@@ -565,12 +584,14 @@ class FusedModel:
             if len(candidates) < 2:
                 continue
             key = self._tuning_key(op)
-            if key not in TUNING_CACHE:
-                TUNING_CACHE[key] = {impl: time_call_us(self._call(op, impl), reps) for impl in candidates}
+            known = TUNING_CACHE.setdefault(key, {})
+            missing = [impl for impl in candidates if impl not in known]
+            known.update({impl: time_call_us(self._call(op, impl), reps) for impl in missing})
+            if missing:
                 why, self.ops_timed = "timed", self.ops_timed + 1
             else:
                 why = "timed earlier (tuning cache, same shapes)"
-            op.times_us = dict(TUNING_CACHE[key])
+            op.times_us = {impl: known[impl] for impl in candidates}
             op.impl = min(op.times_us, key=op.times_us.get)
             op.why = f"{why}: " + ", ".join(f"{k} {v:.1f} us" for k, v in op.times_us.items())
         if self.ops_timed:

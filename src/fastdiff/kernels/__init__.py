@@ -13,6 +13,7 @@ from fastdiff.kernels import (
     attention,
     attention_gate,
     conv2d,
+    conv2d_tma,
     depthwise_conv2d,
     group_norm_act,
     layer_norm,
@@ -27,6 +28,7 @@ REGISTRY: dict[str, KernelOp] = {
     module.OP.name: module.OP
     for module in (
         conv2d,
+        conv2d_tma,
         depthwise_conv2d,
         winograd_conv3x3,
         group_norm_act,

@@ -1,0 +1,200 @@
+"""One-call GPU sweep of the conv implementations at a model's own conv shapes: the gather kernel
+(``kernels.conv2d``), the TMA kernel (``kernels.conv2d_tma``) in each layout and tile config, and cuDNN.
+
+    PYTHONPATH=src python benchmarks/sweep_conv.py --model ddpm-cifar10 --batch 1,256 --out sweep.json
+
+For every distinct conv of the engine's lowering (shape, kernel, stride, padding, upsampling, epilogue flags; a
+channel slice of a concat buffer when the engine's input is one), each implementation is timed as CUDA-graph
+replays (GPU time alone, launch overhead excluded: what the engine's autotune compares) and checked against
+``conv2d_ref`` in float64. Rows carry TFLOP/s and % of the bf16 matmul ceiling measured in the same run, and
+the GPU, library versions and git sha. ``--budget-s`` stops the sweep (writing what it has) before the GPU
+call's time limit.
+"""
+
+# ruff: noqa: B023 - each closure is called only inside the loop iteration that defines it
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from fastdiff.atomic import write_text_atomic
+from fastdiff.bench.env import environment
+from fastdiff.engine.executor import FusedModel, time_call_us
+from fastdiff.kernels.common import activation_ref
+from fastdiff.kernels.conv2d import conv2d, conv2d_cost, conv2d_ref, pack_conv_weight
+from fastdiff.kernels.conv2d_tma import TmaConfig, conv2d_tma, tma_conv_unsupported
+from fastdiff.models import load_unet
+
+log = logging.getLogger("benchmarks.sweep_conv")
+
+TMA_CONFIGS = [
+    TmaConfig(128, 128, 64, 8, 3),
+    TmaConfig(128, 128, 64, 8, 4),
+    TmaConfig(128, 128, 64, 4, 4),
+    TmaConfig(128, 256, 64, 8, 3),
+    TmaConfig(64, 128, 64, 4, 4),
+    TmaConfig(64, 64, 64, 4, 4),
+    TmaConfig(256, 128, 64, 8, 3),
+    TmaConfig(128, 128, 64, 8, 4, "rows"),
+    TmaConfig(128, 256, 64, 8, 3, "rows"),
+    TmaConfig(64, 128, 64, 4, 4, "rows"),
+]
+"""Tile configs tried on the convs with enough 128x128 tiles to fill the GPU twice over."""
+SMALL_CONFIGS = [TmaConfig(64, 64, 64, 4, 4), TmaConfig(64, 128, 64, 4, 4), TmaConfig(64, 64, 64, 4, 4, "rows")]
+"""Tile configs tried on the others (batch 1, the 4x4 level)."""
+
+
+def conv_cases(model: str, batch: int) -> list[dict]:
+    """The distinct convs of ``model``'s engine lowering at ``batch`` (what each op reads and computes)."""
+    torch.manual_seed(0)
+    fused = FusedModel(load_unet(model, device="cpu", dtype=torch.float32), batch, torch.float16, "meta")
+    cases: dict[str, dict] = {}
+    for op in fused.step_ops:
+        if op.kind != "conv":
+            continue
+        x = op.inputs[0]
+        parent = x.concat.shape[1] if x.concat is not None else x.shape[1]
+        p = op.params
+        case = dict(
+            x=list(x.shape), parent_channels=parent, channel_offset=x.channel_offset, cout=op.output.shape[1],
+            ksize=p["ksize"], stride=p["stride"], padding=p["padding"], upsample=p["upsample"],
+            temb=p["temb"] is not None, act=p["act"], scale=p["scale"], residual=len(op.inputs) > 1,
+        )  # fmt: skip
+        key = json.dumps(case, sort_keys=True)
+        cases.setdefault(key, {**case, "ops": []})["ops"].append(op.name)
+    return list(cases.values())
+
+
+def operands(case: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
+    """Random inputs laid out as the engine lays them out (a channel slice of a wider NHWC buffer)."""
+    n, cin, h, w = case["x"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    parent = torch.randn((n, h, w, case["parent_channels"]), device="cuda", generator=gen).to(dtype)
+    off = case["channel_offset"]
+    x = parent.permute(0, 3, 1, 2)[:, off : off + cin]
+    k, cout = case["ksize"], case["cout"]
+    weight = torch.randn((cout, cin, k, k), device="cuda", generator=gen) / (cin * k * k) ** 0.5
+    ho = (h * case["upsample"] + 2 * case["padding"] - k) // case["stride"] + 1
+    wo = (w * case["upsample"] + 2 * case["padding"] - k) // case["stride"] + 1
+    kwargs: dict = dict(stride=case["stride"], padding=case["padding"], activation=case["act"],
+                        out_scale=case["scale"], upsample=case["upsample"])  # fmt: skip
+    bias = torch.randn(cout, device="cuda", generator=gen).to(dtype)
+    if case["temb"]:
+        kwargs["time_emb"] = torch.randn((1, cout), device="cuda", generator=gen).to(dtype).expand(n, cout)
+    if case["residual"]:
+        kwargs["residual"] = torch.randn((n, ho, wo, cout), device="cuda", generator=gen).to(dtype)
+        kwargs["residual"] = kwargs["residual"].permute(0, 3, 1, 2)
+    kwargs["out"] = torch.empty((n, ho, wo, cout), device="cuda", dtype=dtype).permute(0, 3, 1, 2)
+    return (x, pack_conv_weight(weight).to(dtype), bias), kwargs
+
+
+def cudnn_call(args: tuple, kwargs: dict) -> Callable[[], None]:
+    """The engine's cuDNN path: F.conv2d (+ bias), then the epilogue in torch ops."""
+    x, packed, bias = args
+    cin, k = x.shape[1], kwargs_k(packed, x.shape[1])
+    weight = packed.reshape(k, k, cin, -1).permute(3, 2, 0, 1).contiguous(memory_format=torch.channels_last)
+    up, out, res = kwargs["upsample"], kwargs["out"], kwargs.get("residual")
+    temb = kwargs.get("time_emb")
+
+    def call() -> None:
+        src = x if up == 1 else F.interpolate(x, scale_factor=float(up), mode="nearest")
+        y = F.conv2d(src, weight, bias, stride=kwargs["stride"], padding=kwargs["padding"])
+        if temb is not None:
+            y += temb[:, :, None, None]
+        y = activation_ref(y, kwargs["activation"])
+        if res is not None:
+            torch.add(y, res, out=out)
+        else:
+            out.copy_(y)
+        if kwargs["out_scale"] is not None:
+            out.mul_(kwargs["out_scale"])
+
+    return call
+
+
+def kwargs_k(packed: torch.Tensor, cin: int) -> int:
+    return round((packed.shape[0] // cin) ** 0.5)
+
+
+def sweep_case(case: dict, dtype: torch.dtype, ceiling: float) -> dict:
+    args, kwargs = operands(case, dtype)
+    x, packed, bias = args
+    ref = conv2d_ref(*[a.double() for a in args], **{k: (v.double() if isinstance(v, torch.Tensor) else v)
+                                                      for k, v in kwargs.items() if k != "out"})  # fmt: skip
+    flops, moved = conv2d_cost(args, kwargs)
+    impls: dict[str, Callable[[], object]] = {
+        "triton": lambda: conv2d(*args, **kwargs),
+        "cudnn": cudnn_call(args, kwargs),
+    }
+    cout, k = case["cout"], case["ksize"]
+    n, _, h, w = x.shape
+    big = (n * h * w // 128) * max(1, cout // 128) >= 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    for cfg in TMA_CONFIGS if big else SMALL_CONFIGS:
+        if cfg.block_n > max(64, 2 * cout):
+            continue
+        why = tma_conv_unsupported(x, cout, k, stride=case["stride"], padding=case["padding"],
+                                   upsample=case["upsample"], layout=cfg.layout)  # fmt: skip
+        if why is None:
+            name = f"tma-{cfg.layout}-{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-w{cfg.num_warps}s{cfg.num_stages}"
+            kw = {k2: v for k2, v in kwargs.items() if k2 not in ("stride", "upsample")}
+            impls[name] = lambda cfg=cfg, kw=kw: conv2d_tma(x, packed, bias, config=cfg, **kw)
+    row = {**case, "flops": flops, "bytes": moved, "impls": {}}
+    for name, call in impls.items():
+        try:
+            call()
+            err = ((kwargs["out"].double() - ref).norm() / ref.norm()).item()
+            us = time_call_us(call, 20)
+        except Exception as exc:  # a config that fails to compile is recorded, not fatal
+            row["impls"][name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+            log.warning("%s %s failed: %s", case["ops"][0], name, row["impls"][name]["error"])
+            continue
+        tflops = flops / (us * 1e-6) / 1e12
+        row["impls"][name] = {"us": us, "tflops": tflops, "pct_ceiling": 100 * tflops / ceiling, "rel_err": err}
+    timed = {k: v["us"] for k, v in row["impls"].items() if "us" in v}
+    row["best"] = min(timed, key=timed.get)
+    log.info("%-45s x%d %s: %s", case["ops"][0], len(case["ops"]), case["x"],
+             ", ".join(f"{k} {v:.1f}" for k, v in sorted(timed.items(), key=lambda kv: kv[1])[:4]))  # fmt: skip
+    return row
+
+
+def matmul_ceiling_tflops() -> float:
+    a = torch.randn((8192, 8192), device="cuda", dtype=torch.bfloat16)
+    b = torch.randn((8192, 8192), device="cuda", dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    us = time_call_us(lambda: torch.matmul(a, b, out=c), 10)
+    return 2 * 8192**3 / (us * 1e-6) / 1e12
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="ddpm-cifar10", help="a model preset (random weights when it has none)")
+    parser.add_argument("--batch", default="256,1", help="comma-separated batch sizes, swept in this order")
+    parser.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
+    parser.add_argument("--budget-s", type=float, default=400.0, help="stop starting new cases after this long")
+    parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    start = time.perf_counter()
+    ceiling = matmul_ceiling_tflops()
+    result = {"env": environment(), "model": args.model, "dtype": args.dtype,
+              "ceiling_tflops_bf16": ceiling, "rows": []}  # fmt: skip
+    for batch in (int(b) for b in args.batch.split(",")):
+        for case in conv_cases(args.model, batch):
+            if time.perf_counter() - start > args.budget_s:
+                result["stopped_early"] = True
+                break
+            result["rows"].append({"batch": batch, **sweep_case(case, dtype, ceiling)})
+            write_text_atomic(args.out, json.dumps(result, indent=1))
+    write_text_atomic(args.out, json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
