@@ -1,5 +1,5 @@
 """One-call GPU sweep of the conv implementations at a model's own conv shapes: the gather kernel
-(``kernels.conv2d``), the TMA kernel (``kernels.conv2d_tma``) in each layout and tile config, and cuDNN.
+(``kernels.conv2d``), the TMA kernel (``kernels.conv2d_tma``) in each tile config and its default, and cuDNN.
 
     PYTHONPATH=src python benchmarks/sweep_conv.py --model ddpm-cifar10 --batch 1,256 --out sweep.json
 
@@ -28,8 +28,8 @@ from fastdiff.atomic import write_text_atomic
 from fastdiff.bench.env import environment
 from fastdiff.engine.executor import FusedModel, time_call_us
 from fastdiff.kernels.common import activation_ref
-from fastdiff.kernels.conv2d import conv2d, conv2d_cost, conv2d_ref, pack_conv_weight
-from fastdiff.kernels.conv2d_tma import TmaConfig, conv2d_tma, tma_conv_unsupported
+from fastdiff.kernels.conv2d import conv2d, conv2d_cost, conv2d_ref, pack_conv_weight, unpack_conv_weight
+from fastdiff.kernels.conv2d_tma import TmaConfig, conv2d_tma, pack_upsample2_weight, tma_conv_unsupported
 from fastdiff.models import load_unet
 
 log = logging.getLogger("benchmarks.sweep_conv")
@@ -42,12 +42,9 @@ TMA_CONFIGS = [
     TmaConfig(64, 128, 64, 4, 4),
     TmaConfig(64, 64, 64, 4, 4),
     TmaConfig(256, 128, 64, 8, 3),
-    TmaConfig(128, 128, 64, 8, 4, "rows"),
-    TmaConfig(128, 256, 64, 8, 3, "rows"),
-    TmaConfig(64, 128, 64, 4, 4, "rows"),
 ]
 """Tile configs tried on the convs with enough 128x128 tiles to fill the GPU twice over."""
-SMALL_CONFIGS = [TmaConfig(64, 64, 64, 4, 4), TmaConfig(64, 128, 64, 4, 4), TmaConfig(64, 64, 64, 4, 4, "rows")]
+SMALL_CONFIGS = [TmaConfig(64, 64, 64, 4, 4), TmaConfig(64, 128, 64, 4, 4)]
 """Tile configs tried on the others (batch 1, the 4x4 level)."""
 
 
@@ -134,17 +131,23 @@ def sweep_case(case: dict, dtype: torch.dtype, ceiling: float) -> dict:
         "cudnn": cudnn_call(args, kwargs),
     }
     cout, k = case["cout"], case["ksize"]
-    n, _, h, w = x.shape
-    big = (n * h * w // 128) * max(1, cout // 128) >= 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    rows = kwargs["out"].shape[0] * kwargs["out"].shape[2] * kwargs["out"].shape[3]
+    big = (rows // 128) * max(1, cout // 128) >= 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    tma_weight = packed
+    if case["upsample"] == 2:
+        tma_weight = pack_upsample2_weight(unpack_conv_weight(packed, x.shape[1]))
     for cfg in TMA_CONFIGS if big else SMALL_CONFIGS:
         if cfg.block_n > max(64, 2 * cout):
             continue
         why = tma_conv_unsupported(x, cout, k, stride=case["stride"], padding=case["padding"],
-                                   upsample=case["upsample"], layout=cfg.layout)  # fmt: skip
+                                   upsample=case["upsample"])  # fmt: skip
         if why is None:
-            name = f"tma-{cfg.layout}-{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-w{cfg.num_warps}s{cfg.num_stages}"
-            kw = {k2: v for k2, v in kwargs.items() if k2 not in ("stride", "upsample")}
-            impls[name] = lambda cfg=cfg, kw=kw: conv2d_tma(x, packed, bias, config=cfg, **kw)
+            name = f"tma-{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-w{cfg.num_warps}s{cfg.num_stages}"
+            kw = {k2: v for k2, v in kwargs.items() if k2 != "stride"}
+            impls[name] = lambda cfg=cfg, kw=kw: conv2d_tma(x, tma_weight, bias, config=cfg, **kw)
+    if "tma-" in " ".join(impls):
+        kw = {k2: v for k2, v in kwargs.items() if k2 != "stride"}
+        impls["tma-default"] = lambda kw=kw: conv2d_tma(x, tma_weight, bias, **kw)
     row = {**case, "flops": flops, "bytes": moved, "impls": {}}
     for name, call in impls.items():
         try:
@@ -177,6 +180,7 @@ def main() -> None:
     parser.add_argument("--model", default="ddpm-cifar10", help="a model preset (random weights when it has none)")
     parser.add_argument("--batch", default="256,1", help="comma-separated batch sizes, swept in this order")
     parser.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
+    parser.add_argument("--only", default="", help="sweep only the convs whose op name contains this")
     parser.add_argument("--budget-s", type=float, default=400.0, help="stop starting new cases after this long")
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
     args = parser.parse_args()
@@ -188,6 +192,8 @@ def main() -> None:
               "ceiling_tflops_bf16": ceiling, "rows": []}  # fmt: skip
     for batch in (int(b) for b in args.batch.split(",")):
         for case in conv_cases(args.model, batch):
+            if not any(args.only in name for name in case["ops"]):
+                continue
             if time.perf_counter() - start > args.budget_s:
                 result["stopped_early"] = True
                 break

@@ -1,4 +1,5 @@
-"""conv2d_tma (TMA-loaded implicit GEMM) against conv2d_ref in float64: both layouts, odd shapes, every epilogue."""
+"""conv2d_tma (TMA-loaded implicit GEMM) against conv2d_ref in float64: odd shapes, every epilogue, and on the GPU
+the default tile configs at the U-Nets' own shapes."""
 
 from __future__ import annotations
 
@@ -8,49 +9,74 @@ import pytest
 import torch
 
 from fastdiff.errors import FastdiffError
-from fastdiff.kernels.conv2d_tma import OP, TmaConfig, box_tile, conv2d_tma, tma_conv_unsupported
+from fastdiff.kernels.conv2d import unpack_conv_weight
+from fastdiff.kernels.conv2d_tma import (
+    OP,
+    TmaConfig,
+    box_tile,
+    conv2d_tma,
+    pack_upsample2_weight,
+    tma_conv_unsupported,
+)
 
 from .conftest import CUDA, DEVICE, DTYPES, needs_cuda, rel_err
 from .test_conv2d import TOLERANCE, make_inputs, reference
 
-SMALL = TmaConfig(block_m=32, block_n=16, block_k=8, num_warps=4, num_stages=2)
-"""Interpreter-sized tiles (several tiles per image, several channel chunks per tap)."""
+SMALL = TmaConfig(block_m=32, block_n=16, block_k=16, num_warps=4, num_stages=2)
+"""Interpreter-sized tiles (several tiles per image, several channel chunks per tap, chunks that cross taps)."""
 
 CASES = [
-    pytest.param(dict(n=2, cin=12, cout=24, h=7, w=9, k=3, padding=1, bias=True, temb=True, act="silu"),
-                 id="c12_7x9_temb_silu"),  # fmt: skip
+    pytest.param(
+        dict(n=2, cin=24, cout=24, h=7, w=9, k=3, padding=1, bias=True, temb=True, act="silu"), id="c24_7x9_temb_silu"
+    ),  # fmt: skip
     pytest.param(dict(n=3, cin=8, cout=16, h=4, w=4, k=3, padding=1, res=True, scale=0.5), id="b3_4x4_res_scale"),
     pytest.param(dict(n=1, cin=24, cout=8, h=5, w=6, k=1, bias=True, res=True), id="k1_5x6_shortcut"),
     pytest.param(dict(n=2, cin=16, cout=8, h=6, w=5, k=3, act="gelu"), id="k3p0_valid_gelu"),
-    pytest.param(dict(n=2, cin=256, cout=128, h=16, w=16, k=3, padding=1, bias=True, temb=True), id="c256_16x16",
-                 marks=needs_cuda),  # fmt: skip
-    pytest.param(dict(n=4, cin=128, cout=256, h=8, w=8, k=3, padding=1, bias=True, res=True), id="c128_8x8_b4",
-                 marks=needs_cuda),  # fmt: skip
+    pytest.param(
+        dict(n=2, cin=256, cout=128, h=16, w=16, k=3, padding=1, bias=True, temb=True),
+        id="c256_16x16",
+        marks=needs_cuda,
+    ),  # fmt: skip
+    pytest.param(
+        dict(n=4, cin=128, cout=256, h=8, w=8, k=3, padding=1, bias=True, res=True), id="c128_8x8_b4", marks=needs_cuda
+    ),  # fmt: skip
 ]
 
 
-def config_for(layout: str) -> TmaConfig | None:
-    """Small tiles in the interpreter; on the GPU the wrapper's own default config (the one the engine runs)."""
-    if CUDA:
-        return None if layout == "box" else TmaConfig(layout="rows")
-    return TmaConfig(**{**SMALL.__dict__, "layout": layout})
+CONFIG = None if CUDA else SMALL
+"""Small tiles in the interpreter; on the GPU the wrapper's own default config (the one the engine runs)."""
 
 
-@pytest.mark.parametrize("layout", ["box", "rows"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES)
-def test_conv2d_tma_matches_ref(case: dict, dtype: torch.dtype, layout: str) -> None:
-    if layout == "rows" and case["k"] != 2 * case.get("padding", 0) + 1:
-        pytest.skip("the rows layout is for 'same' convs")
+def test_conv2d_tma_matches_ref(case: dict, dtype: torch.dtype) -> None:
     args, kwargs = make_inputs(case, dtype, seed=zlib.crc32(str(case).encode()))
     ref = reference(args, kwargs)
     out = torch.full(ref.shape, float("nan"), dtype=dtype, device=DEVICE).contiguous(memory_format=torch.channels_last)
-    assert conv2d_tma(*args, **kwargs, out=out, config=config_for(layout)) is out
+    assert conv2d_tma(*args, **kwargs, out=out, config=CONFIG) is out
     assert rel_err(out, ref) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("layout", ["box", "rows"])
-def test_channel_slice_of_a_concat_buffer(layout: str) -> None:
+MODEL_SHAPES = [
+    pytest.param(dict(n=256, cin=128, cout=128, h=32, w=32, k=3, padding=1, bias=True, res=True), id="b256_c128_32"),
+    pytest.param(dict(n=256, cin=256, cout=768, h=16, w=16, k=1, bias=True), id="b256_qkv_1x1_16"),
+    pytest.param(dict(n=256, cin=512, cout=256, h=16, w=16, k=1, bias=True), id="b256_shortcut_1x1_16"),
+    pytest.param(dict(n=256, cin=256, cout=256, h=8, w=8, k=3, padding=1, bias=True, temb=True), id="b256_c256_8"),
+    pytest.param(dict(n=256, cin=512, cout=256, h=4, w=4, k=3, padding=1, bias=True, temb=True), id="b256_c512_4"),
+    pytest.param(dict(n=2, cin=320, cout=320, h=64, w=64, k=3, padding=1, bias=True, temb=True), id="sd15_b2_64"),
+]
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", MODEL_SHAPES)
+def test_default_configs_at_model_shapes(case: dict) -> None:
+    """Each default tile config (128x128 with 8 or 4 warps, 64x128, 64x64) on a shape that picks it: 1x1 convs
+    whose short loops once gave wrong results with 8 warps, the small levels of batch 256."""
+    args, kwargs = make_inputs(case, torch.float16, seed=zlib.crc32(str(case).encode()))
+    assert rel_err(conv2d_tma(*args, **kwargs), reference(args, kwargs)) < TOLERANCE[torch.float16]
+
+
+def test_channel_slice_of_a_concat_buffer() -> None:
     """The engine's zero-copy concat: the input is channels [8, 24) of a 40-channel NHWC buffer."""
     case = dict(n=2, cin=16, cout=16, h=5, w=7, k=3, padding=1, bias=True)
     args, kwargs = make_inputs(case, torch.float32, seed=3)
@@ -58,8 +84,36 @@ def test_channel_slice_of_a_concat_buffer(layout: str) -> None:
     parent = torch.randn((2, 5, 7, 40), device=DEVICE).permute(0, 3, 1, 2)
     parent[:, 8:24] = x
     sliced = parent[:, 8:24]
-    out = conv2d_tma(sliced, packed, bias, **kwargs, config=config_for(layout))
+    out = conv2d_tma(sliced, packed, bias, **kwargs, config=CONFIG)
     assert rel_err(out, reference(args, kwargs)) < TOLERANCE[torch.float32]
+
+
+UPSAMPLE_CASES = [
+    pytest.param(dict(n=2, cin=16, cout=24, h=3, w=5, bias=True, res=True, act="silu"), id="3x5_res_silu"),
+    pytest.param(dict(n=3, cin=24, cout=16, h=4, w=4, bias=True, temb=True, scale=0.5), id="b3_4x4_temb_scale"),
+    pytest.param(dict(n=256, cin=256, cout=256, h=16, w=16, bias=True), id="b256_16x16", marks=needs_cuda),
+    pytest.param(dict(n=256, cin=256, cout=256, h=4, w=4, bias=True), id="b256_4x4", marks=needs_cuda),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", UPSAMPLE_CASES)
+def test_upsample2_conv_as_four_phase_convs(case: dict, dtype: torch.dtype) -> None:
+    """Upsample2D (nearest x2 + 3x3 conv) from the low-resolution input: raw and phase-packed weights."""
+    args, kwargs = make_inputs({**case, "k": 3, "padding": 1}, dtype, seed=zlib.crc32(str(case).encode()))
+    x, packed, bias = args
+    kwargs["upsample"] = 2
+    n, cout, (h, w) = case["n"], case["cout"], x.shape[2:]
+    if case.get("res"):
+        kwargs["residual"] = torch.randn((n, cout, 2 * h, 2 * w), device=DEVICE, dtype=dtype)
+    ref = reference(args, kwargs)
+    raw = unpack_conv_weight(packed, case["cin"])
+    assert rel_err(conv2d_tma(x, raw, bias, **kwargs, config=CONFIG), ref) < TOLERANCE[dtype]
+    phases = pack_upsample2_weight(raw)
+    assert phases.shape == (16 * case["cin"], cout)
+    assert rel_err(conv2d_tma(x, phases, bias, **kwargs, config=CONFIG), ref) < TOLERANCE[dtype]
+    with pytest.raises(FastdiffError, match="pack_upsample2_weight"):
+        conv2d_tma(x, packed, bias, **kwargs, config=CONFIG)
 
 
 def test_box_tile_shapes() -> None:
@@ -73,17 +127,18 @@ def test_unsupported_convs_say_why() -> None:
     x = torch.randn((2, 16, 8, 8), device=DEVICE).contiguous(memory_format=torch.channels_last)
     assert tma_conv_unsupported(x, 16, 3, padding=1) is None
     assert "stride 1" in tma_conv_unsupported(x, 16, 3, stride=2, padding=1)
-    assert "stride 1" in tma_conv_unsupported(x, 16, 3, padding=1, upsample=2)
+    assert tma_conv_unsupported(x, 16, 3, padding=1, upsample=2) is None
+    assert "stride 1" in tma_conv_unsupported(x, 16, 3, padding=1, upsample=3)
+    assert "Upsample2D" in tma_conv_unsupported(x, 16, 3, padding=0, upsample=2)
     assert "channels" in tma_conv_unsupported(x.contiguous(), 16, 3, padding=1)
     assert "aligned" in tma_conv_unsupported(x[:, 1:5], 16, 3, padding=1)  # 4-byte offset: not 16-byte aligned
     assert "aligned" in tma_conv_unsupported(x, 3, 3, padding=1)  # packed weight rows of 12 bytes
-    assert "same" in tma_conv_unsupported(x, 16, 3, padding=0, layout="rows")
     args, kwargs = make_inputs(dict(n=1, cin=16, cout=8, h=5, w=5, k=3), torch.float32, seed=0)
     with pytest.raises(FastdiffError, match="stride 1"):
-        conv2d_tma(*args, stride=2, config=config_for("box"))
+        conv2d_tma(*args, stride=2, config=CONFIG)
 
 
 def test_example_inputs_small() -> None:
     args, kwargs = OP.example_inputs("small", torch.float32, DEVICE, 3)
-    out = OP.triton(*args, **kwargs, config=config_for("box"))
+    out = OP.triton(*args, **kwargs, config=CONFIG)
     assert rel_err(out, reference(args, kwargs)) < TOLERANCE[torch.float32]

@@ -54,7 +54,7 @@ from fastdiff.kernels.attention import attention
 from fastdiff.kernels.attention_gate import attention_gate
 from fastdiff.kernels.common import activation_ref
 from fastdiff.kernels.conv2d import FoldedGroupNorm, conv2d, pack_conv_weight
-from fastdiff.kernels.conv2d_tma import conv2d_tma, tma_conv_unsupported
+from fastdiff.kernels.conv2d_tma import conv2d_tma, pack_upsample2_weight, tma_conv_unsupported
 from fastdiff.kernels.depthwise_conv2d import depthwise_conv2d, pack_depthwise_weight
 from fastdiff.kernels.group_norm_act import group_norm_act
 from fastdiff.kernels.layer_norm import layer_norm
@@ -102,7 +102,7 @@ def tokens(t: torch.Tensor) -> torch.Tensor:
 
 WEIGHT_ROLES: dict[tuple[str, str], set[str]] = {
     ("conv", "triton"): {"packed", "bias", "norm_weight", "norm_bias"},
-    ("conv", "triton-tma"): {"packed", "bias"},
+    ("conv", "triton-tma"): {"packed", "packed_up2", "bias"},
     ("conv", "cudnn"): {"weight", "bias"},
     ("depthwise", "triton"): {"packed"},
     ("depthwise", "cudnn"): {"weight"},
@@ -276,6 +276,8 @@ class FusedModel:
             weight = op.weights["weight"]
             if triton_too:
                 out["packed"] = pack_conv_weight(weight).to(self.dtype)
+                if op.params["upsample"] == 2 and weight.shape[-1] == 3 and self.device.type == "cuda":
+                    out["packed_up2"] = pack_upsample2_weight(weight).to(self.dtype)  # conv2d_tma's phase form
             if library_too:
                 out["weight"] = weight.to(self.dtype).contiguous(memory_format=torch.channels_last)
             if "bias" in op.weights:
@@ -319,10 +321,10 @@ class FusedModel:
             temb = self.temb_row[:, p["temb"] : p["temb"] + channels].expand(self.batch, channels)
         stride, padding, act, scale, up = p["stride"], p["padding"], p["act"], p["scale"], p["upsample"]
         if impl == "triton-tma":
-            packed = w["packed"]
+            packed = w["packed_up2"] if up == 2 else w["packed"]
             return lambda: conv2d_tma(
                 x, packed, bias, padding=padding, time_emb=temb, residual=residual, activation=act,
-                out_scale=scale, out=out,
+                out_scale=scale, out=out, upsample=up,
             )  # fmt: skip
         if impl == "triton":
             packed = w["packed"]
@@ -446,7 +448,7 @@ class FusedModel:
         return ("torch",) if op.kind == "center" else ("triton",)
 
     def _tma_fits(self, op: Op) -> bool:
-        """Whether the TMA conv kernel can run ``op`` (CUDA on Hopper or newer, stride 1, no upsampling)."""
+        """Whether the TMA conv kernel can run ``op`` (CUDA on Hopper or newer, stride 1, Upsample2D at most)."""
         if self.device.type != "cuda":
             return False
         p = op.params
