@@ -70,8 +70,8 @@ MODEL_SHAPES = [
 @needs_cuda
 @pytest.mark.parametrize("case", MODEL_SHAPES)
 def test_default_configs_at_model_shapes(case: dict) -> None:
-    """Each default tile config (128x128 with 8 or 4 warps, 64x128, 64x64) on a shape that picks it: 1x1 convs
-    whose short loops once gave wrong results with 8 warps, the small levels of batch 256."""
+    """Each default tile config (128x128, 64x128, 64x64) on a shape that picks it, with the 1x1 convs whose short
+    loops gave wrong results with 8 warps (``default_config``), and the small levels of batch 256."""
     args, kwargs = make_inputs(case, torch.float16, seed=zlib.crc32(str(case).encode()))
     assert rel_err(conv2d_tma(*args, **kwargs), reference(args, kwargs)) < TOLERANCE[torch.float16]
 

@@ -185,22 +185,21 @@ def tma_conv_unsupported(
     return None
 
 
-def default_config(n: int, ho: int, wo: int, cin: int, cout: int, ksize: int, dtype: torch.dtype,
+def default_config(n: int, ho: int, wo: int, cin: int, cout: int, dtype: torch.dtype,
                    device: torch.device) -> TmaConfig:  # fmt: skip
     """The tile shape for a conv of this size, from ``benchmarks/sweep_conv.py`` on the H100 (ddpm-cifar10, batch
-    256): 128x128 tiles while they fill every SM twice (8 warps, 3 stages for the 3x3 convs: 1.0-1.1x the
-    4-warp tiles), then 64x128, then 64x64 (batch 256 at 8x8 and 4x4).
+    256): 128x128 tiles while they fill every SM twice, then 64x128, then 64x64 (batch 256 at 8x8 and 4x4).
 
-    1x1 convs keep 4 warps: with 8 warps and their 4-8 step loops, Triton 3.6's pipelined TMA loop returned
-    wrong results (0.2-0.9% relative error) on the H100; the 4-warp tiles were exact and as fast.
+    Always 4 warps. With 8 warps (two consumer warpgroups) the 3x3 convs ran 5-9% faster, but Triton 3.6's
+    pipelined TMA loop then returned wrong results on the H100 (0.2-0.9% relative error against exact 4-warp
+    results) whenever the loop was short: the 1x1 convs (4-8 steps) and the Upsample2D phases (16 steps).
     """
     rows = n * ho * wo
     block_n = max(16, _pow2_at_most(cout, 128))
     block_k = 64 if cin >= 64 else max(16, triton.next_power_of_2(cin))
     stages = 4 if dtype.itemsize <= 2 else 2  # fp32 tiles take twice the shared memory per stage
     if triton.cdiv(rows, 128) * triton.cdiv(cout, block_n) >= 2 * num_sms(device):
-        wide = ksize > 1 and dtype.itemsize <= 2
-        return TmaConfig(128, block_n, block_k, 8 if wide else 4, 3 if wide else stages)
+        return TmaConfig(128, block_n, block_k, 4, stages)
     if triton.cdiv(rows, 64) * triton.cdiv(cout, block_n) >= num_sms(device):
         return TmaConfig(64, block_n, block_k, 4, stages)
     return TmaConfig(64, min(block_n, 64), block_k, 4, stages)
@@ -244,7 +243,7 @@ def conv2d_tma(
     ho, wo = h + 2 * padding - ksize + 1, w + 2 * padding - ksize + 1  # with upsample=2: the low resolution
     if padding < 0 or ho < 1 or wo < 1:
         raise FastdiffError(f"conv output would be empty for input {h}x{w}, kernel {ksize}, padding {padding}")
-    config = config or default_config(n * upsample**2, ho, wo, cin, cout, 2 if up2 else ksize, x.dtype, x.device)
+    config = config or default_config(n * upsample**2, ho, wo, cin, cout, x.dtype, x.device)
     if weight.dtype != x.dtype or weight.device != x.device:
         raise FastdiffError(f"weight ({weight.dtype}, {weight.device}) must match input ({x.dtype}, {x.device})")
     weight = weight.contiguous()
