@@ -9,7 +9,8 @@ packs the weights and binds each op to a kernel.
 Op kinds (``OP_KINDS``) and what the executor runs for them:
 
 * ``conv``: conv + bias (+ time embedding) (+ activation) (+ residual, x scale), optionally reading its input
-  upsampled x2 (nearest) without materialising it -> ``kernels.conv2d`` or cuDNN + torch epilogue;
+  upsampled x2 (nearest) without materialising it -> ``kernels.conv2d``, ``kernels.conv2d_tma`` (Hopper) or
+  cuDNN + torch epilogue;
 * ``depthwise``: 7x7 depthwise conv + time embedding (ConvNeXt);
 * ``group_norm``: GroupNorm (+ SiLU) -> ``kernels.group_norm_act``;
 * ``layer_norm``: LayerNorm over channels per token -> ``kernels.layer_norm``;
@@ -258,3 +259,43 @@ class GraphBuilder:
     def upsample_conv(self, name: str, conv: nn.Conv2d, h: Value) -> Value:
         """Nearest x2 then conv: one conv2d launch reading h at half resolution (never materialised)."""
         return self.conv(f"{name}.conv", conv, h, upsample=2)
+
+    def unet(self, model: nn.Module, x: Value, attend: Callable[[str, nn.Module, Value], Value]) -> Value:
+        """The U-Net body diffusers' UNet2DModel and UNet2DConditionModel share, from the input ``x`` to conv_out:
+        center_input_sample, conv_in, the down blocks (skips kept), the mid block, the up blocks (skips
+        concatenated in place; the step cache's deep feature marked at the last one's input), the output head.
+        ``attend(name, module, h)`` lowers one of the blocks' attention modules (what the families differ in)."""
+        cfg = model.config
+        if cfg.center_input_sample:
+            x = self.op("center_input", "center", [x], self.value("center_input", *x.shape[1:]), {})
+        h = self.conv("conv_in", model.conv_in, x)
+        skips = [h]
+        for i, block in enumerate(model.down_blocks):
+            for j, resnet in enumerate(block.resnets):
+                h = self.resnet(f"down_blocks.{i}.resnets.{j}", resnet, h)
+                if block.attentions is not None:
+                    h = attend(f"down_blocks.{i}.attentions.{j}", block.attentions[j], h)
+                skips.append(h)
+            if block.downsamplers is not None:
+                down = block.downsamplers[0]
+                name = f"down_blocks.{i}.downsamplers.0.conv"
+                h = self.conv(name, down.conv, h, downsample_pad0=down.padding == 0)
+                skips.append(h)
+        if model.mid_block is not None:
+            mid = model.mid_block
+            h = self.resnet("mid_block.resnets.0", mid.resnets[0], h)
+            if mid.attentions is not None:
+                h = attend("mid_block.attentions.0", mid.attentions[0], h)
+            h = self.resnet("mid_block.resnets.1", mid.resnets[1], h)
+        for i, block in enumerate(model.up_blocks):
+            if i == len(model.up_blocks) - 1:
+                self.cache(h)  # the step cache's deep feature: the last up block's input (models.step_cache)
+            for j, resnet in enumerate(block.resnets):
+                cat = self.concat(f"up_blocks.{i}.cat.{j}", [h, skips.pop()])
+                h = self.resnet(f"up_blocks.{i}.resnets.{j}", resnet, cat)
+                if block.attentions is not None:
+                    h = attend(f"up_blocks.{i}.attentions.{j}", block.attentions[j], h)
+            if block.upsamplers is not None:
+                h = self.upsample_conv(f"up_blocks.{i}.upsamplers.0", block.upsamplers[0].conv, h)
+        h = self.group_norm("conv_norm_out", model.conv_norm_out, h, "silu")
+        return self.conv("conv_out", model.conv_out, h)

@@ -68,34 +68,8 @@ def lower(model: UNet2DConditionModel, g: GraphBuilder, device: torch.device) ->
     )
     x = g.input("x_in", cfg.in_channels, g.height, g.width)
     context = g.input("context", cfg.cross_attention_dim, g.context_tokens or DEFAULT_CONTEXT_TOKENS, 1)
-    if cfg.center_input_sample:
-        x = g.op("center_input", "center", [x], g.value("center_input", cfg.in_channels, g.height, g.width), {})
-    h = g.conv("conv_in", model.conv_in, x)
-    skips = [h]
-    for i, block in enumerate(model.down_blocks):
-        for j, resnet in enumerate(block.resnets):
-            h = g.resnet(f"down_blocks.{i}.resnets.{j}", resnet, h)
-            if block.attentions is not None:
-                h = _transformer(g, f"down_blocks.{i}.attentions.{j}", block.attentions[j], h, context)
-            skips.append(h)
-        if block.downsamplers is not None:
-            down = block.downsamplers[0]
-            h = g.conv(f"down_blocks.{i}.downsamplers.0.conv", down.conv, h, downsample_pad0=down.padding == 0)
-            skips.append(h)
-    if model.mid_block is not None:
-        mid = model.mid_block
-        h = g.resnet("mid_block.resnets.0", mid.resnets[0], h)
-        h = _transformer(g, "mid_block.attentions.0", mid.attentions[0], h, context)
-        h = g.resnet("mid_block.resnets.1", mid.resnets[1], h)
-    for i, block in enumerate(model.up_blocks):
-        if i == len(model.up_blocks) - 1:
-            g.cache(h)  # the step cache's deep feature: the last up block's input (fastdiff.models.step_cache)
-        for j, resnet in enumerate(block.resnets):
-            cat = g.concat(f"up_blocks.{i}.cat.{j}", [h, skips.pop()])
-            h = g.resnet(f"up_blocks.{i}.resnets.{j}", resnet, cat)
-            if block.attentions is not None:
-                h = _transformer(g, f"up_blocks.{i}.attentions.{j}", block.attentions[j], h, context)
-        if block.upsamplers is not None:
-            h = g.upsample_conv(f"up_blocks.{i}.upsamplers.0", block.upsamplers[0].conv, h)
-    h = g.group_norm("conv_norm_out", model.conv_norm_out, h, "silu")
-    g.output = g.conv("conv_out", model.conv_out, h)
+
+    def attend(name: str, transformer: Transformer2DModel, h: Value) -> Value:
+        return _transformer(g, name, transformer, h, context)
+
+    g.output = g.unet(model, x, attend)
