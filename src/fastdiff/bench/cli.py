@@ -56,6 +56,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="step caching (DeepCache) in fastdiff's eager and engine systems: the whole U-Net every N-th step, its "
         "shallow path in between (1 = off; torch.compile and diffusers always run every step in full)",
     )
+    p.add_argument(
+        "--op-table",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on CUDA, each engine system's per-op table in the JSON (time, FLOPs, bytes, TFLOP/s, GB/s and %% of the "
+        "bf16 matmul and copy ceilings, measured once per run; kernels per step), its slowest ops printed: about a "
+        "second per engine system",
+    )
     p.add_argument("--seed", type=int, default=0, help="first seed (image k uses seed+k)")
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"), help="where the JSON goes")
     p.add_argument("--name", default=None, help="result file name stem (default: model-batch-sampler)")
@@ -87,7 +95,7 @@ def run_text_to_image_cli(args: argparse.Namespace) -> int:
 
 
 def run_bench_cli(args: argparse.Namespace) -> int:
-    from fastdiff.bench.report import markdown_table, plot_result
+    from fastdiff.bench.report import markdown_table, op_tables_markdown, plot_result
     from fastdiff.models.stable_diffusion import SD_PRESETS
     from fastdiff.samplers import check_cache_interval
     from fastdiff.text_to_image import is_text_to_image_dir
@@ -116,6 +124,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         seed=args.seed,
         device=args.device,
         cache_interval=args.cache_interval,
+        op_table=args.op_table,
     )
     result = run_bench(cfg)
     path = result_path(result, args.out_dir, args.name)
@@ -123,5 +132,8 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     if args.plot:
         plot_result(result, path.with_suffix(".png"))
     print(markdown_table(result))
+    ops = op_tables_markdown(result)
+    if ops:
+        print(f"\n{ops}")
     log.info("wrote %s", path)
     return 0

@@ -54,6 +54,54 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def op_tables_markdown(result: dict, top: int = 10) -> str:
+    """Per engine row with an op table (``extra["op_table"]``, see ``fastdiff.bench.ops``): kernels and ops per
+    step, the time per op class with its share of the ceilings, and the ``top`` slowest ops; "" when no row has
+    one (a CPU run, ``--no-op-table``, a result from before op tables)."""
+    parts = []
+    ceil = result.get("ceilings")
+    for r in result["results"]:
+        table = r.get("extra", {}).get("op_table")
+        if table is None:
+            continue
+        name = f"{r['system']}-{r['dtype']}"
+        if "unavailable" in table:
+            parts.append(f"**{name}** per-op table unavailable: {table['unavailable']}.")
+            continue
+        lines = [
+            f"**{name}** per op ({table['step']}): {table['ops_per_step']} ops, "
+            f"{_fmt(table['kernels_per_step'], '.0f')} kernels per step; the ops' times sum to "
+            f"{table['ops_ms_per_step']:.3f} ms of {_fmt(r['ms_per_step'], '.3f')} ms/step. Ceilings: "
+            f"{ceil['tflops']:.0f} TFLOP/s ({ceil['matmul']} matmul), {ceil['gbps']:.0f} GB/s (device copy).",
+            "",
+            "| class | ops | ms | share | TFLOP/s | % of matmul | GB/s | % of copy | mean % of ceiling |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for cls, c in table["classes"].items():
+            lines.append(
+                f"| {cls} | {c['ops']} | {c['ms']:.3f} | {_fmt(c['pct_of_ops_ms'], '.0f')}% "
+                f"| {_fmt(c['tflops'], '.3g')} | {_fmt(c['pct_of_matmul'], '.1f')} | {_fmt(c['gbps'], '.0f')} "
+                f"| {_fmt(c['pct_of_copy'], '.1f')} "
+                f"| {_fmt(c['mean_pct_of_ceiling'], '.1f')} |"
+            )
+        lines += [
+            "",
+            f"The {top} slowest ops (% of ceiling: of the matmul ceiling when compute-bound, of the copy bandwidth "
+            "when memory-bound):",
+            "",
+            "| op | kind | impl | us | GFLOP | MB | TFLOP/s | GB/s | bound | % of ceiling |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+        ]
+        for op in sorted(table["ops"], key=lambda o: -o["us"])[:top]:
+            lines.append(
+                f"| {op['name']} | {op['kind']} | {op['impl']} | {op['us']:.1f} | {op['flops'] / 1e9:.3g} "
+                f"| {op['bytes'] / 1e6:.3g} | {_fmt(op['tflops'], '.3g')} | {_fmt(op['gbps'], '.0f')} "
+                f"| {op['bound'] or '—'} | {_fmt(op['pct_of_ceiling'], '.1f')} |"
+            )
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
 def markdown_from_files(paths: list[Path]) -> str:
     return "\n\n".join(markdown_table(json.loads(Path(p).read_text())) for p in sorted(paths))
 

@@ -15,10 +15,12 @@ from torch import nn
 
 from fastdiff.bench.energy import EnergyMeter
 from fastdiff.bench.env import environment, gpu_slug
+from fastdiff.bench.ops import engine_op_table
 from fastdiff.bench.systems import CompileSystem, DiffusersSystem, EagerSystem, EngineSystem, System
 from fastdiff.devices import DTYPES, synchronize, time_ms
 from fastdiff.errors import FastdiffError
 from fastdiff.models import PRESETS, load_unet
+from fastdiff.profile.roofline import measure_ceilings
 from fastdiff.quality.psnr import psnr
 from fastdiff.samplers import ScheduleConfig, check_cache_interval, initial_noise, make_sampler, seed_tensor
 
@@ -60,6 +62,9 @@ class BenchConfig:
     cache_interval: int = 1
     """Step caching (``fastdiff.models.step_cache``) in the eager and engine systems: a full U-Net forward every
     N-th step (1: off); torch.compile and diffusers run every step in full. Each row's ``extra`` says which."""
+    op_table: bool = True
+    """On CUDA, each engine row's ``extra["op_table"]`` (``fastdiff.bench.ops``: every op's time, FLOPs, bytes and %
+    of the ceilings, kernels per step), against ceilings measured once per run (the result's ``ceilings``)."""
 
 
 @dataclass
@@ -162,6 +167,8 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     meter = EnergyMeter(device.index or 0) if device.type == "cuda" else None
     idle_w = meter.idle_watts() if meter is not None and meter.available else None
+    engines = [n for n in cfg.systems if n.startswith("engine") and skip_reason(n, device, model_class) is None]
+    ceilings = measure_ceilings(device) if cfg.op_table and engines else None  # for the engine rows' op tables
     rows: list[Row] = []
     reference: torch.Tensor | None = None  # eager fp32: fastdiff's own loop
     diffusers_reference: torch.Tensor | None = None  # diffusers fp32: the scheduler users run, default options
@@ -181,6 +188,8 @@ def run_bench(cfg: BenchConfig) -> dict:
             row.extra["cache_interval"] = system.cache_interval
             measure_system(row, system, cfg, device, sampler, q_sampler,
                            x_t, seeds, timed, meter, idle_w)  # fmt: skip
+            if ceilings is not None and isinstance(system, EngineSystem):
+                row.extra["op_table"] = measure_op_table(system, sampler, x_t, seeds, ceilings)
             final = row.extra.pop("final").clamp(-1, 1)
             if name == "eager-fp32":
                 reference = final
@@ -193,7 +202,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                 row.extra["psnr_vs_diffusers_fp32_db"] = float(psnr(final, diffusers_reference).mean())
         except Exception as exc:  # a baseline that fails here is reported, not fatal
             log.exception("%s failed", name)
-            row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+            row.error = error_line(exc)
             row.extra.pop("final", None)
         rows.append(row)
         if device.type == "cuda":
@@ -208,6 +217,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             "timed_steps": timed,
             "idle_watts": idle_w,
         },  # fmt: skip
+        "ceilings": ceilings,
         "results": [asdict(r) for r in rows],
     }
 
@@ -251,6 +261,21 @@ def measure_system(row, system, cfg, device, sampler, q_sampler, x_t, seeds, tim
     row.extra["final"] = system.run(x_t, seeds, q_sampler, q_sampler.num_steps).float().cpu()
     if device.type == "cuda":
         row.peak_mem_mb = torch.cuda.max_memory_allocated() / 2**20
+
+
+def measure_op_table(system: EngineSystem, sampler, x_t, seeds, ceilings: dict) -> dict:
+    """The engine system's per-op table (``fastdiff.bench.ops.engine_op_table``), measured after the row's timings
+    and peak memory so it changes neither; ``{"unavailable": error}`` if it fails (the row's numbers stand)."""
+    try:
+        return engine_op_table(system, sampler, x_t, seeds, ceilings)
+    except Exception as exc:  # a diagnostic that fails is reported, not fatal to the row
+        log.exception("the op table of %s failed", system.name)
+        return {"unavailable": error_line(exc)}
+
+
+def error_line(exc: Exception) -> str:
+    """An exception as one line for the JSON: its type and the first line of its message (300 characters)."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
 
 
 def result_path(result: dict, out_dir: Path, name: str | None = None) -> Path:

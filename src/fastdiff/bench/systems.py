@@ -16,7 +16,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from fastdiff.engine import DEFAULT_STEPS_PER_GRAPH, Engine, kernel_cache_state
+from fastdiff.engine import DEFAULT_STEPS_PER_GRAPH, Engine, SamplingLoop, kernel_cache_state
 from fastdiff.models import step_cache
 from fastdiff.samplers import SAMPLER_SCHEDULERS, Sampler, ScheduleConfig, run_sampler
 
@@ -178,7 +178,11 @@ class EngineSystem(System):
                 cache = "cold"
         self.facts["kernel_cache"] = cache
 
+    def loop(self, sampler: Sampler, batch: int) -> SamplingLoop:
+        """The engine's loop for ``sampler`` at ``batch`` (built and its graph captured on first use), made current."""
+        return self.engine.prepare(self.model, sampler, batch, self.dtype, cache_interval=self.cache_interval)
+
     @torch.no_grad()
     def run(self, x, seeds, sampler, num_steps):
-        self.engine.prepare(self.model, sampler, x.shape[0], self.dtype, cache_interval=self.cache_interval)
+        self.loop(sampler, x.shape[0])
         return self.engine.run(x, seeds, num_steps)

@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from fastdiff.bench.env import environment
+from fastdiff.bench.ops import achieved, step_op_rows
+from fastdiff.bench.runner import error_line
 from fastdiff.devices import DTYPES, synchronize, time_ms
 from fastdiff.errors import FastdiffError
 from fastdiff.models.stable_diffusion import (
@@ -233,7 +235,7 @@ def run_text_to_image_bench(cfg: TextToImageBenchConfig, on_row: Callable[[dict]
                 row.extra.update(engine_facts(system))
         except Exception as exc:  # a system that fails is reported, not fatal
             log.exception("%s failed", name)
-            row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+            row.error = error_line(exc)
         rows.append(row)
         system = None
         gc.collect()
@@ -332,18 +334,5 @@ def engine_facts(system: FastdiffT2I) -> dict:
         impls.setdefault(op.kind, {}).setdefault(op.impl, 0)
         impls[op.kind][op.impl] += 1
     facts["unet_impls"] = impls
-    facts["unet_ops"] = op_table(unet)
+    facts["unet_ops"] = [achieved(row) for row in step_op_rows(unet)]  # TFLOP/s and GB/s, no ceilings here
     return facts
-
-
-def op_table(fused) -> list[dict]:
-    """Every step op of ``fused`` with its chosen implementation, time (CUDA graph of repeated launches: launch
-    overhead excluded) and cost: TFLOP/s and GB/s achieved (the ops overwrite the arena's activations)."""
-    from fastdiff.profile.counts import engine_op_cost
-
-    rows = []
-    for op, us in zip(fused.step_ops, fused.time_ops(), strict=True):
-        cost = engine_op_cost(op, fused.dtype.itemsize)
-        rows.append(dict(name=op.name, kind=op.kind, impl=op.impl, us=us, shape=list(op.output.shape),
-                         tflops=cost.flops / us / 1e6, gbps=cost.bytes / us / 1e3))  # fmt: skip
-    return rows

@@ -37,13 +37,14 @@ from tqdm.auto import tqdm
 from fastdiff.atomic import write_folder_atomic
 from fastdiff.bench.energy import EnergyMeter
 from fastdiff.bench.env import environment
+from fastdiff.bench.ops import sampler_step_row, step_op_rows
 from fastdiff.bench.runner import build_system, measure_energy, seeded_model_factory
 from fastdiff.bench.systems import System
 from fastdiff.devices import DTYPES, synchronize, time_ms
 from fastdiff.errors import FastdiffError
 from fastdiff.models import PRESETS, load_unet
 from fastdiff.profile.breakdown import OP_CLASSES, classify, plot_breakdown, profile_breakdown, sampler_range
-from fastdiff.profile.counts import Cost, aten_op_cost, engine_op_cost
+from fastdiff.profile.counts import Cost, aten_op_cost
 from fastdiff.profile.roofline import measure_ceilings, plot_roofline, roofline_point
 from fastdiff.samplers import Sampler, ScheduleConfig, initial_noise, make_sampler, seed_tensor, step_noise
 
@@ -52,9 +53,6 @@ log = logging.getLogger(__name__)
 SCHEMA = "fastdiff.profile/1"
 BACKENDS = ("engine", "eager", "compile")
 LOAD_MODES = ("sync", "async", "early-start")
-ENGINE_OP_CLASS = {"conv": "convolution", "depthwise": "convolution", "gate": "convolution",
-                   "group_norm": "normalisation", "attention": "attention", "center": "elementwise"}  # fmt: skip
-"""Op class of each engine op kind (the attention gate is three 1x1 convs: convolution, as in ``breakdown``)."""
 POINT_KEYS = ("name", "class", "intensity", "tflops", "gbps", "bound", "seconds")
 """What report.json keeps of each roofline point (the top kernels keep everything)."""
 
@@ -186,34 +184,16 @@ def aten_kernel_rows(run_step: Callable[[], None], device: torch.device, elem_by
     return rows
 
 
-def engine_kernel_rows(system: System, sampler: Sampler, elem_bytes: int) -> list:
+def engine_kernel_rows(system: System) -> list:
     """Per-op rows of one engine step: every fused op's time with its chosen implementation (CUDA graph of
-    repeated launches, see ``FusedModel.time_ops``) and its cost from :func:`engine_op_cost`, plus the sampler
-    update kernel (its cost from the kernel module: reads the state and the model output, writes the state)."""
-    from fastdiff.engine.executor import time_call_us
-    from fastdiff.kernels.sampler_step import OP as SAMPLER_STEP
-    from fastdiff.kernels.sampler_step import sampler_step
-
+    repeated launches, see ``FusedModel.time_ops``) and its cost from ``engine_op_cost``, plus the sampler
+    update kernel (its cost from the kernel module: reads the state and the model output, writes the state);
+    measured by :mod:`fastdiff.bench.ops`."""
     fused = _fused_model(system)
     rows = []
-    for op, us in zip(fused.step_ops, fused.time_ops(), strict=True):
-        cost = engine_op_cost(op, elem_bytes)
-        rows.append(_kernel_row(f"{op.name} ({op.kind}, {op.impl})", ENGINE_OP_CLASS[op.kind], 1.0, us, cost))
-    loop = system.engine.current
-    out = fused.forward_from_row(loop.x_in)
-    index = torch.zeros(1, dtype=torch.int64, device=loop.device)
-    state = [t.clone() for t in loop.state]  # the timing writes garbage into its outputs: not into the loop's
-    history = [state[1] if sampler.uses_h1 else None, loop.h2, loop.aux]
-    seeds = loop.seeds if sampler.needs_noise else None
-    args = (state[0], out, sampler.coefs, index, *(t.clone() if t is not None else None for t in history))
-    kwargs = {"seeds": seeds, "clip_range": sampler.clip_range}
-
-    def call() -> None:
-        sampler_step(*args, **kwargs, out=tuple(state))
-
-    flops, moved = SAMPLER_STEP.cost(args, kwargs)
-    cost = Cost(flops, moved)
-    rows.append(_kernel_row("sampler_step", "sampler", 1.0, time_call_us(call, 20), cost))
+    for r in [*step_op_rows(fused), sampler_step_row(fused, system.engine.current)]:
+        name = r["name"] if r["kind"] == "sampler_step" else f"{r['name']} ({r['kind']}, {r['impl']})"
+        rows.append(_kernel_row(name, r["class"], 1.0, r["us"], Cost(r["flops"], r["bytes"])))
     return rows
 
 
@@ -403,7 +383,7 @@ def _profile_backend(name, cfg, make_model, dtype, device, sampler, x_t, seeds, 
     out["breakdown"] = breakdown
 
     if name == "engine":
-        rows = engine_kernel_rows(system, sampler, elem)
+        rows = engine_kernel_rows(system)
     elif name == "eager":
         rows = aten_kernel_rows(_eager_step(system.model, dtype, sampler, x_t, seeds), device, elem)
     else:
