@@ -95,8 +95,7 @@ def operands(case: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
 def cudnn_call(args: tuple, kwargs: dict) -> Callable[[], None]:
     """The engine's cuDNN path: F.conv2d (+ bias), then the epilogue in torch ops."""
     x, packed, bias = args
-    cin, k = x.shape[1], kwargs_k(packed, x.shape[1])
-    weight = packed.reshape(k, k, cin, -1).permute(3, 2, 0, 1).contiguous(memory_format=torch.channels_last)
+    weight = unpack_conv_weight(packed, x.shape[1]).contiguous(memory_format=torch.channels_last)
     up, out, res = kwargs["upsample"], kwargs["out"], kwargs.get("residual")
     temb = kwargs.get("time_emb")
 
@@ -114,10 +113,6 @@ def cudnn_call(args: tuple, kwargs: dict) -> Callable[[], None]:
             out.mul_(kwargs["out_scale"])
 
     return call
-
-
-def kwargs_k(packed: torch.Tensor, cin: int) -> int:
-    return round((packed.shape[0] // cin) ** 0.5)
 
 
 def sweep_case(case: dict, dtype: torch.dtype, ceiling: float) -> dict:
