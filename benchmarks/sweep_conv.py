@@ -1,5 +1,6 @@
 """One-call GPU sweep of the conv implementations at a model's own conv shapes: the gather kernel
-(``kernels.conv2d``), the TMA kernel (``kernels.conv2d_tma``) in each tile config and its default, and cuDNN.
+(``kernels.conv2d``), the TMA kernel (``kernels.conv2d_tma``) in each tile config and its default, and cuDNN;
+with ``--fp8`` also the TMA kernel on e4m3 operands (its ``rel_err`` is then e4m3's own, a few percent).
 
     PYTHONPATH=src python benchmarks/sweep_conv.py --model ddpm-cifar10 --batch 1,256 --out sweep.json
 
@@ -29,7 +30,14 @@ from fastdiff.bench.env import environment
 from fastdiff.engine.executor import FusedModel, time_call_us
 from fastdiff.kernels.common import activation_ref
 from fastdiff.kernels.conv2d import conv2d, conv2d_cost, conv2d_ref, pack_conv_weight, unpack_conv_weight
-from fastdiff.kernels.conv2d_tma import TmaConfig, conv2d_tma, pack_upsample2_weight, tma_conv_unsupported
+from fastdiff.kernels.conv2d_tma import (
+    TmaConfig,
+    conv2d_tma,
+    pack_conv_weight_fp8,
+    pack_upsample2_weight,
+    tma_conv_unsupported,
+)
+from fastdiff.kernels.fp8 import E4M3_MAX, quantize_e4m3_ref
 from fastdiff.models import load_unet
 
 log = logging.getLogger("benchmarks.sweep_conv")
@@ -46,6 +54,15 @@ TMA_CONFIGS = [
 """Tile configs tried on the convs with enough 128x128 tiles to fill the GPU twice over."""
 SMALL_CONFIGS = [TmaConfig(64, 64, 64, 4, 4), TmaConfig(64, 128, 64, 4, 4)]
 """Tile configs tried on the others (batch 1, the 4x4 level)."""
+FP8_CONFIGS = [
+    TmaConfig(128, 128, 128, 4, 4),
+    TmaConfig(128, 128, 128, 4, 3),
+    TmaConfig(128, 128, 128, 8, 4),
+    TmaConfig(128, 256, 128, 8, 3),
+    TmaConfig(128, 128, 64, 4, 4),
+    TmaConfig(64, 128, 128, 4, 4),
+]
+"""Tile configs of the fp8 TMA conv (``--fp8``), on every stride-1 conv without upsampling."""
 
 
 def conv_cases(model: str, batch: int) -> list[dict]:
@@ -115,7 +132,23 @@ def cudnn_call(args: tuple, kwargs: dict) -> Callable[[], None]:
     return call
 
 
-def sweep_case(case: dict, dtype: torch.dtype, ceiling: float) -> dict:
+def fp8_impls(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, kwargs: dict) -> dict[str, Callable]:
+    """The fp8 TMA conv in each of ``FP8_CONFIGS`` and its default: the input as e4m3 at its own max (a dense
+    copy, as the engine's GroupNorm writes it), the weight per output channel."""
+    a_scale = float(x.abs().amax()) / E4M3_MAX
+    x8 = quantize_e4m3_ref(x, a_scale).contiguous(memory_format=torch.channels_last)
+    w8, w_scale = pack_conv_weight_fp8(unpack_conv_weight(packed.float(), x.shape[1]))
+    w_scale = w_scale * a_scale
+    kw = {k: v for k, v in kwargs.items() if k not in ("stride", "upsample")}
+    impls: dict[str, Callable] = {}
+    for cfg in FP8_CONFIGS:
+        name = f"fp8-{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-w{cfg.num_warps}s{cfg.num_stages}"
+        impls[name] = lambda cfg=cfg: conv2d_tma(x8, w8, bias, weight_scale=w_scale, config=cfg, **kw)
+    impls["fp8-default"] = lambda: conv2d_tma(x8, w8, bias, weight_scale=w_scale, **kw)
+    return impls
+
+
+def sweep_case(case: dict, dtype: torch.dtype, ceiling: float, fp8: bool = False) -> dict:
     args, kwargs = operands(case, dtype)
     x, packed, bias = args
     ref = conv2d_ref(*[a.double() for a in args], **{k: (v.double() if isinstance(v, torch.Tensor) else v)
@@ -143,6 +176,8 @@ def sweep_case(case: dict, dtype: torch.dtype, ceiling: float) -> dict:
     if "tma-" in " ".join(impls):
         kw = {k2: v for k2, v in kwargs.items() if k2 != "stride"}
         impls["tma-default"] = lambda kw=kw: conv2d_tma(x, tma_weight, bias, **kw)
+    if fp8 and case["stride"] == 1 and case["upsample"] == 1 and x.shape[1] % 16 == 0:
+        impls.update(fp8_impls(x, packed, bias, kwargs))
     row = {**case, "flops": flops, "bytes": moved, "impls": {}}
     for name, call in impls.items():
         try:
@@ -176,6 +211,7 @@ def main() -> None:
     parser.add_argument("--batch", default="256,1", help="comma-separated batch sizes, swept in this order")
     parser.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     parser.add_argument("--only", default="", help="sweep only the convs whose op name contains this")
+    parser.add_argument("--fp8", action="store_true", help="also the fp8 (e4m3) TMA conv, in each of FP8_CONFIGS")
     parser.add_argument("--budget-s", type=float, default=400.0, help="stop starting new cases after this long")
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
     args = parser.parse_args()
@@ -192,7 +228,7 @@ def main() -> None:
             if time.perf_counter() - start > args.budget_s:
                 result["stopped_early"] = True
                 break
-            result["rows"].append({"batch": batch, **sweep_case(case, dtype, ceiling)})
+            result["rows"].append({"batch": batch, **sweep_case(case, dtype, ceiling, args.fp8)})
             write_text_atomic(args.out, json.dumps(result, indent=1))
     write_text_atomic(args.out, json.dumps(result, indent=1))
 

@@ -10,7 +10,9 @@ full engine step in order (the U-Net's fused ops, then the fused sampler step) w
 * TFLOP/s and GB/s achieved, as % of the measured bf16 matmul ceiling and of the measured device-copy bandwidth
   (``fastdiff.profile.roofline.measure_ceilings``; the H100's dense fp16 tensor-core peak equals its bf16 one),
   and ``pct_of_ceiling``: the % of the ceiling that bounds it on the roofline (``roofline_point``: compute-bound
-  above the ridge point, memory-bound below it);
+  above the ridge point, memory-bound below it). Ops with ``fp8`` (the engine's ``fp8=True``: an e4m3 conv or
+  the GroupNorm that writes its input) are counted like the others: against the bf16 ceiling (Hopper's fp8 one is
+  about 1.8x higher) and with the engine dtype's bytes for every tensor;
 
 then a summary per op class and ``kernels_per_step``: the kernels one step launches, counted by ``torch.profiler``
 on one step launched from the host (the kernels its CUDA graph replays; a cuDNN conv with its torch epilogue or a
@@ -60,7 +62,8 @@ def step_op_rows(fused: FusedModel, reps: int = 20) -> list[dict]:
     for op, us in zip(fused.step_ops, fused.time_ops(reps), strict=True):
         cost = engine_op_cost(op, fused.dtype.itemsize)
         rows.append({"name": op.name, "kind": op.kind, "class": ENGINE_OP_CLASS[op.kind], "impl": op.impl,
-                     "shape": list(op.output.shape), "us": us, "flops": cost.flops, "bytes": cost.bytes})  # fmt: skip
+                     "shape": list(op.output.shape), "us": us, "flops": cost.flops, "bytes": cost.bytes,
+                     "fp8": "fp8_scale" in op.params})  # fmt: skip
     return rows
 
 

@@ -36,6 +36,7 @@ ALL_SYSTEMS = (
     "diffusers+compile-fp16",
     "engine-fp16",
     "engine-bf16",
+    "engine-fp8",
 )
 OPTIONAL_SYSTEMS = ("engine+fold-fp16", "engine+fold-bf16")
 """Systems that run only when named in ``--systems``: the engine with GroupNorm folded into the convs."""
@@ -106,6 +107,8 @@ def build_system(
     """The system ``name`` ("<kind>-<dtype>", e.g. "engine-fp16") on ``make_model()``'s weights (step caching every
     ``cache_interval`` steps where the system has it: eager and engine)."""
     kind, _, dtype_name = name.rpartition("-")
+    if name == "engine-fp8":  # fp16 activations, e4m3 convs after each GroupNorm (fastdiff.engine.fp8)
+        return EngineSystem(make_model, torch.float16, device, warmup_x, cache_interval, fp8=True)
     if dtype_name not in DTYPES:
         raise FastdiffError(f"unknown bench system {name!r}: choose from {', '.join(ALL_SYSTEMS + OPTIONAL_SYSTEMS)}")
     dtype = DTYPES[dtype_name]
@@ -128,6 +131,8 @@ def skip_reason(name: str, device: torch.device, model_class: str) -> str | None
         return "needs CUDA"
     if device.type != "cuda" and name == "eager-fp16":
         return "fp16 on CPU is not a meaningful baseline"
+    if name == "engine-fp8" and torch.cuda.get_device_capability(device)[0] < 9:
+        return "fp8 convs need a Hopper-class GPU"
     if name.startswith("diffusers"):
         if model_class != "DDPMUNet":
             return "diffusers has no equivalent of this model"

@@ -100,6 +100,7 @@ class Engine:
         steps_per_graph: int | None = DEFAULT_STEPS_PER_GRAPH,
         use_graphs: bool = True,
         fold_norms: bool = False,
+        fp8: bool = False,
     ) -> None:
         self.device = normalize_device(device)
         if self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -108,8 +109,10 @@ class Engine:
             raise FastdiffError(f"unet_impl must be 'fused' or 'eager', got {unet_impl!r}")
         if fold_norms and conv_impl == "cudnn":
             raise FastdiffError("fold_norms needs the Triton conv kernel: conv_impl 'auto' or 'triton', not 'cudnn'")
+        if fp8 and (conv_impl == "cudnn" or fold_norms):
+            raise FastdiffError("fp8 runs its convs on the TMA kernel: not with conv_impl='cudnn' or fold_norms")
         self.unet_impl, self.conv_impl, self.attention_impl = unet_impl, conv_impl, attention_impl
-        self.fold_norms = fold_norms
+        self.fold_norms, self.fp8 = fold_norms, fp8
         self.steps_per_graph, self.use_graphs = steps_per_graph, use_graphs
         self.step_models: dict[tuple, FusedModel | EagerStepModel] = {}
         self.loops: dict[tuple, tuple[Sampler, SamplingLoop, FusedModel | EagerStepModel]] = {}
@@ -136,7 +139,7 @@ class Engine:
         t0 = time.perf_counter()
         fused = FusedModel(
             model, batch, dtype, self.device, self.conv_impl, self.attention_impl, WeightStreamer(self.device),
-            size=size, context_tokens=context_tokens, fold_norms=self.fold_norms,
+            size=size, context_tokens=context_tokens, fold_norms=self.fold_norms, fp8=self.fp8 and role == "step",
         )  # fmt: skip
         x_in = channels_last_empty(fused.x_in_value.shape, dtype, self.device).normal_()
         if fused.context is not None:

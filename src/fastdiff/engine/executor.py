@@ -45,6 +45,7 @@ from torch import nn
 from fastdiff.atomic import write_text_atomic
 from fastdiff.devices import normalize_device
 from fastdiff.engine.fold import fold_group_norms
+from fastdiff.engine.fp8 import mark_fp8_convs
 from fastdiff.engine.ir import GraphBuilder, Op, Value
 from fastdiff.engine.lower import lowering_for
 from fastdiff.engine.plan import BufferSpec, MemoryPlan, plan_memory
@@ -54,8 +55,9 @@ from fastdiff.kernels.attention import attention
 from fastdiff.kernels.attention_gate import attention_gate
 from fastdiff.kernels.common import activation_ref
 from fastdiff.kernels.conv2d import FoldedGroupNorm, conv2d, pack_conv_weight
-from fastdiff.kernels.conv2d_tma import conv2d_tma, pack_upsample2_weight, tma_conv_unsupported
+from fastdiff.kernels.conv2d_tma import conv2d_tma, pack_conv_weight_fp8, pack_upsample2_weight, tma_conv_unsupported
 from fastdiff.kernels.depthwise_conv2d import depthwise_conv2d, pack_depthwise_weight
+from fastdiff.kernels.fp8 import FP8_DTYPE, fp8_supported
 from fastdiff.kernels.group_norm_act import group_norm_act
 from fastdiff.kernels.layer_norm import layer_norm
 from fastdiff.kernels.linear import linear, pack_linear_weight
@@ -103,6 +105,7 @@ def tokens(t: torch.Tensor) -> torch.Tensor:
 WEIGHT_ROLES: dict[tuple[str, str], set[str]] = {
     ("conv", "triton"): {"packed", "bias", "norm_weight", "norm_bias"},
     ("conv", "triton-tma"): {"packed", "packed_up2", "bias"},
+    ("conv", "triton-tma-fp8"): {"packed_fp8", "weight_scale", "bias"},
     ("conv", "cudnn"): {"weight", "bias"},
     ("depthwise", "triton"): {"packed"},
     ("depthwise", "cudnn"): {"weight"},
@@ -136,6 +139,7 @@ class FusedModel:
         size: tuple[int, int] | None = None,
         context_tokens: int | None = None,
         fold_norms: bool = False,
+        fp8: bool = False,
     ) -> None:
         family = lowering_for(model)
         if conv_impl not in CONV_IMPLS or attention_impl not in ATTENTION_IMPLS:
@@ -146,6 +150,8 @@ class FusedModel:
         if fold_norms and conv_impl == "cudnn":
             raise FastdiffError("fold_norms needs the Triton conv kernel: conv_impl 'auto' or 'triton', not 'cudnn'")
         self.device = normalize_device(device)
+        if fp8:
+            _check_fp8(self.device, dtype, conv_impl, fold_norms)
         self.dtype, self.batch = dtype, batch
         self.cfg = model.config
         self.height, self.width = size if size is not None else family.default_size(model)
@@ -161,6 +167,7 @@ class FusedModel:
         self.values, self.ops, self.inputs, self.out_value = graph.values, graph.ops, graph.inputs, graph.output
         if fold_norms:  # GroupNorms into the convs around them (engine/fold.py), before anything reads the op list
             self.ops = fold_group_norms(self.ops)
+        self.fp8_convs = mark_fp8_convs(self.ops) if fp8 else 0  # engine/fp8.py, while the fp32 weights are here
         self.folds: dict[str, FoldedGroupNorm] = {}  # by norm name: shared by the producing and consuming convs
         self.x_in_value = self.inputs["x_in"]
         self.step_ops = [op for op in self.ops if op.stage == "step"]
@@ -219,7 +226,7 @@ class FusedModel:
         last[self.out_value.name] = len(self.step_ops)  # read by the sampler step after the forward
         roots = {_root(v).name: _root(v) for v in self.values}
         specs = [
-            BufferSpec(name, math.prod(v.shape) * self.dtype.itemsize, first[name], last[name])
+            BufferSpec(name, math.prod(v.shape) * self._value_dtype(v).itemsize, first[name], last[name])
             for name, v in roots.items()
             if name in first
         ]
@@ -263,16 +270,24 @@ class FusedModel:
         elif v.persistent:
             t = self.persistent[v.name]
         else:
-            t = self.plan.tensor(self.arena, v.name, v.shape, self.dtype)
+            t = self.plan.tensor(self.arena, v.name, v.shape, self._value_dtype(v))
         self.tensors[v.name] = t
         return t
+
+    def _value_dtype(self, v: Value) -> torch.dtype:
+        return FP8_DTYPE if v.fp8 else self.dtype
 
     # --------------------------------------------------------------------------------------------- weights
     def _host_weights(self, op: Op) -> dict[str, torch.Tensor]:
         """The device-layout weights of ``op`` in the engine dtype, packed on the host."""
         out: dict[str, torch.Tensor] = {}
         triton_too, library_too = self.conv_impl in ("auto", "triton"), self.conv_impl in ("auto", "cudnn")
-        if op.kind == "conv":
+        if op.kind == "conv" and "fp8_scale" in op.params:  # e4m3 [Cout, K] and (input scale x channel scales)
+            out["packed_fp8"], scale = pack_conv_weight_fp8(op.weights["weight"])
+            out["weight_scale"] = scale * op.params["fp8_scale"]
+            if "bias" in op.weights:
+                out["bias"] = op.weights["bias"].to(self.dtype)
+        elif op.kind == "conv":
             weight = op.weights["weight"]
             if triton_too:
                 out["packed"] = pack_conv_weight(weight).to(self.dtype)
@@ -320,6 +335,12 @@ class FusedModel:
             channels = op.output.shape[1]
             temb = self.temb_row[:, p["temb"] : p["temb"] + channels].expand(self.batch, channels)
         stride, padding, act, scale, up = p["stride"], p["padding"], p["act"], p["scale"], p["upsample"]
+        if impl == "triton-tma-fp8":
+            packed, weight_scale = w["packed_fp8"], w["weight_scale"]
+            return lambda: conv2d_tma(
+                x, packed, bias, padding=padding, time_emb=temb, residual=residual, activation=act,
+                out_scale=scale, out=out, weight_scale=weight_scale,
+            )  # fmt: skip
         if impl == "triton-tma":
             packed = w["packed_up2"] if up == 2 else w["packed"]
             return lambda: conv2d_tma(
@@ -425,8 +446,9 @@ class FusedModel:
         if op.kind == "group_norm":
             w, p = self._device_weights[op.name], op.params
             return lambda: group_norm_act(
-                x, p["groups"], w["weight"], w["bias"], p["eps"], activation=p["act"], out=out
-            )
+                x, p["groups"], w["weight"], w["bias"], p["eps"], activation=p["act"], out=out,
+                fp8_scale=p.get("fp8_scale"),
+            )  # fmt: skip
         if op.kind == "layer_norm":
             w, eps = self._device_weights[op.name], op.params["eps"]
             x2, out2 = tokens(x), tokens(out)
@@ -439,6 +461,8 @@ class FusedModel:
         """The implementations ``op`` may run: two to time, or the one forced / the only one."""
         if op.kind == "conv" and ("stats" in op.params or "norm" in op.params):
             return ("triton",)  # a folded GroupNorm lives in the Triton kernel's epilogue / prologue
+        if op.kind == "conv" and "fp8_scale" in op.params:
+            return ("triton-tma-fp8",)
         if op.kind in ("conv", "depthwise", "linear"):
             library = "cublas" if op.kind == "linear" else "cudnn"
             ours = ("triton", "triton-tma") if op.kind == "conv" and self._tma_fits(op) else ("triton",)
@@ -459,6 +483,8 @@ class FusedModel:
     def _default_why(self, op: Op) -> str:
         if op.kind == "conv" and ("stats" in op.params or "norm" in op.params):
             return "GroupNorm folded in (Triton only)"
+        if op.kind == "conv" and "fp8_scale" in op.params:
+            return "fp8 (e4m3) input: the TMA kernel only"
         if op.kind in ("conv", "depthwise", "linear"):
             return f"conv_impl={self.conv_impl}" + (" (not timed off CUDA)" if self.conv_impl == "auto" else "")
         if op.kind == "attention":
@@ -641,6 +667,16 @@ class FusedModel:
             rows.append(dict(name=op.name, kind=op.kind, stage=op.stage, shape=list(out.shape), impl=op.impl,
                              why=op.why, times_us=op.times_us, output=where))  # fmt: skip
         return rows
+
+
+def _check_fp8(device: torch.device, dtype: torch.dtype, conv_impl: str, fold_norms: bool) -> None:
+    reason = fp8_supported(device)
+    if reason is not None:
+        raise FastdiffError(reason)
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise FastdiffError(f"fp8 convs write fp16 or bf16 activations: the engine dtype cannot be {dtype}")
+    if conv_impl == "cudnn" or fold_norms:
+        raise FastdiffError("fp8 runs its convs on the TMA kernel: not with conv_impl='cudnn' or fold_norms")
 
 
 def _root(v: Value) -> Value:

@@ -55,7 +55,8 @@ class Value:
 
     ``producer`` is the kind of the op that writes it, ``"external"`` for a graph input. ``persistent`` values
     (outputs of ``context``-stage ops; the buffer holding the step cache's deep feature) get their own allocation
-    instead of a place in the step arena, so they outlive the forward that wrote them.
+    instead of a place in the step arena, so they outlive the forward that wrote them. ``fp8`` values are stored in
+    e4m3 (the engine's fp8: ``fastdiff.engine.fp8``), the others in the engine dtype.
     """
 
     name: str
@@ -64,6 +65,7 @@ class Value:
     concat: Value | None = None
     channel_offset: int = 0
     persistent: bool = False
+    fp8: bool = False
 
 
 @dataclass(eq=False)

@@ -47,7 +47,9 @@ from fastdiff.kernels.conv2d import (
     conv2d_ref,
     fused_epilogue,
     pack_conv_weight,
+    unpack_conv_weight,
 )
+from fastdiff.kernels.fp8 import E4M3_MAX, FP8_DTYPE, quantize_e4m3_ref
 from fastdiff.kernels.registry import KernelOp
 
 
@@ -82,13 +84,27 @@ def pack_upsample2_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat(phases)
 
 
+def pack_conv_weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch conv weight ``[Cout, Cin, K, K]`` -> (e4m3 ``[Cout, K*K*Cin]``, rows as :func:`pack_conv_weight`'s
+    columns; fp32 per-output-channel scales ``[Cout]``). An all-zero channel gets scale 1."""
+    packed = pack_conv_weight(weight.float()).t()
+    amax = packed.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return quantize_e4m3_ref(packed, scale[:, None]).contiguous(), scale
+
+
+def unpack_conv_weight_fp8(packed: torch.Tensor, scale: torch.Tensor, cin: int) -> torch.Tensor:
+    """The fp32 weight ``[Cout, Cin, K, K]`` that (``packed``, ``scale``) of :func:`pack_conv_weight_fp8` stand for."""
+    return unpack_conv_weight((packed.float() * scale[:, None].float()).t(), cin)
+
+
 @triton.jit
 def _conv2d_tma_kernel(
-    x_desc, w_desc, bias_ptr, temb_ptr, res_ptr, out_ptr,
+    x_desc, w_desc, scale_ptr, bias_ptr, temb_ptr, res_ptr, out_ptr,
     N, Cin, Ho, Wo, Cout,
     stride_tn, stride_tc, stride_rn, stride_rc, stride_rh, stride_rw, stride_on, stride_oc, stride_oh, stride_ow,
     out_scale,
-    PAD: tl.constexpr, KSIZE: tl.constexpr, UP2: tl.constexpr,
+    PAD: tl.constexpr, KSIZE: tl.constexpr, UP2: tl.constexpr, FP8: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_TEMB: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     TN: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
@@ -123,14 +139,20 @@ def _conv2d_tma_kernel(
         ih = h0 + tap // KSIZE + py - PAD
         iw = w0 + tap % KSIZE + px - PAD
         a = x_desc.load([n0, ih, iw, c0]).reshape(BLOCK_M, BLOCK_K)
-        b = w_desc.load([w_row0 + tap * Cin + c0, pid_n * BLOCK_N])
-        acc = tl.dot(a, b, acc)
+        if FP8:  # weights [Cout, K]: fp8 wgmma reads both operands K-contiguous
+            b = w_desc.load([pid_n * BLOCK_N, w_row0 + tap * Cin + c0])
+            acc = tl.dot(a, b.T, acc)
+        else:
+            b = w_desc.load([w_row0 + tap * Cin + c0, pid_n * BLOCK_N])
+            acc = tl.dot(a, b, acc)
     if UP2:
         oh = 2 * oh + py
         ow = 2 * ow + px
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < Cout
+    if FP8:  # a_scale * w_scale[n]: the accumulator back to real units before the epilogue
+        acc = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     n64 = n_idx.to(tl.int64)
     res_rows = res_ptr + n64 * stride_rn + oh * stride_rh + ow * stride_rw
     acc = fused_epilogue(
@@ -171,16 +193,19 @@ def tma_conv_unsupported(
     when it can (the packed weight is contiguous: its row stride is ``cout``)."""
     if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
         return "TMA needs a Hopper-class GPU (compute capability 9.0 or newer)"
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"dtype {x.dtype} is not fp16, bf16 or fp32"
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, FP8_DTYPE):
+        return f"dtype {x.dtype} is not fp16, bf16, fp32 or fp8 (e4m3)"
     if stride != 1 or upsample not in (1, 2):
         return "stride 1, and upsampling by 2 at most"
     if upsample == 2 and (ksize, padding) != (3, 1):
         return "upsampling by 2 only before a 3x3 conv with padding 1 (Upsample2D)"
+    if upsample == 2 and x.dtype == FP8_DTYPE:
+        return "no fp8 Upsample2D"
     n, cin, h, w = x.shape
     if x.stride(1) != 1:
         return "the input's channels must be contiguous (channels-last)"
-    if not _aligned(x, (x.stride(0), x.stride(2), x.stride(3))) or cout * x.element_size() % 16:
+    weight_row = ksize * ksize * cin if x.dtype == FP8_DTYPE else cout * x.element_size()  # bytes
+    if not _aligned(x, (x.stride(0), x.stride(2), x.stride(3))) or weight_row % 16:
         return "TMA needs 16-byte aligned base pointers and strides"
     return None
 
@@ -197,6 +222,8 @@ def default_config(n: int, ho: int, wo: int, cin: int, cout: int, dtype: torch.d
     rows = n * ho * wo
     block_n = max(16, _pow2_at_most(cout, 128))
     block_k = 64 if cin >= 64 else max(16, triton.next_power_of_2(cin))
+    if dtype == FP8_DTYPE:  # 128-byte rows, as for fp16; fp8 wgmma steps K by 32
+        block_k = 128 if cin >= 128 else max(32, triton.next_power_of_2(cin))
     stages = 4 if dtype.itemsize <= 2 else 2  # fp32 tiles take twice the shared memory per stage
     if triton.cdiv(rows, 128) * triton.cdiv(cout, block_n) >= 2 * num_sms(device):
         return TmaConfig(128, block_n, block_k, 4, stages)
@@ -219,6 +246,7 @@ def conv2d_tma(
     out: torch.Tensor | None = None,
     upsample: int = 1,
     config: TmaConfig | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`fastdiff.kernels.conv2d.conv2d` for stride-1 convs, tiles loaded by TMA (module docstring).
 
@@ -226,17 +254,30 @@ def conv2d_tma(
     padding 1) packed means :func:`pack_upsample2_weight`'s ``[16*Cin, Cout]``. ``config`` (default
     :func:`default_config`) picks the tile shape. A conv outside the TMA domain raises FastdiffError with
     :func:`tma_conv_unsupported`'s reason.
+
+    fp8: an e4m3 ``x`` takes :func:`pack_conv_weight_fp8`'s e4m3 ``[Cout, K*K*Cin]`` and
+    ``weight_scale`` ``[Cout]`` fp32, the product of the input's scale and the weight's per-channel scales (the
+    conv sees ``x * a_scale`` and ``W8 * w_scale``); the output (``out``, default fp16) is fp16, bf16 or fp32.
     """
     if x.dim() != 4:
         raise FastdiffError(f"conv2d input must be 4-D [N, C, H, W], got shape {tuple(x.shape)}")
     n, cin, h, w = x.shape
     up2 = upsample == 2
+    fp8 = x.dtype == FP8_DTYPE
+    if fp8:
+        _check_fp8_weight(weight, weight_scale, cin, x.device)
+        if up2:
+            raise FastdiffError("conv2d_tma: no fp8 Upsample2D")
+        if out is not None and out.dtype == FP8_DTYPE:
+            raise FastdiffError("an fp8 conv writes fp16, bf16 or fp32, not fp8")
+    elif weight_scale is not None:
+        raise FastdiffError("weight_scale is for fp8 inputs only")
     if weight.dim() == 4:
         weight = pack_upsample2_weight(weight) if up2 else pack_conv_weight(weight)
     if up2 and (weight.dim() != 2 or weight.shape[0] != 16 * cin):
         raise FastdiffError(f"upsample=2 needs pack_upsample2_weight's [16*Cin, Cout], got {tuple(weight.shape)}")
-    ksize = 3 if up2 else _packed_kernel_size(weight, cin)
-    cout = weight.shape[1]
+    cout = weight.shape[0] if fp8 else weight.shape[1]
+    ksize = 3 if up2 else _packed_kernel_size(weight.t() if fp8 else weight, cin)
     reason = tma_conv_unsupported(x, cout, ksize, stride=stride, padding=padding, upsample=upsample)
     if reason is not None:
         raise FastdiffError(f"conv2d_tma: {reason}")
@@ -250,28 +291,56 @@ def conv2d_tma(
     out_hw = (ho * upsample, wo * upsample)
     check_epilogue_args(n, cout, out_hw, x.device, bias, time_emb, residual, activation, out)
     if out is None:
-        out = torch.empty((n, cout, *out_hw), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
+        out_dtype = torch.float16 if fp8 else x.dtype
+        out = torch.empty((n, cout, *out_hw), device=x.device, dtype=out_dtype, memory_format=torch.channels_last)
     tn, th, tw = box_tile(config.block_m, n, ho, wo)
     x_desc = TensorDescriptor(
         x, [n, h, w, cin], [x.stride(0), x.stride(2), x.stride(3), 1], [tn, th, tw, config.block_k]
     )
     tiles = triton.cdiv(n, tn) * triton.cdiv(ho, th) * triton.cdiv(wo, tw)
-    w_desc = TensorDescriptor(weight, list(weight.shape), [cout, 1], [config.block_k, config.block_n])
+    w_block = [config.block_n, config.block_k] if fp8 else [config.block_k, config.block_n]
+    w_desc = TensorDescriptor(weight, list(weight.shape), [weight.shape[1], 1], w_block)
     temb = time_emb if time_emb is not None else out
     res = residual if residual is not None else out
     temb_strides = time_emb.stride() if time_emb is not None else (0, 0)
     grid = (tiles * triton.cdiv(cout, config.block_n), 4 if up2 else 1)
     _conv2d_tma_kernel[grid](
-        x_desc, w_desc, bias if bias is not None else out, temb, res, out,
+        x_desc, w_desc, weight_scale if fp8 else out, bias if bias is not None else out, temb, res, out,
         n, cin, ho, wo, cout, *temb_strides, *res.stride(), *out.stride(),
         1.0 if out_scale is None else float(out_scale),
-        PAD=padding, KSIZE=2 if up2 else ksize, UP2=up2,
+        PAD=padding, KSIZE=2 if up2 else ksize, UP2=up2, FP8=fp8,
         HAS_BIAS=bias is not None, HAS_TEMB=time_emb is not None, HAS_RES=residual is not None,
         ACT=ACTIVATIONS[activation], HAS_SCALE=out_scale is not None,
         TN=tn, TH=th, TW=tw, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
+
+
+def _check_fp8_weight(weight: torch.Tensor, scale: torch.Tensor | None, cin: int, device: torch.device) -> None:
+    if weight.dtype != FP8_DTYPE or weight.dim() != 2 or weight.shape[1] % cin:
+        raise FastdiffError(
+            f"an fp8 input needs pack_conv_weight_fp8's e4m3 [Cout, K*K*Cin] weight, got {weight.dtype} "
+            f"{tuple(weight.shape)}"
+        )
+    if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != (weight.shape[0],) or (
+        scale.device != device
+    ):  # fmt: skip
+        raise FastdiffError(f"an fp8 conv needs weight_scale: fp32 [{weight.shape[0]}] on {device}")
+
+
+def conv2d_fp8_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_scale: torch.Tensor,
+    **kwargs: Any,
+) -> torch.Tensor:  # fmt: skip
+    """Plain torch definition of the fp8 :func:`conv2d_tma`: :func:`conv2d_ref` of the e4m3 input and the
+    dequantised weight (``W8 * weight_scale``) in fp32 (copied into ``out`` when given)."""
+    out = kwargs.pop("out", None)
+    w = unpack_conv_weight_fp8(weight, weight_scale, x.shape[1])
+    y = conv2d_ref(x.float(), w, None if bias is None else bias.float(), **{
+        k: (v.float() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items() if k != "config"
+    })  # fmt: skip
+    return y if out is None else out.copy_(y)
 
 
 def conv2d_tma_example_inputs(

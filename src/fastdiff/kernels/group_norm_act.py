@@ -43,6 +43,7 @@ from fastdiff.kernels.common import (
     check_activation,
     num_sms,
 )
+from fastdiff.kernels.fp8 import FP8_DTYPE, quantize_e4m3_ref, to_e4m3
 from fastdiff.kernels.registry import KernelOp
 
 log = logging.getLogger(__name__)
@@ -73,11 +74,15 @@ def group_norm_act_ref(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     design: Design = "auto",
+    fp8_scale: float | None = None,
 ) -> torch.Tensor:
-    """Plain torch definition: ``F.group_norm`` -> activation -> + residual (``design`` is ignored)."""
+    """Plain torch definition: ``F.group_norm`` -> activation -> + residual (``design`` is ignored), then
+    with ``fp8_scale`` e4m3 of ``y / fp8_scale``."""
     y = activation_ref(F.group_norm(x, num_groups, weight, bias, eps), activation)
     if residual is not None:
         y = y + residual
+    if fp8_scale is not None:
+        y = quantize_e4m3_ref(y, fp8_scale)
     if out is not None:
         return out.copy_(y)
     return y
@@ -175,12 +180,15 @@ def _scale_shift(w_ptr, b_ptr, offs_c, c_mask, mean, rstd, HAS_W: tl.constexpr, 
 
 
 @triton.jit
-def _finish_tile(tile, scale, shift, y_ptr, r_ptr, offs, mask, ACT: tl.constexpr, HAS_RES: tl.constexpr):
-    """y = act(tile * scale + shift) (+ residual), stored at ``offs``."""
+def _finish_tile(tile, scale, shift, y_ptr, r_ptr, offs, mask, fp8_inv_scale, ACT: tl.constexpr, HAS_RES: tl.constexpr):
+    """y = act(tile * scale + shift) (+ residual), stored at ``offs`` (an e4m3 ``y_ptr``: y * fp8_inv_scale)."""
     y = apply_activation(tile.to(tl.float32) * scale[None, :] + shift[None, :], ACT)
     if HAS_RES:
         y += tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if y_ptr.dtype.element_ty == tl.float8e4nv:
+        tl.store(y_ptr + offs, to_e4m3(y * fp8_inv_scale), mask=mask)
+    else:
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -195,6 +203,7 @@ def _gn_single_pass_kernel(
     stride_xn,
     stride_xp,
     eps,
+    fp8_inv_scale,
     CG: tl.constexpr,
     GPB: tl.constexpr,
     BLOCK_HW: tl.constexpr,
@@ -228,7 +237,7 @@ def _gn_single_pass_kernel(
         g_n, g_mean, g_m2 = _channels_to_groups(cnt, ch_mean, ch_m2, lane, c_mask, CG, GPB == 1)
         rstd = tl.math.rsqrt(g_m2 / g_n + eps)
         scale, shift = _scale_shift(w_ptr, b_ptr, offs_c, c_mask, g_mean, rstd, HAS_W, HAS_B)
-        _finish_tile(tile, scale, shift, y_ptr, r_ptr, offs, mask, ACT, HAS_RES)
+        _finish_tile(tile, scale, shift, y_ptr, r_ptr, offs, mask, fp8_inv_scale, ACT, HAS_RES)
     else:
         g_n, g_mean, g_m2 = _block_group_stats(x_ptr, x_base, stride_xp, 0, HW, c_begin, C, CG, GPB, BLOCK_HW, BLOCK_C)
         rstd = tl.math.rsqrt(g_m2 / g_n + eps)
@@ -242,7 +251,7 @@ def _gn_single_pass_kernel(
                 offs = base + rows.to(tl.int64)[:, None] * C + offs_c[None, :]
                 x_offs = x_base + rows.to(tl.int64)[:, None] * stride_xp + offs_c[None, :]
                 tile = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
-                _finish_tile(tile, scale, shift, y_ptr, r_ptr, offs, mask, ACT, HAS_RES)
+                _finish_tile(tile, scale, shift, y_ptr, r_ptr, offs, mask, fp8_inv_scale, ACT, HAS_RES)
 
 
 @triton.jit
@@ -295,6 +304,7 @@ def _gn_apply_kernel(
     SPLIT,
     HW_PER_PROGRAM,
     eps,
+    fp8_inv_scale,
     CG: tl.constexpr,
     BLOCK_HW: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -331,7 +341,7 @@ def _gn_apply_kernel(
         offs = base + rows.to(tl.int64)[:, None] * C + offs_c[None, :]
         x_offs = x_base + rows.to(tl.int64)[:, None] * stride_xp + offs_c[None, :]
         tile = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
-        _finish_tile(tile, scale, shift, y_ptr, r_ptr, offs, mask, ACT, HAS_RES)
+        _finish_tile(tile, scale, shift, y_ptr, r_ptr, offs, mask, fp8_inv_scale, ACT, HAS_RES)
 
 
 @dataclass(frozen=True)
@@ -401,6 +411,7 @@ def _check_inputs(
     residual: torch.Tensor | None,
     out: torch.Tensor | None,
     design: str,
+    fp8_scale: float | None = None,
 ) -> None:
     if x.dim() != 4:
         raise FastdiffError(f"group_norm_act input must be 4-D [N, C, H, W], got shape {tuple(x.shape)}")
@@ -418,8 +429,11 @@ def _check_inputs(
     ):
         if tensor is not None and (tuple(tensor.shape) != shape or tensor.device != x.device):
             raise FastdiffError(f"{name} must have shape {shape} on {x.device}, got {tuple(tensor.shape)}")
-    if out is not None and (out.dtype != x.dtype or not out.is_contiguous(memory_format=torch.channels_last)):
-        raise FastdiffError(f"out must be a channels-last {x.dtype} tensor")
+    out_dtype = FP8_DTYPE if fp8_scale is not None else x.dtype
+    if out is not None and (out.dtype != out_dtype or not out.is_contiguous(memory_format=torch.channels_last)):
+        raise FastdiffError(f"out must be a channels-last {out_dtype} tensor")
+    if fp8_scale is not None and not fp8_scale > 0:
+        raise FastdiffError(f"fp8_scale must be > 0, got {fp8_scale}")
 
 
 def group_norm_act(
@@ -433,8 +447,11 @@ def group_norm_act(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     design: Design = "auto",
+    fp8_scale: float | None = None,
 ) -> torch.Tensor:
     """``activation(group_norm(x) * weight + bias) + residual`` in one (or two) launches, fp32 statistics.
+    With ``fp8_scale`` the output is e4m3 ``y / fp8_scale`` (round to nearest even, saturating at 448): the
+    input of an fp8 conv (:mod:`fastdiff.kernels.fp8`).
 
     ``x``: logical ``[N, C, H, W]``, channels-last memory; a channel slice of a wider channels-last tensor
     (``big[:, c0:c1]``, e.g. one part of a zero-copy concat) is read in place; other layouts are copied first.
@@ -442,7 +459,7 @@ def group_norm_act(
     (optional) is a channels-last tensor like ``x``. ``design`` forces a design ("auto" picks by size; tests
     use the others).
     """
-    _check_inputs(x, num_groups, weight, bias, activation, residual, out, design)
+    _check_inputs(x, num_groups, weight, bias, activation, residual, out, design, fp8_scale)
     n, channels, h, w = x.shape
     hw = h * w
     if not _is_nhwc_rows(x):
@@ -451,7 +468,9 @@ def group_norm_act(
     if residual is not None:
         residual = _as_channels_last(residual)
     if out is None:
-        out = torch.empty_like(x, memory_format=torch.channels_last)
+        out_dtype = FP8_DTYPE if fp8_scale is not None else x.dtype
+        out = torch.empty_like(x, dtype=out_dtype, memory_format=torch.channels_last)
+    fp8_inv_scale = 1.0 if fp8_scale is None else 1.0 / fp8_scale
     plan = _plan(n, channels, hw, num_groups, x.device, design)
     group_size = channels // num_groups
     flags = {
@@ -467,7 +486,7 @@ def group_norm_act(
     if plan.design == "single_pass":
         tile = plan.block_hw * plan.block_c
         _gn_single_pass_kernel[(n, blocks)](
-            x, out, w_arg, b_arg, r_arg, hw, channels, stride_xn, stride_xp, eps,
+            x, out, w_arg, b_arg, r_arg, hw, channels, stride_xn, stride_xp, eps, fp8_inv_scale,
             CG=group_size, GPB=plan.groups_per_block, BLOCK_HW=plan.block_hw, BLOCK_C=plan.block_c,
             IN_REGISTERS=plan.in_registers, num_warps=max(1, min(8, tile // 512)), **flags,
         )  # fmt: skip
@@ -488,7 +507,7 @@ def group_norm_act(
     hw_per_program = triton.cdiv(triton.cdiv(hw, programs_hw), apply_hw) * apply_hw
     _gn_apply_kernel[(n, triton.cdiv(hw, hw_per_program), c_blocks)](
         x, out, w_arg, b_arg, r_arg, partials, hw, channels, stride_xn, stride_xp, num_groups, split, hw_per_program,
-        eps,
+        eps, fp8_inv_scale,
         CG=group_size, BLOCK_HW=apply_hw, BLOCK_C=apply_c, BLOCK_S=triton.next_power_of_2(split),
         num_warps=4, **flags,
     )  # fmt: skip

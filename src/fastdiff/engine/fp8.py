@@ -1,0 +1,55 @@
+"""The engine's fp8 (``fp8=True``): which GroupNorm -> conv pairs run in e4m3, as a transform of the op list.
+
+A GroupNorm (+ activation) whose every reader is a conv that the TMA kernel runs in fp8 (stride 1, no Upsample2D,
+no folded norm, input and output channels multiples of 16, the norm's output as its input and never as its
+residual) writes its output in e4m3 at the scale of its affine (:func:`fastdiff.kernels.fp8.norm_output_scale`),
+and those convs multiply it with e4m3 weights (per-output-channel scales) on the fp8 tensor cores. In a U-Net that
+is both 3x3 convs of every ResNet block (most of a step's FLOPs), and in DDPMUNet also each attention's q|k|v conv.
+Everything else (shortcuts, up/down-sampling, conv_in, conv_out, token GEMMs, attention, the norms' inputs, every
+op's output) stays in the engine dtype.
+"""
+
+from __future__ import annotations
+
+from fastdiff.engine.ir import Op, Value
+from fastdiff.kernels.fp8 import norm_output_scale
+
+
+def _fp8_reader(op: Op, value: Value) -> bool:
+    p = op.params
+    return (
+        op.kind == "conv"
+        and op.inputs[0] is value
+        and all(v is not value for v in op.inputs[1:])
+        and p["stride"] == 1
+        and p["upsample"] == 1
+        and "stats" not in p
+        and "norm" not in p
+        and value.shape[1] % 16 == 0
+        and op.output.shape[1] % 16 == 0  # not a 3-channel conv_out: cheap, and its error is the model output's
+    )
+
+
+def mark_fp8_convs(ops: list[Op]) -> int:
+    """Mark the fp8 pairs of ``ops`` in place (the norm's and its convs' ``params["fp8_scale"]``, the norm
+    output's ``Value.fp8``); returns how many convs run in fp8. Needs the ops' fp32 source weights (before the
+    executor streams them)."""
+    readers: dict[int, list[Op]] = {}
+    for op in ops:
+        for value in op.inputs:
+            readers.setdefault(id(value), []).append(op)
+    marked = 0
+    for norm in ops:
+        y = norm.output
+        if norm.kind != "group_norm" or norm.stage != "step" or y.persistent or y.concat is not None:
+            continue
+        convs = readers.get(id(y), [])
+        if not convs or not all(_fp8_reader(conv, y) for conv in convs):
+            continue
+        scale = norm_output_scale(norm.weights.get("weight"), norm.weights.get("bias"))
+        norm.params["fp8_scale"] = scale
+        y.fp8 = True
+        for conv in convs:
+            conv.params["fp8_scale"] = scale
+        marked += len(convs)
+    return marked

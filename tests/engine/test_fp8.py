@@ -1,0 +1,115 @@
+"""The engine's fp8 (``fp8=True``): which GroupNorm -> conv pairs go e4m3, and the fp8 forward of a DDPMUNet against the
+float64 eager model next to the fp16 engine's (fp16 engine; Triton interpreter on the CPU, the TMA kernel on a
+Hopper GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastdiff.engine import Engine
+from fastdiff.engine.executor import FusedModel
+from fastdiff.engine.fp8 import mark_fp8_convs
+from fastdiff.engine.graph import channels_last_empty
+from fastdiff.engine.ir import GraphBuilder
+from fastdiff.errors import FastdiffError
+from fastdiff.kernels.fp8 import E4M3_MAX, FP8_DTYPE, NORM_BOUND
+from fastdiff.models.ddpm_unet import DDPMUNet, DDPMUNetConfig
+
+from .conftest import DEVICE, rel_err
+
+needs_fp8 = pytest.mark.skipif(
+    DEVICE.type == "cuda" and torch.cuda.get_device_capability()[0] < 9, reason="fp8 needs a Hopper-class GPU"
+)
+
+
+def _conv(g: GraphBuilder, name: str, x, cout: int, residual=None, upsample: int = 1):
+    out = g.value(name, cout, x.shape[2] * upsample, x.shape[3] * upsample)
+    params = dict(stride=1, padding=1, act=None, scale=None, upsample=upsample, temb=None, ksize=3)
+    return g.op(name, "conv", [x, residual], out, params, {"weight": torch.randn(cout, x.shape[1], 3, 3)})
+
+
+def _norm(g: GraphBuilder, name: str, x, gamma: float = 1.0, beta: float = 0.0):
+    out = g.value(name, x.shape[1], x.shape[2], x.shape[3])
+    weights = {"weight": torch.full((x.shape[1],), gamma), "bias": torch.full((x.shape[1],), beta)}
+    return g.op(name, "group_norm", [x], out, dict(groups=2, eps=1e-5, act="silu"), weights)
+
+
+def test_which_convs_go_fp8():
+    g = GraphBuilder(1, 4, 4)
+    x = g.input("x_in", 32, 4, 4)
+    n_two = _norm(g, "norm_two_readers", x, gamma=-2.0, beta=0.5)
+    a, b = _conv(g, "a", n_two, 32), _conv(g, "b", n_two, 16)  # both fp8: the norm goes e4m3
+    n_res = _norm(g, "norm_as_residual", a)
+    _conv(g, "c", b, 32, residual=n_res)  # read as a residual: stays
+    n_mixed = _norm(g, "norm_mixed", a)
+    _conv(g, "d", n_mixed, 32)
+    g.linear("e", torch.randn(8, 32), None, n_mixed)  # a GEMM reads it too: stays
+    n_up = _norm(g, "norm_up", a)
+    _conv(g, "f", n_up, 32, upsample=2)  # Upsample2D: stays
+    narrow = _conv(g, "narrow", x, 24)
+    _conv(g, "g", _norm(g, "norm_narrow", narrow), 32)  # 24 channels: not a multiple of 16, stays
+    assert mark_fp8_convs(g.ops) == 2
+    ops = {op.name: op for op in g.ops}
+    scale = (NORM_BOUND * 2.0 + 0.5) / E4M3_MAX
+    assert ops["norm_two_readers"].params["fp8_scale"] == pytest.approx(scale) and n_two.fp8
+    assert ops["a"].params["fp8_scale"] == ops["b"].params["fp8_scale"] == ops["norm_two_readers"].params["fp8_scale"]
+    fp8 = sorted(op.name for op in g.ops if "fp8_scale" in op.params)
+    assert fp8 == ["a", "b", "norm_two_readers"]
+    assert [v.name for v in g.values if v.fp8] == ["norm_two_readers"]
+
+
+FP8_UNET = dict(
+    sample_size=(8, 12), in_channels=3, out_channels=3, block_out_channels=(16, 32), norm_num_groups=4,
+    down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+    layers_per_block=1, attention_head_dim=8,
+)  # fmt: skip
+"""Channels that are multiples of 16 (what the fp8 conv's TMA rows need), attention whose norm feeds a GEMM."""
+
+
+@needs_fp8
+def test_fp8_forward_against_float64_and_fp16():
+    torch.manual_seed(0)
+    model = DDPMUNet(DDPMUNetConfig(**FP8_UNET)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:  # unit-variance outputs per layer, as in a trained U-Net
+                p.normal_(0.0, 1.0 / p[0].numel() ** 0.5)
+            else:
+                p.normal_(1.0 if "norm" in name and name.endswith("weight") else 0.0, 0.2)
+    model = model.to(DEVICE)
+    fp16 = FusedModel(model, 2, torch.float16, DEVICE, "triton", "triton")
+    fp8 = FusedModel(model, 2, torch.float16, DEVICE, "triton", "triton", fp8=True)
+    convs = sorted(op.name for op in fp8.ops if op.kind == "conv" and "fp8_scale" in op.params)
+    resnet_convs = [f"{name}.conv{i}" for name, m in model.named_modules() if name.endswith(("resnets.0", "resnets.1"))
+                    for i in (1, 2)]  # fmt: skip
+    attentions = [
+        f"{name}.to_qkv" for name, _ in model.named_modules() if name.endswith(("attentions.0", "attentions.1"))
+    ]
+    assert convs == sorted([*resnet_convs, *attentions]) and fp8.fp8_convs == len(convs)
+    assert {fp8._candidates(op) for op in fp8.ops if op.name in convs} == {("triton-tma-fp8",)}
+    shape = fp8.x_in_value.shape
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    x_in = channels_last_empty(shape, torch.float16, DEVICE).copy_(x.to(DEVICE))
+    t = torch.tensor([500], device=DEVICE)
+    got = fp8.forward(x_in, t).clone()
+    half = fp16.forward(x_in, t).clone()
+    norms = [op for op in fp8.ops if op.kind == "group_norm" and "fp8_scale" in op.params]
+    assert norms and all(fp8._tensor(op.output).dtype == FP8_DTYPE for op in norms)
+    with torch.no_grad():
+        ref = model.double().cpu()(x.half().double(), torch.tensor([500]))
+    err8, err16 = rel_err(got, ref), rel_err(half, ref)
+    assert torch.isfinite(got).all()
+    assert err16 < 0.01 and err16 * 3 < err8 < 0.1  # fp8: e4m3 steps of 1/16 .. 1/8 in every conv, about 6% here
+
+
+def test_fp8_arguments_are_checked_first(tiny_model):
+    model = tiny_model("attn_pad0", 0)
+    with pytest.raises(FastdiffError, match="engine dtype cannot be"):
+        FusedModel(model, 1, torch.float32, DEVICE, fp8=True)
+    with pytest.raises(FastdiffError, match="TMA kernel"):
+        FusedModel(model, 1, torch.float16, DEVICE, "cudnn", fp8=True)
+    with pytest.raises(FastdiffError, match="TMA kernel"):
+        FusedModel(model, 1, torch.float16, DEVICE, fold_norms=True, fp8=True)
+    with pytest.raises(FastdiffError, match="TMA kernel"):
+        Engine(DEVICE, fold_norms=True, fp8=True)
