@@ -170,7 +170,7 @@ def test_fp8_norm_then_conv_against_fp32() -> None:
     got = conv2d_tma(a8, w8.to(DEVICE), bias, padding=1, weight_scale=(w_scale * scale).to(DEVICE), config=CONFIG)
     exact = conv2d_ref(group_norm_act_ref(h.double(), 32, gamma.double(), beta.double(), activation="silu"),
                        weight.double(), kwargs["bias"].double(), padding=1)  # fmt: skip
-    err = rel_err(got, exact)
+    err = rel_err(got.cpu(), exact)
     assert 1e-3 < err < 0.05  # really quantised, and by no more than e4m3's step
 
 

@@ -1,0 +1,116 @@
+"""One-call GPU sweep of GroupNorm (+ SiLU) launch plans at a model's own norm shapes: the plan ``group_norm_act``
+picks and every (groups per block, register or streamed) alternative, each timed as CUDA-graph replays and checked
+against ``group_norm_act_ref``; GB/s and % of the device-copy bandwidth measured in the same run.
+
+    PYTHONPATH=src python benchmarks/sweep_group_norm.py --model ddpm-cifar10 --batch 256 --out sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import torch
+import triton
+
+import fastdiff.kernels.group_norm_act as gn
+from fastdiff.atomic import write_text_atomic
+from fastdiff.bench.env import environment
+from fastdiff.engine.executor import FusedModel, time_call_us
+from fastdiff.kernels.fp8 import FP8_DTYPE
+from fastdiff.models import load_unet
+from fastdiff.profile.roofline import measure_ceilings
+
+log = logging.getLogger("benchmarks.sweep_group_norm")
+
+
+def norm_cases(model: str, batch: int) -> list[dict]:
+    """The distinct GroupNorms of ``model``'s engine lowering at ``batch``."""
+    torch.manual_seed(0)
+    fused = FusedModel(load_unet(model, device="cpu", dtype=torch.float32), batch, torch.float16, "meta")
+    cases: dict[str, dict] = {}
+    for op in fused.step_ops:
+        if op.kind == "group_norm":
+            x = op.inputs[0]
+            parent = x.concat.shape[1] if x.concat is not None else x.shape[1]
+            case = dict(x=list(x.shape), parent_channels=parent, groups=op.params["groups"], act=op.params["act"])
+            cases.setdefault(json.dumps(case), {**case, "ops": []})["ops"].append(op.name)
+    return list(cases.values())
+
+
+def plans(n: int, c: int, hw: int, groups: int) -> dict[str, gn._Plan]:
+    """The auto plan and the alternatives: GPB whole groups per block, in registers when the tile fits 64K."""
+    cg = c // groups
+    hw_pad = triton.next_power_of_2(hw)
+    out = {"auto": gn._plan(n, c, hw, groups, torch.device("cuda"), "auto")}
+    for gpb in (1, 2, 4, 8, 16):
+        if gpb > groups or gpb * cg > 256:
+            continue
+        block_c = max(16, triton.next_power_of_2(gpb * cg))
+        if hw_pad * block_c <= 65536:
+            out[f"reg-g{gpb}-c{block_c}"] = gn._Plan("single_pass", block_c, gpb, hw_pad, True)
+        block_hw = max(1, min(hw_pad, gn.STREAM_TILE // min(block_c, 64)))
+        out[f"stream-g{gpb}-c{block_c}"] = gn._Plan("single_pass", min(block_c, 64) if cg > 64 else block_c, gpb,
+                                                    block_hw, False)  # fmt: skip
+    return out
+
+
+def sweep_case(case: dict, copy_gbps: float) -> dict:
+    n, c, h, w = case["x"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    parent = torch.randn((n, h, w, case["parent_channels"]), device="cuda", generator=gen).half()
+    x = parent.permute(0, 3, 1, 2)[:, :c]
+    weight = (1 + 0.1 * torch.randn(c, device="cuda", generator=gen)).half()
+    bias = (0.1 * torch.randn(c, device="cuda", generator=gen)).half()
+    groups, act = case["groups"], case["act"]
+    ref = gn.group_norm_act_ref(x.double(), groups, weight.double(), bias.double(), 1e-5, activation=act)
+    row = {**case, "plans": {}}
+    real_plan = gn._plan
+    for fp8 in (False, True):
+        out = torch.empty((n, h, w, c), device="cuda", dtype=FP8_DTYPE if fp8 else torch.float16).permute(0, 3, 1, 2)
+        moved = n * c * h * w * (2 + (1 if fp8 else 2))
+        for name, plan in plans(n, c, h * w, groups).items():
+            gn._plan = lambda *args, plan=plan: plan  # noqa: B023 - called only in this iteration
+            try:
+                scale = 0.05 if fp8 else None
+
+                def call(out=out, scale=scale) -> None:
+                    gn.group_norm_act(x, groups, weight, bias, 1e-5, activation=act, out=out, fp8_scale=scale)
+
+                call()
+                got = out.double() * (0.05 if fp8 else 1.0)
+                err = ((got - ref).norm() / ref.norm()).item()
+                us = time_call_us(call, 20)
+                key = f"{'fp8-' if fp8 else ''}{name}"
+                row["plans"][key] = {"us": us, "gbps": moved / us / 1e3, "pct_copy": 100 * moved / us / 1e3 / copy_gbps,
+                                     "rel_err": err, "plan": repr(plan)}  # fmt: skip
+            except Exception as exc:  # a plan that fails to compile is recorded, not fatal
+                row["plans"][f"{'fp8-' if fp8 else ''}{name}"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            finally:
+                gn._plan = real_plan
+    timed = {k: v["us"] for k, v in row["plans"].items() if "us" in v}
+    log.info("%-40s x%d %s: %s", case["ops"][0], len(case["ops"]), case["x"],
+             ", ".join(f"{k} {v:.1f}" for k, v in sorted(timed.items(), key=lambda kv: kv[1])[:5]))  # fmt: skip
+    log.info("    auto %.1f, fp8-auto %.1f", timed.get("auto", 0), timed.get("fp8-auto", 0))
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="ddpm-cifar10", help="a model preset (random weights when it has none)")
+    parser.add_argument("--batch", default="256", help="comma-separated batch sizes")
+    parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    copy_gbps = measure_ceilings(torch.device("cuda"))["gbps"]
+    result = {"env": environment(), "model": args.model, "copy_gbps": copy_gbps, "rows": []}
+    for batch in (int(b) for b in args.batch.split(",")):
+        for case in norm_cases(args.model, batch):
+            result["rows"].append({"batch": batch, **sweep_case(case, copy_gbps)})
+            write_text_atomic(args.out, json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
