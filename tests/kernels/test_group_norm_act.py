@@ -26,11 +26,13 @@ def make_inputs(n, c, groups, h, w, residual, dtype, seed, offset=0.0):
     return x.contiguous(memory_format=torch.channels_last), weight, bias, res
 
 
-def run_case(n, c, groups, h, w, activation, residual, design, dtype, offset=0.0) -> float:
+def run_case(n, c, groups, h, w, activation, residual, design, dtype, offset=0.0, lanes=None) -> float:
     seed = zlib.crc32(repr((n, c, groups, h, w, activation, residual, design, str(dtype))).encode())
     x, weight, bias, res = make_inputs(n, c, groups, h, w, residual, dtype, seed, offset)
     out = torch.full_like(x, float("nan"))
-    got = group_norm_act(x, groups, weight, bias, 1e-6, activation=activation, residual=res, out=out, design=design)
+    got = group_norm_act(
+        x, groups, weight, bias, 1e-6, activation=activation, residual=res, out=out, design=design, lanes=lanes
+    )
     assert got.data_ptr() == out.data_ptr()
     assert got.is_contiguous(memory_format=torch.channels_last)
     ref = group_norm_act_ref(
@@ -75,6 +77,20 @@ def test_streamed_blocks_match_ref(monkeypatch: pytest.MonkeyPatch, design: str)
     assert run_case(2, 96, 1, 3, 5, "gelu", False, design, torch.float32) < 1e-5
 
 
+@pytest.mark.parametrize("in_registers", [True, False], ids=["registers", "streamed"])
+@pytest.mark.parametrize("lanes", gn_module.LANE_CHOICES)
+def test_forced_lanes_match_ref(monkeypatch: pytest.MonkeyPatch, lanes: int, in_registers: bool) -> None:
+    """Each width the engine may time: 12-channel groups (1, 2 or all 3 per program, lanes left idle), 7x9 rows
+    in registers or streamed in row tiles; the two-phase design ignores the width."""
+    if not in_registers:
+        monkeypatch.setattr(gn_module, "LANES_REGISTER_TILE", 16)
+        monkeypatch.setattr(gn_module, "STREAM_TILE", 64)
+    plan = gn_module._plan(3, 36, 7 * 9, 3, torch.device("cpu"), "auto", lanes)
+    assert (plan.block_c, plan.groups_per_block, plan.in_registers) == (lanes, min(3, lanes // 12), in_registers)
+    assert run_case(3, 36, 3, 7, 9, "silu", True, "auto", torch.float32, lanes=lanes) < 1e-5
+    assert run_case(2, 36, 3, 7, 9, None, False, "two_phase", torch.float32, lanes=lanes) < 1e-5
+
+
 @pytest.mark.parametrize("design", ["single_pass", "two_phase"])
 def test_statistics_survive_a_large_mean(design: str) -> None:
     """Mean 1000, std 2: a fp32 sum-of-squares variance would lose ~all digits; Chan's merge does not."""
@@ -103,13 +119,19 @@ def test_example_inputs_and_cost() -> None:
 
 @pytest.mark.parametrize(
     ("groups", "kwargs"),
-    [(5, {}), (0, {}), (3, {"activation": "tanh"}), (3, {"design": "fast"})],
-    ids=["groups_not_dividing", "zero_groups", "bad_activation", "bad_design"],
+    [(5, {}), (0, {}), (3, {"activation": "tanh"}), (3, {"design": "fast"}), (3, {"lanes": 24})],
+    ids=["groups_not_dividing", "zero_groups", "bad_activation", "bad_design", "lanes_not_a_choice"],
 )
 def test_bad_arguments_raise(groups: int, kwargs: dict) -> None:
     x, weight, bias, _ = make_inputs(1, 6, 3, 2, 2, False, torch.float32, seed=0)
     with pytest.raises(FastdiffError):
         group_norm_act(x, groups, weight, bias, **kwargs)
+
+
+def test_lanes_narrower_than_a_group_raise() -> None:
+    x, weight, bias, _ = make_inputs(1, 33, 1, 2, 2, False, torch.float32, seed=0)
+    with pytest.raises(FastdiffError, match="whole group of 33"):
+        group_norm_act(x, 1, weight, bias, lanes=32)
 
 
 def test_plan_wide_rows_only_when_the_gpu_is_full() -> None:

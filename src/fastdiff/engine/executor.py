@@ -11,9 +11,13 @@ the forward as a list of ops of :mod:`fastdiff.engine.ir`, then:
   forward (``engine.weights.WeightStreamer``: module k runs while module k+1 uploads);
 * binds each op to a kernel; where there are several implementations (conv: ``kernels.conv2d``, on Hopper also
   ``kernels.conv2d_tma`` for stride-1 convs, or cuDNN + a torch epilogue; token GEMM: ``kernels.linear`` or
-  cuBLAS + a torch epilogue; attention: ``kernels.attention`` or torch SDPA) ``autotune`` times them on the GPU
-  and keeps the fastest (``conv_impl`` / ``attention_impl`` narrow the choice; ``conv_impl`` covers both convs
-  and GEMMs: "triton", our kernels, or the vendor library);
+  cuBLAS + a torch epilogue; attention: ``kernels.attention`` or torch SDPA; GroupNorm: the kernel's own launch
+  plan or whole groups at 16, 32 or 64 channel lanes per program) ``autotune`` times them on the GPU and keeps
+  the fastest (``conv_impl`` / ``attention_impl`` narrow the choice; ``conv_impl`` covers both convs and GEMMs:
+  "triton", our kernels, or the vendor library);
+* with ``fp8=True`` (Hopper), the convs that read a GroupNorm's output run on e4m3 operands
+  (:mod:`fastdiff.engine.fp8`): the norm writes e4m3 at a scale taken from its affine, the TMA conv multiplies
+  e4m3 x e4m3 with per-output-channel weight scales and writes the engine dtype;
 * evaluates the time embedding only per timestep: for a sampler's timesteps, the time MLP and every block's
   projection (+ the bias of the conv it is added to) are computed once in fp32 into a table ``[N, sum(C)]``; a
   step selects its row on the device (one ``index_select``) and each epilogue reads its slice (batch stride 0);
@@ -58,7 +62,7 @@ from fastdiff.kernels.conv2d import FoldedGroupNorm, conv2d, pack_conv_weight
 from fastdiff.kernels.conv2d_tma import conv2d_tma, pack_conv_weight_fp8, pack_upsample2_weight, tma_conv_unsupported
 from fastdiff.kernels.depthwise_conv2d import depthwise_conv2d, pack_depthwise_weight
 from fastdiff.kernels.fp8 import FP8_DTYPE, fp8_supported
-from fastdiff.kernels.group_norm_act import group_norm_act
+from fastdiff.kernels.group_norm_act import LANE_CHOICES, group_norm_act
 from fastdiff.kernels.layer_norm import layer_norm
 from fastdiff.kernels.linear import linear, pack_linear_weight
 
@@ -443,11 +447,12 @@ class FusedModel:
             return lambda: attention_gate(
                 x, g, w["w_x"], w["w_g"], w.get("b_g"), w["w_psi"], w.get("b_psi"), b_x=w.get("b_x"), out=out
             )
-        if op.kind == "group_norm":
+        if op.kind == "group_norm":  # impl "triton" (the kernel's own plan) or "triton-c<lanes>"
             w, p = self._device_weights[op.name], op.params
+            lanes = int(impl.removeprefix("triton-c")) if impl.startswith("triton-c") else None
             return lambda: group_norm_act(
                 x, p["groups"], w["weight"], w["bias"], p["eps"], activation=p["act"], out=out,
-                fp8_scale=p.get("fp8_scale"),
+                fp8_scale=p.get("fp8_scale"), lanes=lanes,
             )  # fmt: skip
         if op.kind == "layer_norm":
             w, eps = self._device_weights[op.name], op.params["eps"]
@@ -469,6 +474,9 @@ class FusedModel:
             return {"auto": (*ours, library), "triton": ours, "cudnn": (library,)}[self.conv_impl]
         if op.kind == "attention":
             return {"auto": ("triton", "sdpa"), "triton": ("triton",), "sdpa": ("sdpa",)}[self.attention_impl]
+        if op.kind == "group_norm" and self.device.type == "cuda":  # the kernel's plan, or whole groups per width
+            group = op.inputs[0].shape[1] // op.params["groups"]
+            return ("triton", *(f"triton-c{lanes}" for lanes in LANE_CHOICES if lanes >= group))
         return ("torch",) if op.kind == "center" else ("triton",)
 
     def _tma_fits(self, op: Op) -> bool:
@@ -491,6 +499,8 @@ class FusedModel:
             return f"attention_impl={self.attention_impl}" + (
                 " (not timed off CUDA)" if self.attention_impl == "auto" else ""
             )
+        if op.kind == "group_norm" and self.device.type != "cuda":
+            return "the kernel's own plan (not timed off CUDA)"
         return "single implementation"
 
     def _check_input(self, x_in: torch.Tensor) -> None:

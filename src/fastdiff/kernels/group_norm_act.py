@@ -57,6 +57,12 @@ WIDE_LANES = 32
 ran 1.2-1.8x faster than 16 lanes (e.g. 384 channels at 32x32: 620 vs 914 us; 256 at 32x32: 166 vs 298 us)."""
 STREAM_TILE = 4096
 """Elements per loop step when a program streams its block."""
+LANE_CHOICES = (16, 32, 64)
+"""The ``lanes`` a caller may force (the engine times them per shape): no one width wins every shape. On the H100
+at DDPM-CIFAR10 batch 256: 384 channels at 32x32 ran 455 us at 64 lanes vs 620 at 32; 512 at 8x8 17.8 vs 19.9 us
+at 16 vs 32; an e4m3 output at 384 x 16x16 61 vs 82 us at 64 vs 32 (``benchmarks/sweep_group_norm.py``)."""
+LANES_REGISTER_TILE = 65536
+"""The register tile allowed to a forced ``lanes`` plan (the timing decides whether it pays)."""
 MAX_SPLIT = 64
 """Most row splits per group in the two-phase design (the apply kernel merges them all in registers)."""
 
@@ -75,8 +81,9 @@ def group_norm_act_ref(
     out: torch.Tensor | None = None,
     design: Design = "auto",
     fp8_scale: float | None = None,
+    lanes: int | None = None,
 ) -> torch.Tensor:
-    """Plain torch definition: ``F.group_norm`` -> activation -> + residual (``design`` is ignored), then
+    """Plain torch definition: ``F.group_norm`` -> activation -> + residual (``design``, ``lanes`` ignored), then
     with ``fp8_scale`` e4m3 of ``y / fp8_scale``."""
     y = activation_ref(F.group_norm(x, num_groups, weight, bias, eps), activation)
     if residual is not None:
@@ -369,9 +376,16 @@ def _channel_block(group_size: int, channels: int, min_lanes: int = 16) -> int:
     return first
 
 
-def _plan(n: int, channels: int, hw: int, groups: int, device: torch.device, design: Design) -> _Plan:
+def _plan(
+    n: int, channels: int, hw: int, groups: int, device: torch.device, design: Design, lanes: int | None = None
+) -> _Plan:
     group_size = channels // groups
     hw_pad = triton.next_power_of_2(hw)
+    if lanes is not None and design != "two_phase":  # whole groups of a forced width, in registers if they fit
+        groups_per_block = min(groups, lanes // group_size)
+        if hw_pad * lanes <= LANES_REGISTER_TILE:
+            return _Plan("single_pass", lanes, groups_per_block, hw_pad, True)
+        return _Plan("single_pass", lanes, groups_per_block, min(hw_pad, max(1, STREAM_TILE // lanes)), False)
     block_c = _channel_block(group_size, channels, WIDE_LANES)
     groups_per_block = min(groups, block_c // group_size)
     if (
@@ -412,6 +426,7 @@ def _check_inputs(
     out: torch.Tensor | None,
     design: str,
     fp8_scale: float | None = None,
+    lanes: int | None = None,
 ) -> None:
     if x.dim() != 4:
         raise FastdiffError(f"group_norm_act input must be 4-D [N, C, H, W], got shape {tuple(x.shape)}")
@@ -434,6 +449,10 @@ def _check_inputs(
         raise FastdiffError(f"out must be a channels-last {out_dtype} tensor")
     if fp8_scale is not None and not fp8_scale > 0:
         raise FastdiffError(f"fp8_scale must be > 0, got {fp8_scale}")
+    if lanes is not None and (lanes not in LANE_CHOICES or lanes < channels // num_groups):
+        raise FastdiffError(
+            f"lanes={lanes} must be one of {LANE_CHOICES} and hold a whole group of {channels // num_groups} channels"
+        )
 
 
 def group_norm_act(
@@ -448,6 +467,7 @@ def group_norm_act(
     out: torch.Tensor | None = None,
     design: Design = "auto",
     fp8_scale: float | None = None,
+    lanes: int | None = None,
 ) -> torch.Tensor:
     """``activation(group_norm(x) * weight + bias) + residual`` in one (or two) launches, fp32 statistics.
     With ``fp8_scale`` the output is e4m3 ``y / fp8_scale`` (round to nearest even, saturating at 448): the
@@ -457,9 +477,10 @@ def group_norm_act(
     (``big[:, c0:c1]``, e.g. one part of a zero-copy concat) is read in place; other layouts are copied first.
     ``out``
     (optional) is a channels-last tensor like ``x``. ``design`` forces a design ("auto" picks by size; tests
-    use the others).
+    use the others). ``lanes`` (one of ``LANE_CHOICES``, at least a group wide) forces the channels one program
+    covers, whole groups at a time; None: the size-based plan.
     """
-    _check_inputs(x, num_groups, weight, bias, activation, residual, out, design, fp8_scale)
+    _check_inputs(x, num_groups, weight, bias, activation, residual, out, design, fp8_scale, lanes)
     n, channels, h, w = x.shape
     hw = h * w
     if not _is_nhwc_rows(x):
@@ -471,7 +492,7 @@ def group_norm_act(
         out_dtype = FP8_DTYPE if fp8_scale is not None else x.dtype
         out = torch.empty_like(x, dtype=out_dtype, memory_format=torch.channels_last)
     fp8_inv_scale = 1.0 if fp8_scale is None else 1.0 / fp8_scale
-    plan = _plan(n, channels, hw, num_groups, x.device, design)
+    plan = _plan(n, channels, hw, num_groups, x.device, design, lanes)
     group_size = channels // num_groups
     flags = {
         "ACT": ACTIVATIONS[activation],
