@@ -120,7 +120,7 @@ BAD_INPUTS = [
     (["--steps", "0"], "must be positive"),
     (["--batch", "-2"], "must be positive"),
     (["--sampler", "no-such-sampler"], "invalid choice"),
-    (["--dtype", "fp8"], "invalid choice"),
+    (["--dtype", "fp64"], "invalid choice"),
     (["--device", "tpu"], "device"),
     (["--model", "no-such-preset"], "unknown model"),
 ]

@@ -100,7 +100,13 @@ def add_sample_parser(subparsers: argparse._SubParsersAction) -> None:
         help="step caching (DeepCache): the whole U-Net every N-th step, in between only its shallowest level on "
         "the deep features kept from the last full step (faster, approximate; 1 = off)",
     )
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"), help="model precision")
+    p.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=("fp32", "fp16", "bf16", "fp8"),
+        help="model precision; fp8: fp16 activations with e4m3 convs after each GroupNorm (Hopper GPUs, engine "
+        "backend; unconditional pixel U-Nets only)",
+    )
     p.add_argument("--device", default="auto", help="auto (GPU if present, else CPU), cpu, cuda or cuda:N")
     p.add_argument("--out", type=Path, default=Path("samples/grid.png"), help="output PNG grid")
     p.add_argument(

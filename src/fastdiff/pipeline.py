@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from fastdiff.devices import resolve_device, resolve_dtype
+from fastdiff.devices import DTYPES, resolve_device, resolve_dtype
 from fastdiff.errors import FastdiffError
 from fastdiff.images import to_pil
 from fastdiff.models import load_unet, step_cache
@@ -25,6 +25,13 @@ log = logging.getLogger(__name__)
 
 OUTPUT_TYPES = ("pil", "np", "tensor")
 BACKENDS = ("engine", "eager")
+FP8 = "fp8"
+"""The ``from_pretrained`` dtype name of the engine's fp8 mode: fp16 activations with e4m3 convs after each
+GroupNorm (``fastdiff.engine.Engine(fp8=True)``; Hopper GPUs, or Triton's CPU interpreter for tests)."""
+DTYPE_NAMES = (*DTYPES, FP8)
+"""The dtype names ``Pipeline.from_pretrained`` takes."""
+FP8_DTYPES = (torch.float16, torch.bfloat16)
+"""The activation dtypes fp8 convs read and write."""
 
 
 def resolve_backend(backend: str | None, device: torch.device) -> str:
@@ -38,12 +45,32 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     return backend
 
 
+def check_fp8(device: torch.device, dtype: torch.dtype, backend: str | None) -> str:
+    """The backend for an fp8 pipeline (None means "engine": fp8 exists only there), after checking, in this
+    order, that ``device`` can run fp8 convs (``fastdiff.kernels.fp8.fp8_supported``), that ``dtype`` is fp16 or
+    bf16 and that the backend is the engine; each failure is a one-line FastdiffError."""
+    from fastdiff.kernels.fp8 import fp8_supported
+
+    reason = fp8_supported(device)
+    if reason is not None:
+        raise FastdiffError(reason)
+    if dtype not in FP8_DTYPES:
+        raise FastdiffError(f"fp8 convs read and write fp16 or bf16 activations: the pipeline dtype cannot be {dtype}")
+    backend = resolve_backend("engine" if backend is None else backend, device)
+    if backend != "engine":
+        raise FastdiffError(f"fp8 runs only in the engine backend (e4m3 convs on Hopper): not with backend={backend!r}")
+    return backend
+
+
 class Pipeline:
     """A U-Net plus a sampler. ``pipe(batch_size=4, seeds=[...])`` returns images; see ``__call__``.
 
     The sampler state stays in fp32 whatever the model dtype; the model sees its own dtype.
     ``backend``: "engine" (fused kernels + CUDA graphs, ``fastdiff.engine``; the default on CUDA) or "eager"
-    (the plain PyTorch loop; the default elsewhere).
+    (the plain PyTorch loop; the default elsewhere). ``fp8``: the engine's fp8 mode, ``dtype`` (fp16 or bf16)
+    activations with e4m3 convs after each GroupNorm (``fastdiff.engine.Engine(fp8=True)``); it needs a Hopper GPU
+    (or Triton's CPU interpreter), the engine backend (the default with fp8) and a model the fused engine lowers,
+    all checked here.
     """
 
     def __init__(
@@ -56,14 +83,22 @@ class Pipeline:
         dtype: torch.dtype = torch.float32,
         backend: str | None = None,
         karras: bool | None = None,
+        fp8: bool = False,
     ) -> None:
+        device = torch.device(device)
+        if fp8:
+            from fastdiff.engine.lower import lowering_for
+
+            backend = check_fp8(device, dtype, backend)
+            lowering_for(unet)  # a one-line error for a model the fused engine cannot run (fp8 would do nothing)
         self.unet = unet
         self.schedule = schedule
         self.sampler_name = sampler
         self.karras = karras
         self.steps = steps
-        self.device = torch.device(device)
+        self.device = device
         self.dtype = dtype
+        self.fp8 = fp8
         self._samplers: dict[float, Sampler] = {}
         self.backend = resolve_backend(backend, self.device)
         self._engine = None
@@ -82,24 +117,36 @@ class Pipeline:
     ) -> Pipeline | TextToImagePipeline:
         """Load a preset name or a local diffusers/fastdiff model directory (default 100 steps).
 
-        A diffusers pipeline directory (model_index.json: Stable Diffusion) gives a
-        ``fastdiff.text_to_image.TextToImagePipeline`` instead (default 50 steps, as diffusers).
+        ``dtype``: "fp32", "fp16", "bf16" (or a torch dtype among those) or "fp8", the engine's fp8 mode (the
+        U-Net loaded in fp16, ``fp8=True``; see ``Pipeline``), whose device and backend are checked before any
+        loading. A diffusers pipeline directory (model_index.json: Stable Diffusion) gives a
+        ``fastdiff.text_to_image.TextToImagePipeline`` instead (default 50 steps, as diffusers; no fp8).
         """
         from fastdiff.text_to_image import TextToImagePipeline, is_text_to_image_dir
 
+        if isinstance(dtype, str) and dtype not in DTYPE_NAMES:
+            raise FastdiffError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_NAMES)}")
+        fp8 = dtype == FP8
         if is_text_to_image_dir(path_or_preset):
+            if fp8:
+                raise FastdiffError(
+                    f"fp8 is for pixel U-Nets for now: {path_or_preset} is a text-to-image model (use fp16 or bf16)"
+                )
             steps = 50 if steps is None else steps
             return TextToImagePipeline.from_pretrained(
                 path_or_preset, device, dtype, sampler=sampler, steps=steps, karras=karras, backend=backend
             )
         steps = 100 if steps is None else steps
         dev = resolve_device(device)
-        torch_dtype = resolve_dtype(dtype)
+        torch_dtype = torch.float16 if fp8 else resolve_dtype(dtype)
+        if fp8:
+            backend = check_fp8(dev, torch_dtype, backend)  # before the weights load
         unet = load_unet(path_or_preset, device=dev, dtype=torch_dtype)
         schedule = ScheduleConfig.from_diffusers(getattr(unet, "scheduler_config", None))
         return cls(
-            unet, schedule, sampler=sampler, steps=steps, device=dev, dtype=torch_dtype, backend=backend, karras=karras
-        )
+            unet, schedule, sampler=sampler, steps=steps, device=dev, dtype=torch_dtype, backend=backend,
+            karras=karras, fp8=fp8,
+        )  # fmt: skip
 
     @property
     def sample_shape(self) -> tuple[int, int, int]:
@@ -110,11 +157,12 @@ class Pipeline:
 
     @property
     def engine(self):
-        """The pipeline's ``fastdiff.engine.Engine`` (created on first use; backend "engine" only)."""
+        """The pipeline's ``fastdiff.engine.Engine`` (created on first use; backend "engine" only; its fp8 mode
+        with ``fp8``)."""
         if self._engine is None:
             from fastdiff.engine import Engine
 
-            self._engine = Engine(self.device)
+            self._engine = Engine(self.device, fp8=self.fp8)
         return self._engine
 
     def sampler_for(self, eta: float) -> Sampler:
