@@ -88,7 +88,8 @@ def fd_table() -> str:
                 f"| {r['sample_seconds']:.1f} | {r['ready_seconds']:.1f} |"
             )
         floor = d["floor_train_vs_test"]
-        lines.append(f"| 10,000 training images (the floor) | — |{cache('—')} {floor:.2f} | — | — |")
+        if floor is not None:
+            lines.append(f"| 10,000 training images (the floor) | — |{cache('—')} {floor:.2f} | — | — |")
         lines += ["", freshness(env["git_sha"], "fd")]
         parts.append("\n".join(lines))
     return "\n\n".join(parts)
