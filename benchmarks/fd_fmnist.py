@@ -119,7 +119,8 @@ def main() -> None:
     for r in rows:
         cells = (r["sampler"], r["steps"], r["cache_interval"], f"{r['fd_fmnist']:.2f}", f"{r['sample_seconds']:.1f}")
         print("| " + " | ".join(map(str, cells)) + " |")
-    print(f"| train set (floor) | — | — | {floor:.2f} | — |")
+    if floor is not None:
+        print(f"| train set (floor) | — | — | {floor:.2f} | — |")
 
 
 if __name__ == "__main__":
