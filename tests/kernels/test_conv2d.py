@@ -8,7 +8,17 @@ import pytest
 import torch
 
 from fastdiff.errors import FastdiffError
-from fastdiff.kernels.conv2d import OP, conv2d, conv2d_ref, pack_conv_weight, unpack_conv_weight
+from fastdiff.kernels.conv2d import (
+    OP,
+    FoldedGroupNorm,
+    SplitKWorkspace,
+    conv2d,
+    conv2d_ref,
+    finalize_group_stats,
+    group_stats_ref,
+    pack_conv_weight,
+    unpack_conv_weight,
+)
 
 from .conftest import CUDA, DEVICE, DTYPES, float64, needs_cuda, rel_err
 
@@ -132,6 +142,56 @@ def test_example_inputs_model_shapes(size: str, dtype: torch.dtype) -> None:
     assert rel_err(OP.triton(*args, **kwargs), reference(args, kwargs)) < TOLERANCE[dtype]
 
 
+SPLIT_K_CASES = [
+    pytest.param(
+        dict(n=3, cin=20, cout=40, h=7, w=9, k=3, padding=1, bias=True, temb=True, res=True, act="silu", scale=0.5),
+        3,
+        id="k3p1_full_epilogue_split3",
+    ),
+    pytest.param(dict(n=1, cin=72, cout=24, h=5, w=5, k=3, padding=1, bias=True), 4, id="cin72_two_chunks_split4"),
+    pytest.param(dict(n=2, cin=9, cout=17, h=9, w=11, k=4, stride=2, padding=1, act="gelu"), 16, id="k4s2_split16"),
+    pytest.param(dict(n=2, cin=48, cout=33, h=7, w=9, k=1, res=True), 64, id="k1_more_splits_than_steps"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case, split_k", SPLIT_K_CASES)
+def test_split_k_matches_ref_and_reuses_its_workspace(case: dict, split_k: int, dtype: torch.dtype) -> None:
+    """Split-K: several row tiles (the interpreter's 128-row tiles over 3 x 63 rows), reductions that do not divide
+    evenly among the splits, more splits than steps; the workspace's counters are back at 0 after each call, so a
+    second call on the same workspace (new inputs) is right too, and the same inputs give the same bits."""
+    workspace = SplitKWorkspace()
+    for seed in (1, 2):
+        args, kwargs = make_inputs(case, dtype, seed=zlib.crc32(str(case).encode()) + seed)
+        ref = reference(args, kwargs)
+        out = torch.full(ref.shape, float("nan"), dtype=dtype, device=DEVICE).contiguous(
+            memory_format=torch.channels_last
+        )
+        conv2d(*args, **kwargs, out=out, split_k=split_k, workspace=workspace)
+        assert rel_err(out, ref) < TOLERANCE[dtype]
+        assert workspace.counters is not None and not workspace.counters.any()
+    again = conv2d(*args, **kwargs, split_k=split_k, workspace=workspace)
+    assert torch.equal(again, out)
+
+
+def test_split_k_with_folded_group_norm() -> None:
+    """A split-K conv normalises its input on load (``norm=``) and writes its output's statistics (``stats=``)
+    from the summed tile, like the unsplit kernel."""
+    case = dict(n=2, cin=12, cout=24, h=6, w=10, k=3, padding=1, bias=True, temb=True)
+    args, kwargs = make_inputs(case, torch.float32, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    gamma, beta = ((1.0 + 0.3 * torch.randn(12, generator=gen)).to(DEVICE) for _ in range(2))
+    norm, ref_norm = (FoldedGroupNorm(4, t(gamma), t(beta), 1e-5, "silu") for t in (lambda v: v, float64))
+    norm.mean_rstd = group_stats_ref(args[0], 4, 1e-5).float()  # the input's statistics, as a producer would give
+    stats, ref_stats = FoldedGroupNorm(8), FoldedGroupNorm(8)
+    ref = conv2d_ref(*[float64(a) for a in args], **{k: float64(v) for k, v in kwargs.items()}, norm=ref_norm,
+                     stats=ref_stats)  # fmt: skip
+    out = conv2d(*args, **kwargs, norm=norm, stats=stats, split_k=5)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    got = finalize_group_stats(stats)
+    assert (got.double() - ref_stats.mean_rstd).abs().max().item() < 1e-4
+
+
 def test_bad_arguments_raise() -> None:
     args, kwargs = make_inputs(dict(n=1, cin=4, cout=8, h=5, w=5, k=3, bias=True), torch.float32, seed=0)
     x, packed, bias = args
@@ -145,3 +205,6 @@ def test_bad_arguments_raise() -> None:
         conv2d(x, packed, bias, time_emb=torch.zeros(2, 8, device=DEVICE))
     with pytest.raises(FastdiffError, match="4-D"):
         conv2d(x[0], packed, bias)
+    for split_k in (0, 2.0, True):
+        with pytest.raises(FastdiffError, match="split_k"):
+            conv2d(x, packed, bias, split_k=split_k)

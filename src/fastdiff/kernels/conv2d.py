@@ -126,6 +126,26 @@ class FoldedGroupNorm:
             )
 
 
+@dataclass(eq=False)
+class SplitKWorkspace:
+    """Scratch of a split-K :func:`conv2d` (``split_k > 1``): ``partials`` (fp32, one accumulator tile per split and
+    output tile) and ``counters`` (int32, one per output tile, zero between calls: the last program of each tile
+    resets its own). Allocated on the first call that needs more than it holds and reused while the shapes stay the
+    same (CUDA-graph safe: let the first call run before capture). One workspace serves one conv at a time: give
+    each conv that may run concurrently with another (another stream) its own."""
+
+    partials: torch.Tensor | None = field(default=None, repr=False)
+    counters: torch.Tensor | None = field(default=None, repr=False)
+
+    def reserve(self, splits: int, tiles: int, tile_elems: int, device: torch.device) -> None:
+        """Make room for ``splits`` x ``tiles`` fp32 tiles of ``tile_elems`` and ``tiles`` counters on ``device``."""
+        need = splits * tiles * tile_elems
+        if self.partials is None or self.partials.numel() < need or self.partials.device != device:
+            self.partials = torch.empty(need, device=device, dtype=torch.float32)
+        if self.counters is None or self.counters.numel() < tiles or self.counters.device != device:
+            self.counters = torch.zeros(tiles, device=device, dtype=torch.int32)
+
+
 def group_stats_ref(y: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
     """``[N, G, 2]``: each (image, group)'s mean and ``1/sqrt(var + eps)`` (biased variance) of ``y`` [N, C, H, W],
     in ``y``'s dtype: what ``F.group_norm`` normalises with."""
@@ -341,6 +361,8 @@ def _conv2d_kernel(
     nw_ptr,
     nb_ptr,
     part_ptr,
+    ws_ptr,
+    count_ptr,
     M,
     H,
     W,
@@ -388,6 +410,7 @@ def _conv2d_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     # Grouped program order: GROUP_M row blocks share the weight columns in L2.
     pid = tl.program_id(0)
@@ -415,8 +438,16 @@ def _conv2d_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_chunks = tl.cdiv(Cin, BLOCK_K)
-    # One flat loop over (tap, cin chunk) so the compiler pipelines all KSIZE*KSIZE*k_chunks steps together.
-    for step in range(0, KSIZE * KSIZE * k_chunks):
+    # One flat loop over (tap, cin chunk) so the compiler pipelines all KSIZE*KSIZE*k_chunks steps together;
+    # with SPLIT_K > 1 this program runs its share of the steps (program_id(1) of SPLIT_K contiguous ranges).
+    steps = KSIZE * KSIZE * k_chunks
+    step_lo = 0
+    step_hi = steps
+    if SPLIT_K > 1:
+        per_split = tl.cdiv(steps, SPLIT_K)
+        step_lo = tl.program_id(1) * per_split
+        step_hi = tl.minimum(step_lo + per_split, steps)
+    for step in range(step_lo, step_hi):
         tap = step // k_chunks
         c0 = (step - tap * k_chunks) * BLOCK_K
         ih = ih0 + tap // KSIZE
@@ -437,6 +468,59 @@ def _conv2d_kernel(
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc)
 
+    if SPLIT_K > 1:
+        acc, is_last = _split_k_reduce(acc, ws_ptr, count_ptr, pid, tl.program_id(1), num_pid_m * num_pid_n,
+                                       SPLIT_K, BLOCK_M, BLOCK_N)  # fmt: skip
+        if is_last:
+            _conv_epilogue(
+                acc, out_ptr, bias_ptr, temb_ptr, res_ptr, part_ptr, n_idx, oh, ow, offs_n, m_mask, n_mask, pid_m,
+                pid_n, M, Ho, Wo, stride_tn, stride_tc, stride_rn, stride_rc, stride_rh, stride_rw, stride_on,
+                stride_oc, stride_oh, stride_ow, out_scale, STATS_G, STATS_S, STATS_P, HAS_BIAS, HAS_TEMB, HAS_RES,
+                ACT, HAS_SCALE, HAS_STATS, STATS_CG, STATS_GPT, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+    else:
+        _conv_epilogue(
+            acc, out_ptr, bias_ptr, temb_ptr, res_ptr, part_ptr, n_idx, oh, ow, offs_n, m_mask, n_mask, pid_m, pid_n,
+            M, Ho, Wo, stride_tn, stride_tc, stride_rn, stride_rc, stride_rh, stride_rw, stride_on, stride_oc,
+            stride_oh, stride_ow, out_scale, STATS_G, STATS_S, STATS_P, HAS_BIAS, HAS_TEMB, HAS_RES, ACT, HAS_SCALE,
+            HAS_STATS, STATS_CG, STATS_GPT, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+
+
+@triton.jit
+def _split_k_reduce(
+    acc, ws_ptr, count_ptr, tile, split, num_tiles,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Split-K fix-up in the same launch: each program stores its fp32 partial tile in the workspace and counts
+    itself in; the last of a tile's SPLIT_K programs (it alone gets ``is_last``) sums all partials in split order
+    (the result does not depend on which program finished last: bit-reproducible) and resets the tile's counter to
+    0 for the next call (so the counters need zeroing only once)."""
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    tile_base = tile.to(tl.int64) * (BLOCK_M * BLOCK_N)
+    split_stride = num_tiles.to(tl.int64) * (BLOCK_M * BLOCK_N)
+    tl.store(ws_ptr + split * split_stride + tile_base + offs, acc)
+    tl.debug_barrier()  # every thread's partial is stored before the counter moves (release below)
+    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    is_last = arrived == SPLIT_K - 1
+    if is_last:
+        acc = tl.load(ws_ptr + tile_base + offs, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT_K):
+            acc += tl.load(ws_ptr + s * split_stride + tile_base + offs, cache_modifier=".cg")
+        tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+    return acc, is_last
+
+
+@triton.jit
+def _conv_epilogue(
+    acc, out_ptr, bias_ptr, temb_ptr, res_ptr, part_ptr, n_idx, oh, ow, offs_n, m_mask, n_mask, pid_m, pid_n,
+    M, Ho, Wo, stride_tn, stride_tc, stride_rn, stride_rc, stride_rh, stride_rw, stride_on, stride_oc,
+    stride_oh, stride_ow, out_scale, STATS_G, STATS_S, STATS_P,
+    HAS_BIAS: tl.constexpr, HAS_TEMB: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_STATS: tl.constexpr, STATS_CG: tl.constexpr, STATS_GPT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The fused epilogue of a finished accumulator tile, its store and (``HAS_STATS``) its GroupNorm partials."""
     res_rows = res_ptr + n_idx.to(tl.int64) * stride_rn + oh * stride_rh + ow * stride_rw
     acc = fused_epilogue(
         acc, n_idx, offs_n, m_mask, n_mask, bias_ptr, temb_ptr, stride_tn, stride_tc, res_rows, stride_rc,
@@ -458,18 +542,19 @@ def _pow2_at_least(value: int, low: int, high: int) -> int:
 
 
 def _gemm_blocks(
-    rows: int, cols: int, red: int, dtype: torch.dtype, device: torch.device
+    rows: int, cols: int, red: int, dtype: torch.dtype, device: torch.device, split_k: int = 1
 ) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for a [rows x red] @ [red x cols] tile loop.
 
-    Largest tiles (128x128x64) for the big GEMMs; rows blocks halve until there are about two programs per SM,
-    so the batch-1 shapes (a few hundred rows) still spread over the chip. ``red`` is the per-step reduction
-    extent (Cin), so BLOCK_K never exceeds it by more than the tl.dot minimum of 16.
+    Largest tiles (128x128x64) for the big GEMMs; rows blocks halve until there are about two programs per SM
+    (``split_k`` programs per tile), so the batch-1 shapes (a few hundred rows) still spread over the chip.
+    ``red`` is the per-step reduction extent (Cin), so BLOCK_K never exceeds it by more than the tl.dot minimum
+    of 16.
     """
     block_n = _pow2_at_least(cols, 16, 128)
     block_k = 64 if red >= 64 else 32 if red >= 32 else 16
     block_m = 128
-    target = 2 * num_sms(device)
+    target = max(1, 2 * num_sms(device) // split_k)
     while block_m > 16 and triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n) < target:
         block_m //= 2
     if block_m == 16 and block_n > 32 and triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n) < target:
@@ -597,6 +682,8 @@ def conv2d(
     upsample: int = 1,
     norm: FoldedGroupNorm | None = None,
     stats: FoldedGroupNorm | None = None,
+    split_k: int = 1,
+    workspace: SplitKWorkspace | None = None,
 ) -> torch.Tensor:
     """Fused conv2d: ``((act(conv(x, w) + bias + time_emb[:, :, None, None]) + residual) * out_scale``.
 
@@ -610,7 +697,14 @@ def conv2d(
     GroupNorm folding (module docstring): ``norm=fold`` convolves ``act(group_norm(x))`` instead of ``x``, with
     the statistics a ``stats=fold`` conv wrote for ``x`` (one extra tiny finalize launch first); ``stats=fold``
     writes the statistics of this conv's output (as stored) for the ``norm=fold`` conv that consumes it.
+
+    Split-K (``split_k > 1``; at most one split per reduction step, ``KSIZE*KSIZE*ceil(Cin/BLOCK_K)``): each output
+    tile's reduction is divided among ``split_k`` programs, so a conv with few output tiles (batch 1, the 4x4 and
+    8x8 levels) still fills the GPU; the last program of a tile to finish sums the fp32 partials in ``workspace``
+    (:class:`SplitKWorkspace`; a new one per call when None) and runs the epilogue, in the same launch.
     """
+    if isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1:
+        raise FastdiffError(f"split_k must be a positive int, got {split_k!r}")
     if x.dim() != 4:
         raise FastdiffError(f"conv2d input must be 4-D [N, C, H, W], got shape {tuple(x.shape)}")
     n, cin, h, w = x.shape
@@ -644,7 +738,12 @@ def conv2d(
     if out is None:
         out = torch.empty((n, cout, ho, wo), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
     rows = n * ho * wo
-    block_m, block_n, block_k, num_warps, num_stages = _gemm_blocks(rows, cout, cin, x.dtype, x.device)
+    block_m, block_n, block_k, num_warps, num_stages = _gemm_blocks(rows, cout, cin, x.dtype, x.device, split_k)
+    tiles = triton.cdiv(rows, block_m) * triton.cdiv(cout, block_n)
+    split_k = min(split_k, ksize * ksize * triton.cdiv(cin, block_k))
+    if split_k > 1:
+        workspace = workspace if workspace is not None else SplitKWorkspace()
+        workspace.reserve(split_k, tiles, block_m * block_n, x.device)
     stats_layout = (0, 0, 1)
     if stats is not None:
         stats_layout = _stats_layout(n, ho * wo, cout, stats.groups, block_m, block_n)
@@ -654,13 +753,14 @@ def conv2d(
         stats.tiles = (block_m, block_n, ho * wo, cout)
     temb = time_emb if time_emb is not None else out
     res = residual if residual is not None else out
-    grid = (triton.cdiv(rows, block_m) * triton.cdiv(cout, block_n),)
+    grid = (tiles, split_k)
     temb_strides = time_emb.stride() if time_emb is not None else (0, 0)
     norm_affine = norm is not None and norm.weight is not None
     _conv2d_kernel[grid](
         x, weight, bias if bias is not None else out, temb, res, out,
         mean_rstd if norm is not None else out, norm.weight if norm_affine else out, norm.bias if norm_affine else out,
         stats.partials if stats is not None else out,
+        workspace.partials if split_k > 1 else out, workspace.counters if split_k > 1 else out,
         rows, h, w, cin, ho, wo, cout,
         *x.stride(), *temb_strides, *res.stride(), *out.stride(),
         1.0 if out_scale is None else float(out_scale),
@@ -673,7 +773,7 @@ def conv2d(
         NORM_ACT=ACTIVATIONS[norm.activation] if norm is not None else 0, NORM_AFFINE=norm_affine,
         HAS_STATS=stats is not None, STATS_CG=cout // stats.groups if stats is not None else 1,
         STATS_GPT=stats_layout[2],
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, SPLIT_K=split_k,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
