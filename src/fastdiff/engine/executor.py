@@ -11,10 +11,11 @@ the forward as a list of ops of :mod:`fastdiff.engine.ir`, then:
   forward (``engine.weights.WeightStreamer``: module k runs while module k+1 uploads);
 * binds each op to a kernel; where there are several implementations (conv: ``kernels.conv2d``, on Hopper also
   ``kernels.conv2d_tma`` for stride-1 convs, or cuDNN + a torch epilogue; token GEMM: ``kernels.linear`` or
-  cuBLAS + a torch epilogue; attention: ``kernels.attention`` or torch SDPA; GroupNorm: the kernel's own launch
-  plan or whole groups at 16, 32 or 64 channel lanes per program) ``autotune`` times them on the GPU and keeps
-  the fastest (``conv_impl`` / ``attention_impl`` narrow the choice; ``conv_impl`` covers both convs and GEMMs:
-  "triton", our kernels, or the vendor library);
+  cuBLAS + a torch epilogue; the gather conv also with its reduction split over 2-16 programs where its grid
+  leaves SMs idle, ``triton-k<split>``; attention: ``kernels.attention`` or torch SDPA; GroupNorm: the kernel's
+  own launch plan or whole groups at 16, 32 or 64 channel lanes per program) ``autotune`` times them on the GPU
+  and keeps the fastest (``conv_impl`` / ``attention_impl`` narrow the choice; ``conv_impl`` covers both convs and
+  GEMMs: "triton", our kernels, or the vendor library);
 * with ``fp8=True`` (Hopper), the convs that read a GroupNorm's output run on e4m3 operands
   (:mod:`fastdiff.engine.fp8`): the norm writes e4m3 at a scale taken from its affine, the TMA conv multiplies
   e4m3 x e4m3 with per-output-channel weight scales and writes the engine dtype;
@@ -58,7 +59,7 @@ from fastdiff.errors import FastdiffError
 from fastdiff.kernels.attention import attention
 from fastdiff.kernels.attention_gate import attention_gate
 from fastdiff.kernels.common import activation_ref
-from fastdiff.kernels.conv2d import FoldedGroupNorm, conv2d, pack_conv_weight
+from fastdiff.kernels.conv2d import FoldedGroupNorm, SplitKWorkspace, conv2d, pack_conv_weight, split_k_choices
 from fastdiff.kernels.conv2d_tma import conv2d_tma, pack_conv_weight_fp8, pack_upsample2_weight, tma_conv_unsupported
 from fastdiff.kernels.depthwise_conv2d import depthwise_conv2d, pack_depthwise_weight
 from fastdiff.kernels.fp8 import FP8_DTYPE, fp8_supported
@@ -173,6 +174,7 @@ class FusedModel:
             self.ops = fold_group_norms(self.ops)
         self.fp8_convs = mark_fp8_convs(self.ops) if fp8 else 0  # engine/fp8.py, while the fp32 weights are here
         self.folds: dict[str, FoldedGroupNorm] = {}  # by norm name: shared by the producing and consuming convs
+        self.split_k_workspace = SplitKWorkspace()  # shared by the split-K convs: the ops run one after another
         self.x_in_value = self.inputs["x_in"]
         self.step_ops = [op for op in self.ops if op.stage == "step"]
         self.context_ops = [op for op in self.ops if op.stage == "context"]
@@ -351,6 +353,12 @@ class FusedModel:
                 x, packed, bias, padding=padding, time_emb=temb, residual=residual, activation=act,
                 out_scale=scale, out=out, upsample=up,
             )  # fmt: skip
+        if impl.startswith("triton-k"):  # the gather kernel with its reduction split over programs
+            packed, split_k, workspace = w["packed"], int(impl.removeprefix("triton-k")), self.split_k_workspace
+            return lambda: conv2d(
+                x, packed, bias, stride=stride, padding=padding, time_emb=temb, residual=residual, activation=act,
+                out_scale=scale, out=out, upsample=up, split_k=split_k, workspace=workspace,
+            )  # fmt: skip
         if impl == "triton":
             packed = w["packed"]
             stats, norm = (self._fold(p.get(key)) for key in ("stats", "norm"))
@@ -471,6 +479,8 @@ class FusedModel:
         if op.kind in ("conv", "depthwise", "linear"):
             library = "cublas" if op.kind == "linear" else "cudnn"
             ours = ("triton", "triton-tma") if op.kind == "conv" and self._tma_fits(op) else ("triton",)
+            if op.kind == "conv" and self.device.type == "cuda":
+                ours = (*ours, *(f"triton-k{split}" for split in self._split_k_choices(op)))
             return {"auto": (*ours, library), "triton": ours, "cudnn": (library,)}[self.conv_impl]
         if op.kind == "attention":
             return {"auto": ("triton", "sdpa"), "triton": ("triton",), "sdpa": ("sdpa",)}[self.attention_impl]
@@ -478,6 +488,11 @@ class FusedModel:
             group = op.inputs[0].shape[1] // op.params["groups"]
             return ("triton", *(f"triton-c{lanes}" for lanes in LANE_CHOICES if lanes >= group))
         return ("torch",) if op.kind == "center" else ("triton",)
+
+    def _split_k_choices(self, op: Op) -> tuple[int, ...]:
+        """The split-K factors of the gather conv worth timing for ``op`` (its grid leaves SMs idle)."""
+        (n, cin, *_), (_, cout, ho, wo) = op.inputs[0].shape, op.output.shape
+        return split_k_choices(n, cin, cout, (ho, wo), op.params["ksize"], self.dtype, self.device)
 
     def _tma_fits(self, op: Op) -> bool:
         """Whether the TMA conv kernel can run ``op`` (CUDA on Hopper or newer, stride 1, Upsample2D at most)."""
@@ -662,7 +677,8 @@ class FusedModel:
     def drop_unused_weights(self) -> None:
         """Free the weight layouts the chosen implementation does not read."""
         for op in self.ops:
-            reads = WEIGHT_ROLES.get((op.kind, op.impl))
+            impl = "triton" if op.kind == "conv" and op.impl.startswith("triton-k") else op.impl  # split-K: same
+            reads = WEIGHT_ROLES.get((op.kind, impl))
             if reads is not None:
                 w = self._device_weights[op.name]
                 for role in set(w) - reads:

@@ -564,6 +564,31 @@ def _gemm_blocks(
     return block_m, block_n, block_k, num_warps, num_stages
 
 
+SPLIT_K_CHOICES = (2, 4, 8, 16)
+"""The split-K factors offered to a caller that times them (``split_k_choices``)."""
+
+
+def split_k_choices(
+    n: int, cin: int, cout: int, out_hw: tuple[int, int], ksize: int, dtype: torch.dtype, device: torch.device
+) -> tuple[int, ...]:
+    """The ``split_k`` values worth timing for a conv of this shape: none when its unsplit grid already has a
+    program per SM; otherwise those of :data:`SPLIT_K_CHOICES` that leave every split at least two reduction steps
+    and the grid at most four programs per SM."""
+    rows = n * out_hw[0] * out_hw[1]
+    sms = num_sms(device)
+    block_m, block_n, block_k, *_ = _gemm_blocks(rows, cout, cin, dtype, device)
+    if triton.cdiv(rows, block_m) * triton.cdiv(cout, block_n) >= sms:
+        return ()
+    steps = ksize * ksize * triton.cdiv(cin, block_k)
+    choices = []
+    for split in SPLIT_K_CHOICES:
+        block_m, block_n, block_k, *_ = _gemm_blocks(rows, cout, cin, dtype, device, split)
+        tiles = triton.cdiv(rows, block_m) * triton.cdiv(cout, block_n)
+        if 2 * split <= steps and tiles * split <= 4 * sms:
+            choices.append(split)
+    return tuple(choices)
+
+
 def _stats_layout(n: int, hw: int, cout: int, groups: int, block_m: int, block_n: int) -> tuple[int, int, int]:
     """(row-tile slots per sample, channel-tile parts per group, groups per channel tile as a power of two) of
     the partial-statistics buffer of a conv with these tiles: a sample's rows span at most ``slots`` row tiles
