@@ -1,5 +1,5 @@
 """One-call GPU sweep of the conv implementations at a model's own conv shapes: the gather kernel
-(``kernels.conv2d``), the TMA kernel (``kernels.conv2d_tma``) in each tile config and its default, and cuDNN;
+(``kernels.conv2d``; where its grid leaves SMs idle also split-K, ``triton-k<split>``), the TMA kernel (``kernels.conv2d_tma``) in each tile config and its default, and cuDNN;
 with ``--fp8`` also the TMA kernel on e4m3 operands (its ``rel_err`` is then e4m3's own, a few percent).
 
     PYTHONPATH=src python benchmarks/sweep_conv.py --model ddpm-cifar10 --batch 1,256 --out sweep.json
@@ -29,7 +29,15 @@ from fastdiff.atomic import write_text_atomic
 from fastdiff.bench.env import environment
 from fastdiff.engine.executor import FusedModel, time_call_us
 from fastdiff.kernels.common import activation_ref
-from fastdiff.kernels.conv2d import conv2d, conv2d_cost, conv2d_ref, pack_conv_weight, unpack_conv_weight
+from fastdiff.kernels.conv2d import (
+    SplitKWorkspace,
+    conv2d,
+    conv2d_cost,
+    conv2d_ref,
+    pack_conv_weight,
+    split_k_choices,
+    unpack_conv_weight,
+)
 from fastdiff.kernels.conv2d_tma import (
     TmaConfig,
     conv2d_tma,
@@ -159,7 +167,11 @@ def sweep_case(case: dict, dtype: torch.dtype, ceiling: float, fp8: bool = False
         "cudnn": cudnn_call(args, kwargs),
     }
     cout, k = case["cout"], case["ksize"]
-    rows = kwargs["out"].shape[0] * kwargs["out"].shape[2] * kwargs["out"].shape[3]
+    n, _, ho, wo = kwargs["out"].shape
+    workspace = SplitKWorkspace()
+    for split in split_k_choices(n, x.shape[1], cout, (ho, wo), k, dtype, x.device):
+        impls[f"triton-k{split}"] = lambda split=split: conv2d(*args, **kwargs, split_k=split, workspace=workspace)
+    rows = n * ho * wo
     big = (rows // 128) * max(1, cout // 128) >= 2 * torch.cuda.get_device_properties(0).multi_processor_count
     tma_weight = packed
     if case["upsample"] == 2:
