@@ -1,6 +1,7 @@
 """One-call GPU sweep of the conv implementations at a model's own conv shapes: the gather kernel
-(``kernels.conv2d``; where its grid leaves SMs idle also split-K, ``triton-k<split>``), the TMA kernel (``kernels.conv2d_tma``) in each tile config and its default, and cuDNN;
-with ``--fp8`` also the TMA kernel on e4m3 operands (its ``rel_err`` is then e4m3's own, a few percent).
+(``kernels.conv2d``; where its grid leaves SMs idle also split-K, ``triton-k<split>``), the TMA kernel
+(``kernels.conv2d_tma``) in each tile config and its default, and cuDNN; with ``--fp8`` also the TMA kernel on
+e4m3 operands (its ``rel_err`` is then e4m3's own, a few percent).
 
     PYTHONPATH=src python benchmarks/sweep_conv.py --model ddpm-cifar10 --batch 1,256 --out sweep.json
 
