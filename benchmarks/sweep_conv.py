@@ -29,9 +29,8 @@ import torch.nn.functional as F
 from fastdiff.atomic import write_text_atomic
 from fastdiff.bench.env import environment
 from fastdiff.engine.executor import FusedModel, time_call_us
-from fastdiff.kernels.common import activation_ref
+from fastdiff.kernels.common import SplitWorkspace, activation_ref
 from fastdiff.kernels.conv2d import (
-    SplitKWorkspace,
     conv2d,
     conv2d_cost,
     conv2d_ref,
@@ -169,7 +168,7 @@ def sweep_case(case: dict, dtype: torch.dtype, ceiling: float, fp8: bool = False
     }
     cout, k = case["cout"], case["ksize"]
     n, _, ho, wo = kwargs["out"].shape
-    workspace = SplitKWorkspace()
+    workspace = SplitWorkspace()
     for split in split_k_choices(n, x.shape[1], cout, (ho, wo), k, dtype, x.device):
         impls[f"triton-k{split}"] = lambda split=split: conv2d(*args, **kwargs, split_k=split, workspace=workspace)
     rows = n * ho * wo

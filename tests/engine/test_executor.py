@@ -52,7 +52,7 @@ def test_split_k_convs_match_eager(tiny_model):
             ref = model.double().cpu()(x.double(), torch.tensor([t]))
             model.to(DEVICE, torch.float32)
         assert rel_err(out, ref) < TOL
-    assert fused.split_k_workspace.counters is not None and not fused.split_k_workspace.counters.any()
+    assert fused.split_workspace.counters is not None and not fused.split_workspace.counters.any()
 
 
 def test_layer_table(tiny_model):

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from fastdiff.errors import FastdiffError
+from fastdiff.kernels.common import SplitWorkspace
 from fastdiff.kernels.conv2d import (
     OP,
     FoldedGroupNorm,
-    SplitKWorkspace,
     conv2d,
     conv2d_ref,
     finalize_group_stats,
@@ -161,7 +161,7 @@ def test_split_k_matches_ref_and_reuses_its_workspace(case: dict, split_k: int, 
     """Split-K: several row tiles (the interpreter's 128-row tiles over 3 x 63 rows), reductions that do not divide
     evenly among the splits, more splits than steps; the workspace's counters are back at 0 after each call, so a
     second call on the same workspace (new inputs) is right too, and the same inputs give the same bits."""
-    workspace = SplitKWorkspace()
+    workspace = SplitWorkspace()
     for seed in (1, 2):
         args, kwargs = make_inputs(case, dtype, seed=zlib.crc32(str(case).encode()) + seed)
         ref = reference(args, kwargs)

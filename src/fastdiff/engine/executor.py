@@ -58,8 +58,8 @@ from fastdiff.engine.weights import WeightStreamer
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.attention import attention
 from fastdiff.kernels.attention_gate import attention_gate
-from fastdiff.kernels.common import activation_ref
-from fastdiff.kernels.conv2d import FoldedGroupNorm, SplitKWorkspace, conv2d, pack_conv_weight, split_k_choices
+from fastdiff.kernels.common import SplitWorkspace, activation_ref
+from fastdiff.kernels.conv2d import FoldedGroupNorm, conv2d, pack_conv_weight, split_k_choices
 from fastdiff.kernels.conv2d_tma import conv2d_tma, pack_conv_weight_fp8, pack_upsample2_weight, tma_conv_unsupported
 from fastdiff.kernels.depthwise_conv2d import depthwise_conv2d, pack_depthwise_weight
 from fastdiff.kernels.fp8 import FP8_DTYPE, fp8_supported
@@ -174,7 +174,7 @@ class FusedModel:
             self.ops = fold_group_norms(self.ops)
         self.fp8_convs = mark_fp8_convs(self.ops) if fp8 else 0  # engine/fp8.py, while the fp32 weights are here
         self.folds: dict[str, FoldedGroupNorm] = {}  # by norm name: shared by the producing and consuming convs
-        self.split_k_workspace = SplitKWorkspace()  # shared by the split-K convs: the ops run one after another
+        self.split_workspace = SplitWorkspace()  # shared by the split kernels: the ops run one after another
         self.x_in_value = self.inputs["x_in"]
         self.step_ops = [op for op in self.ops if op.stage == "step"]
         self.context_ops = [op for op in self.ops if op.stage == "context"]
@@ -354,7 +354,7 @@ class FusedModel:
                 out_scale=scale, out=out, upsample=up,
             )  # fmt: skip
         if impl.startswith("triton-k"):  # the gather kernel with its reduction split over programs
-            packed, split_k, workspace = w["packed"], int(impl.removeprefix("triton-k")), self.split_k_workspace
+            packed, split_k, workspace = w["packed"], int(impl.removeprefix("triton-k")), self.split_workspace
             return lambda: conv2d(
                 x, packed, bias, stride=stride, padding=padding, time_emb=temb, residual=residual, activation=act,
                 out_scale=scale, out=out, upsample=up, split_k=split_k, workspace=workspace,

@@ -1,7 +1,9 @@
 """Helpers every kernel module shares: the fused activations (codes, Triton and torch forms), the SM count that
-sizes launch grids, and channels-last example tensors."""
+sizes launch grids, the scratch of reductions split over programs, and channels-last example tensors."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +55,42 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 1
+
+
+@dataclass(eq=False)
+class SplitWorkspace:
+    """Scratch of a kernel that splits a reduction over several programs and finishes it in the same launch (the
+    split-K conv, the row-split GroupNorm): ``partials`` (fp32, each program's part) and ``counters`` (int32, one
+    per finished unit, zero between calls: the last program to arrive resets its own). Allocated by the first call
+    that needs more than it holds and reused while the sizes stay (CUDA-graph safe: let the first call run before
+    capture). One workspace serves one kernel at a time: give kernels that may run concurrently (on other streams)
+    their own."""
+
+    partials: torch.Tensor | None = field(default=None, repr=False)
+    counters: torch.Tensor | None = field(default=None, repr=False)
+
+    def reserve(self, partial_elems: int, counters: int, device: torch.device) -> None:
+        """Make room for ``partial_elems`` fp32 partials and ``counters`` counters on ``device``."""
+        if self.partials is None or self.partials.numel() < partial_elems or self.partials.device != device:
+            self.partials = torch.empty(partial_elems, device=device, dtype=torch.float32)
+        if self.counters is None or self.counters.numel() < counters or self.counters.device != device:
+            self.counters = torch.zeros(counters, device=device, dtype=torch.int32)
+
+
+@triton.jit
+def finish_arrival(count_ptr, unit, SPLIT: tl.constexpr):
+    """Counts a program in at ``count_ptr[unit]`` after all of its threads stored their partials (release); True
+    in the last of the unit's SPLIT programs, which may then read every partial (acquire). That program must
+    reset the counter with :func:`reset_arrivals` once it has read them."""
+    tl.debug_barrier()  # every thread's partial is stored before the counter moves
+    arrived = tl.atomic_add(count_ptr + unit, 1, sem="acq_rel", scope="gpu")
+    return arrived == SPLIT - 1
+
+
+@triton.jit
+def reset_arrivals(count_ptr, unit):
+    """The last program of a unit sets its counter back to 0 for the next launch."""
+    tl.atomic_xchg(count_ptr + unit, 0, sem="relaxed", scope="gpu")
 
 
 def channels_last_randn(

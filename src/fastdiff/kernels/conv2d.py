@@ -48,11 +48,14 @@ from fastdiff.errors import FastdiffError
 from fastdiff.kernels import cost_model
 from fastdiff.kernels.common import (
     ACTIVATIONS,
+    SplitWorkspace,
     activation_ref,
     apply_activation,
     channels_last_randn,
     check_activation,
+    finish_arrival,
     num_sms,
+    reset_arrivals,
 )
 from fastdiff.kernels.group_norm_act import merge_stats
 from fastdiff.kernels.registry import KernelOp
@@ -124,26 +127,6 @@ class FoldedGroupNorm:
                 f"{role}: GroupNorm weight/bias shapes {tuple(self.weight.shape)}/{tuple(self.bias.shape)} do not "
                 f"fit {channels} channels"
             )
-
-
-@dataclass(eq=False)
-class SplitKWorkspace:
-    """Scratch of a split-K :func:`conv2d` (``split_k > 1``): ``partials`` (fp32, one accumulator tile per split and
-    output tile) and ``counters`` (int32, one per output tile, zero between calls: the last program of each tile
-    resets its own). Allocated on the first call that needs more than it holds and reused while the shapes stay the
-    same (CUDA-graph safe: let the first call run before capture). One workspace serves one conv at a time: give
-    each conv that may run concurrently with another (another stream) its own."""
-
-    partials: torch.Tensor | None = field(default=None, repr=False)
-    counters: torch.Tensor | None = field(default=None, repr=False)
-
-    def reserve(self, splits: int, tiles: int, tile_elems: int, device: torch.device) -> None:
-        """Make room for ``splits`` x ``tiles`` fp32 tiles of ``tile_elems`` and ``tiles`` counters on ``device``."""
-        need = splits * tiles * tile_elems
-        if self.partials is None or self.partials.numel() < need or self.partials.device != device:
-            self.partials = torch.empty(need, device=device, dtype=torch.float32)
-        if self.counters is None or self.counters.numel() < tiles or self.counters.device != device:
-            self.counters = torch.zeros(tiles, device=device, dtype=torch.int32)
 
 
 def group_stats_ref(y: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
@@ -500,14 +483,12 @@ def _split_k_reduce(
     tile_base = tile.to(tl.int64) * (BLOCK_M * BLOCK_N)
     split_stride = num_tiles.to(tl.int64) * (BLOCK_M * BLOCK_N)
     tl.store(ws_ptr + split * split_stride + tile_base + offs, acc)
-    tl.debug_barrier()  # every thread's partial is stored before the counter moves (release below)
-    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    is_last = arrived == SPLIT_K - 1
+    is_last = finish_arrival(count_ptr, tile, SPLIT_K)
     if is_last:
         acc = tl.load(ws_ptr + tile_base + offs, cache_modifier=".cg")
         for s in tl.static_range(1, SPLIT_K):
             acc += tl.load(ws_ptr + s * split_stride + tile_base + offs, cache_modifier=".cg")
-        tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+        reset_arrivals(count_ptr, tile)
     return acc, is_last
 
 
@@ -709,7 +690,7 @@ def conv2d(
     norm: FoldedGroupNorm | None = None,
     stats: FoldedGroupNorm | None = None,
     split_k: int = 1,
-    workspace: SplitKWorkspace | None = None,
+    workspace: SplitWorkspace | None = None,
 ) -> torch.Tensor:
     """Fused conv2d: ``((act(conv(x, w) + bias + time_emb[:, :, None, None]) + residual) * out_scale``.
 
@@ -727,7 +708,8 @@ def conv2d(
     Split-K (``split_k > 1``; at most one split per reduction step, ``KSIZE*KSIZE*ceil(Cin/BLOCK_K)``): each output
     tile's reduction is divided among ``split_k`` programs, so a conv with few output tiles (batch 1, the 4x4 and
     8x8 levels) still fills the GPU; the last program of a tile to finish sums the fp32 partials in ``workspace``
-    (:class:`SplitKWorkspace`; a new one per call when None) and runs the epilogue, in the same launch.
+    (:class:`fastdiff.kernels.common.SplitWorkspace`; a new one per call when None) and runs the epilogue, in the
+    same launch.
     """
     if isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1:
         raise FastdiffError(f"split_k must be a positive int, got {split_k!r}")
@@ -768,8 +750,8 @@ def conv2d(
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(cout, block_n)
     split_k = min(split_k, ksize * ksize * triton.cdiv(cin, block_k))
     if split_k > 1:
-        workspace = workspace if workspace is not None else SplitKWorkspace()
-        workspace.reserve(split_k, tiles, block_m * block_n, x.device)
+        workspace = workspace if workspace is not None else SplitWorkspace()
+        workspace.reserve(split_k * tiles * block_m * block_n, tiles, x.device)
     stats_layout = (0, 0, 1)
     if stats is not None:
         stats_layout = _stats_layout(n, ho * wo, cout, stats.groups, block_m, block_n)
