@@ -9,7 +9,6 @@ import torch
 
 import fastdiff.kernels.group_norm_act as gn_module
 from fastdiff.errors import FastdiffError
-from fastdiff.kernels.common import SplitWorkspace
 from fastdiff.kernels.group_norm_act import OP, group_norm_act, group_norm_act_ref
 
 from .conftest import DEVICE, DTYPES, needs_cuda, rel_err
@@ -92,38 +91,7 @@ def test_forced_lanes_match_ref(monkeypatch: pytest.MonkeyPatch, lanes: int, in_
     assert run_case(2, 36, 3, 7, 9, None, False, "two_phase", torch.float32, lanes=lanes) < 1e-5
 
 
-SPLIT_ROWS_CASES = [
-    pytest.param((1, 128, 32, 32, 32, "silu", False), id="cifar_b1_c128_32x32_groups_of_4"),
-    pytest.param((1, 384, 32, 16, 16, "silu", True), id="b1_c384_groups_of_12_residual"),
-    pytest.param((2, 33, 3, 7, 9, "gelu", False), id="c33_g3_7x9_b2_63_rows"),
-    pytest.param((1, 130, 2, 6, 6, None, True), id="c130_groups_of_65_wider_than_a_block"),
-    pytest.param((3, 8, 8, 9, 7, "silu", False), id="c8_g8_one_channel_groups"),
-]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", SPLIT_ROWS_CASES)
-def test_split_rows_matches_ref_and_resets_its_counters(monkeypatch: pytest.MonkeyPatch, case: tuple, dtype) -> None:
-    """The row-split design as on a 132-SM GPU (so the rows really split: 16 to 64 splits here), twice on one
-    workspace: every unit's counter is back at 0 after each call."""
-    monkeypatch.setattr(gn_module, "num_sms", lambda device: 132)
-    workspace = SplitWorkspace()
-    n, c, groups, h, w, activation, residual = case
-    for offset in (0.0, 50.0):
-        x, weight, bias, res = make_inputs(n, c, groups, h, w, residual, dtype, zlib.crc32(repr(case).encode()),
-                                           offset)  # fmt: skip
-        out = torch.full_like(x, float("nan"))
-        group_norm_act(x, groups, weight, bias, 1e-6, activation=activation, residual=res, out=out,
-                       design="split_rows", workspace=workspace)  # fmt: skip
-        ref = group_norm_act_ref(x.double(), groups, weight.double(), bias.double(), 1e-6, activation=activation,
-                                 residual=None if res is None else res.double())  # fmt: skip
-        assert rel_err(out, ref) < TOLERANCE[dtype]
-        assert workspace.counters is not None and not workspace.counters.any()
-    lanes = min(64, max(4, 1 << (c // groups - 1).bit_length()))  # the design's block width
-    assert workspace.partials.numel() > 3 * lanes * workspace.counters.numel()  # more than one split per block
-
-
-@pytest.mark.parametrize("design", ["single_pass", "two_phase", "split_rows"])
+@pytest.mark.parametrize("design", ["single_pass", "two_phase"])
 def test_statistics_survive_a_large_mean(design: str) -> None:
     """Mean 1000, std 2: a fp32 sum-of-squares variance would lose ~all digits; Chan's merge does not."""
     assert run_case(2, 33, 3, 7, 9, None, False, design, torch.float32, offset=1000.0) < 1e-4

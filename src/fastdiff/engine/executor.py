@@ -13,9 +13,9 @@ the forward as a list of ops of :mod:`fastdiff.engine.ir`, then:
   ``kernels.conv2d_tma`` for stride-1 convs, or cuDNN + a torch epilogue; token GEMM: ``kernels.linear`` or
   cuBLAS + a torch epilogue; the gather conv also with its reduction split over 2-16 programs where its grid
   leaves SMs idle, ``triton-k<split>``; attention: ``kernels.attention`` or torch SDPA; GroupNorm: the kernel's
-  own launch plan, whole groups at 16, 32 or 64 channel lanes per program, or at batch 1 the row-split design)
-  ``autotune`` times them on the GPU and keeps the fastest (``conv_impl`` / ``attention_impl`` narrow the choice;
-  ``conv_impl`` covers both convs and GEMMs: "triton", our kernels, or the vendor library);
+  own launch plan or whole groups at 16, 32 or 64 channel lanes per program) ``autotune`` times them on the GPU
+  and keeps the fastest (``conv_impl`` / ``attention_impl`` narrow the choice; ``conv_impl`` covers both convs and
+  GEMMs: "triton", our kernels, or the vendor library);
 * with ``fp8=True`` (Hopper), the convs that read a GroupNorm's output run on e4m3 operands
   (:mod:`fastdiff.engine.fp8`): the norm writes e4m3 at a scale taken from its affine, the TMA conv multiplies
   e4m3 x e4m3 with per-output-channel weight scales and writes the engine dtype;
@@ -58,7 +58,7 @@ from fastdiff.engine.weights import WeightStreamer
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.attention import attention
 from fastdiff.kernels.attention_gate import attention_gate
-from fastdiff.kernels.common import SplitWorkspace, activation_ref, num_sms
+from fastdiff.kernels.common import SplitWorkspace, activation_ref
 from fastdiff.kernels.conv2d import FoldedGroupNorm, conv2d, pack_conv_weight, split_k_choices
 from fastdiff.kernels.conv2d_tma import conv2d_tma, pack_conv_weight_fp8, pack_upsample2_weight, tma_conv_unsupported
 from fastdiff.kernels.depthwise_conv2d import depthwise_conv2d, pack_depthwise_weight
@@ -455,13 +455,12 @@ class FusedModel:
             return lambda: attention_gate(
                 x, g, w["w_x"], w["w_g"], w.get("b_g"), w["w_psi"], w.get("b_psi"), b_x=w.get("b_x"), out=out
             )
-        if op.kind == "group_norm":  # impl "triton" (the kernel's own plan), "triton-c<lanes>" or "triton-split"
+        if op.kind == "group_norm":  # impl "triton" (the kernel's own plan) or "triton-c<lanes>"
             w, p = self._device_weights[op.name], op.params
             lanes = int(impl.removeprefix("triton-c")) if impl.startswith("triton-c") else None
-            design, workspace = ("split_rows", self.split_workspace) if impl == "triton-split" else ("auto", None)
             return lambda: group_norm_act(
                 x, p["groups"], w["weight"], w["bias"], p["eps"], activation=p["act"], out=out,
-                fp8_scale=p.get("fp8_scale"), lanes=lanes, design=design, workspace=workspace,
+                fp8_scale=p.get("fp8_scale"), lanes=lanes,
             )  # fmt: skip
         if op.kind == "layer_norm":
             w, eps = self._device_weights[op.name], op.params["eps"]
@@ -487,8 +486,7 @@ class FusedModel:
             return {"auto": ("triton", "sdpa"), "triton": ("triton",), "sdpa": ("sdpa",)}[self.attention_impl]
         if op.kind == "group_norm" and self.device.type == "cuda":  # the kernel's plan, or whole groups per width
             group = op.inputs[0].shape[1] // op.params["groups"]
-            split = ("triton-split",) if self.batch * op.params["groups"] < 2 * num_sms(self.device) else ()
-            return ("triton", *(f"triton-c{lanes}" for lanes in LANE_CHOICES if lanes >= group), *split)
+            return ("triton", *(f"triton-c{lanes}" for lanes in LANE_CHOICES if lanes >= group))
         return ("torch",) if op.kind == "center" else ("triton",)
 
     def _split_k_choices(self, op: Op) -> tuple[int, ...]:

@@ -60,7 +60,7 @@ def num_sms(device: torch.device) -> int:
 @dataclass(eq=False)
 class SplitWorkspace:
     """Scratch of a kernel that splits a reduction over several programs and finishes it in the same launch (the
-    split-K conv, the row-split GroupNorm): ``partials`` (fp32, each program's part) and ``counters`` (int32, one
+    split-K conv): ``partials`` (fp32, each program's part) and ``counters`` (int32, one
     per finished unit, zero between calls: the last program to arrive resets its own). Allocated by the first call
     that needs more than it holds and reused while the sizes stay (CUDA-graph safe: let the first call run before
     capture). One workspace serves one kernel at a time: give kernels that may run concurrently (on other streams)

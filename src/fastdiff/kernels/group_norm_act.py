@@ -20,10 +20,6 @@ Two designs, chosen by size:
 * two phase, for large groups with too few (sample, group) pairs to fill the GPU (batch 1, SD1.5 at 64x64):
   a split-reduction kernel writes per-split (count, mean, M2) partials, an apply kernel merges them and
   writes y.
-* split rows (``design="split_rows"``, timed by the engine where a batch-1 norm leaves SMs idle): one launch of
-  programs per (sample, block of whole groups, split of the rows); each stores its rows' (count, mean, M2) and
-  counts itself in (:class:`fastdiff.kernels.common.SplitWorkspace`), and the last of a block's splits merges
-  them and normalises the whole block (its rows were just read: mostly L2 hits).
 """
 
 from __future__ import annotations
@@ -41,14 +37,11 @@ from fastdiff.errors import FastdiffError
 from fastdiff.kernels import cost_model
 from fastdiff.kernels.common import (
     ACTIVATIONS,
-    SplitWorkspace,
     activation_ref,
     apply_activation,
     channels_last_randn,
     check_activation,
-    finish_arrival,
     num_sms,
-    reset_arrivals,
 )
 from fastdiff.kernels.fp8 import FP8_DTYPE, quantize_e4m3_ref, to_e4m3
 from fastdiff.kernels.registry import KernelOp
@@ -73,7 +66,7 @@ LANES_REGISTER_TILE = 65536
 MAX_SPLIT = 64
 """Most row splits per group in the two-phase design (the apply kernel merges them all in registers)."""
 
-Design = Literal["auto", "single_pass", "two_phase", "split_rows"]
+Design = Literal["auto", "single_pass", "two_phase"]
 
 
 def group_norm_act_ref(
@@ -89,10 +82,9 @@ def group_norm_act_ref(
     design: Design = "auto",
     fp8_scale: float | None = None,
     lanes: int | None = None,
-    workspace: SplitWorkspace | None = None,
 ) -> torch.Tensor:
-    """Plain torch definition: ``F.group_norm`` -> activation -> + residual (``design``, ``lanes``, ``workspace``
-    ignored), then with ``fp8_scale`` e4m3 of ``y / fp8_scale``."""
+    """Plain torch definition: ``F.group_norm`` -> activation -> + residual (``design``, ``lanes`` ignored), then
+    with ``fp8_scale`` e4m3 of ``y / fp8_scale``."""
     y = activation_ref(F.group_norm(x, num_groups, weight, bias, eps), activation)
     if residual is not None:
         y = y + residual
@@ -256,98 +248,17 @@ def _gn_single_pass_kernel(
     else:
         g_n, g_mean, g_m2 = _block_group_stats(x_ptr, x_base, stride_xp, 0, HW, c_begin, C, CG, GPB, BLOCK_HW, BLOCK_C)
         rstd = tl.math.rsqrt(g_m2 / g_n + eps)
-        _normalise_block(
-            x_ptr, y_ptr, w_ptr, b_ptr, r_ptr, base, x_base, stride_xp, HW, C, c_begin, g_mean, rstd, fp8_inv_scale,
-            CG, GPB, BLOCK_HW, BLOCK_C, ACT, HAS_RES, HAS_W, HAS_B,
-        )  # fmt: skip
-
-
-@triton.jit
-def _normalise_block(
-    x_ptr, y_ptr, w_ptr, b_ptr, r_ptr, base, x_base, stride_xp, HW, C, c_begin, g_mean, rstd, fp8_inv_scale,
-    CG: tl.constexpr, GPB: tl.constexpr, BLOCK_HW: tl.constexpr, BLOCK_C: tl.constexpr, ACT: tl.constexpr,
-    HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-):  # fmt: skip
-    """Streams the rows of a block of GPB groups from channel ``c_begin`` through ``_finish_tile`` with the
-    per-lane group statistics (``g_mean``, ``rstd``: equal on every lane of a group wider than BLOCK_C)."""
-    lane = tl.arange(0, BLOCK_C)
-    for cc in range(0, GPB * CG, BLOCK_C):
-        offs_c = c_begin + cc + lane
-        c_mask = (cc + lane < GPB * CG) & (offs_c < C)
-        scale, shift = _scale_shift(w_ptr, b_ptr, offs_c, c_mask, g_mean, rstd, HAS_W, HAS_B)
-        for h0 in range(0, HW, BLOCK_HW):
-            rows = h0 + tl.arange(0, BLOCK_HW)
-            mask = (rows < HW)[:, None] & c_mask[None, :]
-            offs = base + rows.to(tl.int64)[:, None] * C + offs_c[None, :]
-            x_offs = x_base + rows.to(tl.int64)[:, None] * stride_xp + offs_c[None, :]
-            tile = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
-            _finish_tile(tile, scale, shift, y_ptr, r_ptr, offs, mask, fp8_inv_scale, ACT, HAS_RES)
-
-
-@triton.jit
-def _gn_split_rows_kernel(
-    x_ptr,
-    y_ptr,
-    w_ptr,
-    b_ptr,
-    r_ptr,
-    part_ptr,
-    count_ptr,
-    HW,
-    C,
-    stride_xn,
-    stride_xp,
-    BLOCKS,
-    HW_PER_SPLIT,
-    eps,
-    fp8_inv_scale,
-    SPLIT: tl.constexpr,
-    CG: tl.constexpr,
-    GPB: tl.constexpr,
-    BLOCK_HW: tl.constexpr,
-    APPLY_HW: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    ACT: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr,
-):
-    """One program per (sample, block of GPB groups, split of the rows): the split's per-lane (count, mean, M2)
-    into ``part_ptr[unit, split, lane]``; the unit's last program merges its SPLIT partials (Chan) and normalises
-    all of the unit's rows."""
-    n = tl.program_id(0)
-    block = tl.program_id(1)
-    split = tl.program_id(2)
-    c_begin = block * (GPB * CG)
-    x_base = n.to(tl.int64) * stride_xn
-    hw_start = split * HW_PER_SPLIT
-    hw_end = tl.minimum(hw_start + HW_PER_SPLIT, HW)
-    g_n, g_mean, g_m2 = _block_group_stats(x_ptr, x_base, stride_xp, hw_start, hw_end, c_begin, C, CG, GPB,
-                                           BLOCK_HW, BLOCK_C)  # fmt: skip
-    unit = n * BLOCKS + block
-    lane = tl.arange(0, BLOCK_C)
-    slot = part_ptr + ((unit.to(tl.int64) * SPLIT + split) * BLOCK_C + lane) * 3
-    tl.store(slot, g_n)
-    tl.store(slot + 1, g_mean)
-    tl.store(slot + 2, g_m2)
-    if finish_arrival(count_ptr, unit, SPLIT):
-        offs_s = tl.arange(0, BLOCK_S)
-        s_mask = (offs_s < SPLIT)[:, None] & (lane >= 0)[None, :]
-        parts = part_ptr + ((unit.to(tl.int64) * SPLIT + offs_s[:, None]) * BLOCK_C + lane[None, :]) * 3
-        cnt = tl.load(parts, mask=s_mask, other=0.0, cache_modifier=".cg")
-        means = tl.load(parts + 1, mask=s_mask, other=0.0, cache_modifier=".cg")
-        m2s = tl.load(parts + 2, mask=s_mask, other=0.0, cache_modifier=".cg")
-        total = tl.maximum(tl.sum(cnt, axis=0), 1.0)
-        mean = tl.sum(cnt * means, axis=0) / total
-        dev = means - mean[None, :]
-        m2 = tl.sum(m2s + cnt * dev * dev, axis=0)
-        rstd = tl.math.rsqrt(m2 / total + eps)
-        reset_arrivals(count_ptr, unit)
-        _normalise_block(
-            x_ptr, y_ptr, w_ptr, b_ptr, r_ptr, n.to(tl.int64) * HW * C, x_base, stride_xp, HW, C, c_begin, mean,
-            rstd, fp8_inv_scale, CG, GPB, APPLY_HW, BLOCK_C, ACT, HAS_RES, HAS_W, HAS_B,
-        )  # fmt: skip
+        for cc in range(0, GPB * CG, BLOCK_C):
+            offs_c = c_begin + cc + lane
+            c_mask = (cc + lane < GPB * CG) & (offs_c < C)
+            scale, shift = _scale_shift(w_ptr, b_ptr, offs_c, c_mask, g_mean, rstd, HAS_W, HAS_B)
+            for h0 in range(0, HW, BLOCK_HW):
+                rows = h0 + tl.arange(0, BLOCK_HW)
+                mask = (rows < HW)[:, None] & c_mask[None, :]
+                offs = base + rows.to(tl.int64)[:, None] * C + offs_c[None, :]
+                x_offs = x_base + rows.to(tl.int64)[:, None] * stride_xp + offs_c[None, :]
+                tile = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
+                _finish_tile(tile, scale, shift, y_ptr, r_ptr, offs, mask, fp8_inv_scale, ACT, HAS_RES)
 
 
 @triton.jit
@@ -523,10 +434,8 @@ def _check_inputs(
     if num_groups < 1 or channels % num_groups != 0:
         raise FastdiffError(f"num_groups={num_groups} must be >= 1 and divide the {channels} channels")
     check_activation(activation)
-    if design not in ("auto", "single_pass", "two_phase", "split_rows"):
-        raise FastdiffError(
-            f"unknown group_norm_act design {design!r}; expected auto, single_pass, two_phase or split_rows"
-        )
+    if design not in ("auto", "single_pass", "two_phase"):
+        raise FastdiffError(f"unknown group_norm_act design {design!r}; expected auto, single_pass or two_phase")
     for name, tensor, shape in (
         ("weight", weight, (channels,)),
         ("bias", bias, (channels,)),
@@ -559,7 +468,6 @@ def group_norm_act(
     design: Design = "auto",
     fp8_scale: float | None = None,
     lanes: int | None = None,
-    workspace: SplitWorkspace | None = None,
 ) -> torch.Tensor:
     """``activation(group_norm(x) * weight + bias) + residual`` in one (or two) launches, fp32 statistics.
     With ``fp8_scale`` the output is e4m3 ``y / fp8_scale`` (round to nearest even, saturating at 448): the
@@ -570,8 +478,7 @@ def group_norm_act(
     ``out``
     (optional) is a channels-last tensor like ``x``. ``design`` forces a design ("auto" picks by size; tests
     use the others). ``lanes`` (one of ``LANE_CHOICES``, at least a group wide) forces the channels one program
-    covers, whole groups at a time; None: the size-based plan. ``workspace`` is the scratch of
-    ``design="split_rows"`` (a new one per call when None).
+    covers, whole groups at a time; None: the size-based plan.
     """
     _check_inputs(x, num_groups, weight, bias, activation, residual, out, design, fp8_scale, lanes)
     n, channels, h, w = x.shape
@@ -596,9 +503,6 @@ def group_norm_act(
     w_arg = weight if weight is not None else x
     b_arg = bias if bias is not None else x
     r_arg = residual if residual is not None else x
-    if design == "split_rows":
-        _launch_split_rows(x, out, w_arg, b_arg, r_arg, num_groups, eps, fp8_inv_scale, flags, workspace)
-        return out
     blocks = triton.cdiv(num_groups, plan.groups_per_block)
     if plan.design == "single_pass":
         tile = plan.block_hw * plan.block_c
@@ -629,45 +533,6 @@ def group_norm_act(
         num_warps=4, **flags,
     )  # fmt: skip
     return out
-
-
-SPLIT_ROWS_TARGET = 4
-"""Programs per SM the row-split design aims for."""
-
-
-def _launch_split_rows(
-    x: torch.Tensor,
-    out: torch.Tensor,
-    w_arg: torch.Tensor,
-    b_arg: torch.Tensor,
-    r_arg: torch.Tensor,
-    num_groups: int,
-    eps: float,
-    fp8_inv_scale: float,
-    flags: dict[str, Any],
-    workspace: SplitWorkspace | None,
-) -> None:
-    """The row-split design: blocks of whole groups no wider than needed (4-64 lanes), rows split so that the grid
-    holds about ``SPLIT_ROWS_TARGET`` programs per SM (at most ``MAX_SPLIT`` splits of at least 16 rows)."""
-    n, channels, h, w = x.shape
-    hw, group_size = h * w, channels // num_groups
-    block_c = min(64, max(4, triton.next_power_of_2(group_size)))
-    groups_per_block = max(1, min(num_groups, block_c // group_size))
-    blocks = triton.cdiv(num_groups, groups_per_block)
-    target = max(1, triton.cdiv(SPLIT_ROWS_TARGET * num_sms(x.device), n * blocks))
-    split = min(MAX_SPLIT, triton.cdiv(hw, 16), target)
-    hw_per_split = triton.cdiv(triton.cdiv(hw, split), 16) * 16
-    split = triton.cdiv(hw, hw_per_split)
-    workspace = workspace if workspace is not None else SplitWorkspace()
-    workspace.reserve(n * blocks * split * block_c * 3, n * blocks, x.device)
-    stream = max(1, STREAM_TILE // block_c)
-    _gn_split_rows_kernel[(n, blocks, split)](
-        x, out, w_arg, b_arg, r_arg, workspace.partials, workspace.counters, hw, channels, x.stride(0), x.stride(3),
-        blocks, hw_per_split, eps, fp8_inv_scale,
-        SPLIT=split, CG=group_size, GPB=groups_per_block, BLOCK_HW=min(triton.next_power_of_2(hw_per_split), stream),
-        APPLY_HW=min(triton.next_power_of_2(hw), stream), BLOCK_C=block_c, BLOCK_S=triton.next_power_of_2(split),
-        num_warps=4, **flags,
-    )  # fmt: skip
 
 
 GN_SHAPES: dict[str, tuple[int, int, int, int, int]] = {
