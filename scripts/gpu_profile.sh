@@ -9,6 +9,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/reports"
 site=$(mktemp -d)
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl
 export PYTHONPATH="src:$site" PYTHONUNBUFFERED=1
+[ -n "${FASTDIFF_GIT_SHA:-}" ] || echo "warning: FASTDIFF_GIT_SHA is unset: results record the sha of this copy's .git, which may not be the commit sent" >&2
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 if [ -n "${TESTS:-}" ]; then
     # shellcheck disable=SC2086  # a list of test paths
