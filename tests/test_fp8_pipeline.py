@@ -143,3 +143,30 @@ def test_cli_help_explains_fp8(capsys):
         main(["sample", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "fp8: fp16 activations with e4m3 convs after each GroupNorm (Hopper GPUs, engine backend" in text
+
+
+def test_generate_fp8_without_support_is_one_line(tmp_path, capsys, monkeypatch, no_loading):
+    """``fastdiff generate --dtype fp8`` reaches the pipeline's fp8 checks: one line, exit 2, no image."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    out = tmp_path / "run" / "images"
+    rc = main(["generate", "--model", "fashion-mnist", "--num-images", "2", "--out-dir", str(out), "--dtype", "fp8",
+               "--device", "cpu", "--no-progress"])  # fmt: skip
+    assert rc == 2 and one_error_line(capsys) == f"fastdiff: error: {fp8_supported(torch.device('cpu'))}"
+    assert not list(tmp_path.iterdir())  # the folders the job made for its output are gone again
+
+
+def test_serve_fp8_without_support_is_one_line(capsys, monkeypatch, no_loading):
+    """``fastdiff serve --dtype fp8`` loads its pipeline before serving: the fp8 check is its one-line error."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rc = main(["serve", "--model", "fashion-mnist", "--dtype", "fp8", "--device", "cpu", "--port", "1"])
+    assert rc == 2 and one_error_line(capsys) == f"fastdiff: error: {fp8_supported(torch.device('cpu'))}"
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_generate_and_serve_help_explain_fp8(capsys, command):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "fp8: fp16 activations with e4m3 convs after each GroupNorm (Hopper GPUs)" in text

@@ -235,6 +235,20 @@ def test_unusable_out_dir_is_an_error_before_sampling(tiny_model, tmp_path, monk
         assert list(out.iterdir()) == []
 
 
+@pytest.mark.parametrize("existing", [False, True], ids=["new-folder", "existing-folder"])
+def test_a_model_that_does_not_load_leaves_no_folder(tmp_path, capsys, existing):
+    """A load error is one line and exit 2; the folders the job created are removed, one that was there stays."""
+    out = tmp_path / "run" / "images"
+    if existing:
+        out.mkdir(parents=True)
+    assert main(generate_argv(tmp_path / "no-such-model", out)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model path not found" in err[0], err
+    assert out.is_dir() == existing and (tmp_path / "run").exists() == existing
+    if existing:
+        assert list(out.iterdir()) == []
+
+
 def test_npz_shards_resume_and_fid_reads_the_folder(reference, tiny_model, tmp_path, capsys):
     out = tmp_path / "npz"
     argv = generate_argv(tiny_model, out, "--format", "npz", "--shard-size", "4")

@@ -46,7 +46,7 @@ from fastdiff.images import save_png_atomic, to_pil, to_uint8
 log = logging.getLogger(__name__)
 
 FORMATS = ("png", "npz")
-DTYPES = ("fp32", "fp16", "bf16")
+DTYPES = ("fp32", "fp16", "bf16", "fp8")
 MANIFEST = "manifest.json"
 SUMMARY = "summary.json"
 RANDOM_INIT_SEED = 0
@@ -265,16 +265,37 @@ def one_line(exc: BaseException) -> str:
 # --- the folder: checks, manifest, what is done ------------------------------------------------------------
 
 
-def prepare_out_dir(out_dir: Path) -> None:
-    """Create ``out_dir`` and prove it is writable, or raise a one-line error."""
+def prepare_out_dir(out_dir: Path) -> Path | None:
+    """Create ``out_dir`` and prove it is writable, or raise a one-line error. Returns the outermost folder it
+    created (``out_dir`` or one of its parents), None when ``out_dir`` was there."""
     if out_dir.exists() and not out_dir.is_dir():
         raise FastdiffError(f"--out-dir {out_dir} exists and is not a directory")
+    created = None
+    for folder in (out_dir, *out_dir.parents):
+        if folder.exists():
+            break
+        created = folder
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out_dir):
             pass
     except OSError as exc:
         raise FastdiffError(f"cannot write to --out-dir {out_dir}: {exc.strerror or exc}") from None
+    return created
+
+
+def remove_empty_folders(out_dir: Path, created: Path | None) -> None:
+    """Undo :func:`prepare_out_dir` for a job that stopped before writing anything: remove the folders it created,
+    ``out_dir`` up to ``created``, while they are empty."""
+    if created is None:
+        return
+    for folder in (out_dir, *out_dir.parents):
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (or gone): leave it
+            return
+        if folder == created:
+            return
 
 
 def hash_model_files(root: Path) -> str:
@@ -567,7 +588,7 @@ def validate(config: GenerateConfig) -> None:
 
 def generate_on(config: GenerateConfig, ranks: Ranks) -> GenerateSummary:
     setup_start = time.perf_counter()
-    ranks.on_rank0(lambda: prepare_out_dir(config.out_dir))
+    created = ranks.on_rank0(lambda: prepare_out_dir(config.out_dir))
     pipe, error = None, None
     try:
         pipe = load_pipeline(config, ranks.device)
@@ -576,7 +597,11 @@ def generate_on(config: GenerateConfig, ranks: Ranks) -> GenerateSummary:
     except Exception as exc:
         log.exception("loading %s failed", config.model)
         error = f"loading {config.model} failed: {one_line(exc)}"
-    ranks.agree(error)
+    try:
+        ranks.agree(error)
+    except JobError:  # nothing was written: leave no folder behind either
+        ranks.on_rank0(lambda: remove_empty_folders(config.out_dir, created))
+        raise
     plan = ranks.on_rank0(lambda: plan_job(config, job_identity(config, pipe.sample_shape)))
     setup_seconds = time.perf_counter() - setup_start
     if ranks.rank == 0:
@@ -660,7 +685,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--first-seed", type=int, default=defaults.first_seed, help="seed of the first image")
     p.add_argument("--sampler", default=defaults.sampler, choices=SAMPLERS, help="sampling algorithm")
     p.add_argument("--steps", type=positive_int, default=defaults.steps, help="number of denoising steps")
-    p.add_argument("--dtype", default=defaults.dtype, choices=DTYPES, help="model precision")
+    p.add_argument(
+        "--dtype",
+        default=defaults.dtype,
+        choices=DTYPES,
+        help="model precision; fp8: fp16 activations with e4m3 convs after each GroupNorm (Hopper GPUs)",
+    )
     p.add_argument(
         "--device", default=defaults.device, help="auto, cpu, cuda or cuda:N (under torchrun: cuda:LOCAL_RANK)"
     )

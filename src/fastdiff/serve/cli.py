@@ -51,7 +51,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sampler", default="ddim", choices=SAMPLERS, help="sampler of requests that name none")
     p.add_argument("--steps", type=positive_int, default=50, help="steps of requests that name none")
     p.add_argument("--device", default="auto", help="auto (GPU if present, else CPU), cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"), help="model precision")
+    p.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=("fp32", "fp16", "bf16", "fp8"),
+        help="model precision; fp8: fp16 activations with e4m3 convs after each GroupNorm (Hopper GPUs)",
+    )
     p.add_argument("--warmup", action="store_true", help="sample every batch size once before serving")
     p.set_defaults(func=run_serve)
 
