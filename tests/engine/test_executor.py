@@ -35,11 +35,14 @@ def test_fused_matches_eager(tiny_name, tiny_model, impls):
         assert out.is_contiguous(memory_format=torch.channels_last)
 
 
-def test_split_k_convs_match_eager(tiny_model):
+@pytest.mark.parametrize("fold_norms", [False, True], ids=["plain", "folded_norms"])
+def test_split_k_convs_match_eager(tiny_model, fold_norms):
     """Every conv on the split-K gather kernel (``triton-k3``, the implementation autotune may pick where a conv's
-    grid leaves SMs idle), sharing one workspace, two forwards in a row: equal to the eager model."""
+    grid leaves SMs idle), sharing one workspace, two forwards in a row: equal to the eager model. With the
+    GroupNorms folded, the split convs also normalise on load and finish their outputs' statistics."""
     model = tiny_model("attn_pad0", 9).to(DEVICE)
-    fused = FusedModel(model, 2, torch.float32, DEVICE, "triton", "triton")
+    fused = FusedModel(model, 2, torch.float32, DEVICE, "triton", "triton", fold_norms=fold_norms)
+    assert not fold_norms or any("stats" in op.params for op in fused.ops)
     for op in fused.ops:
         if op.kind == "conv":
             op.impl = "triton-k3"
@@ -53,6 +56,7 @@ def test_split_k_convs_match_eager(tiny_model):
             model.to(DEVICE, torch.float32)
         assert rel_err(out, ref) < TOL
     assert fused.split_workspace.counters is not None and not fused.split_workspace.counters.any()
+    assert not any(fold.arrivals.any() for fold in fused.folds.values())
 
 
 def test_layer_table(tiny_model):

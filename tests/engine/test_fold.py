@@ -42,8 +42,11 @@ def test_which_norms_fold():
     cat = g.concat("cat", [left, right])
     n_cat = _norm(g, "norm_cat", cat)  # a concat: two producers, stays
     _conv(g, "d", n_cat, 4)
+    n_left = _norm(g, "norm_left", left)  # one concat part (a skip): its producer writes the slice, folds
+    _conv(g, "e", n_left, 4)
     ops = fold_group_norms(g.ops)
     assert [op.name for op in ops if op.kind == "group_norm"] == ["norm_of_input", "norm_b", "norm_cat"]
+    assert [op.name for op in ops if "stats" in op.params] == ["a", "left"]
     by_name = {op.name: op for op in ops}
     assert by_name["a"].params["stats"] == ("norm_a", 2, 1e-5, "silu")
     assert by_name["b"].params["norm"] == ("norm_a", 2, 1e-5, "silu") and by_name["b"].inputs[0] is a

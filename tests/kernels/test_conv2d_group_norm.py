@@ -20,7 +20,6 @@ from fastdiff.kernels.conv2d import (
     FoldedGroupNorm,
     conv2d,
     conv2d_ref,
-    finalize_group_stats,
     group_stats_ref,
     pack_conv_weight,
 )
@@ -154,14 +153,16 @@ def test_stats_epilogue_matches_ref(case: dict, dtype: torch.dtype) -> None:
     ref = reference(x, weights, kwargs, stats=ref_fold)
     fold = FoldedGroupNorm(case["groups"], eps=EPS)
     conv2d(x, *weights, **kwargs, stats=fold)  # allocates the partials; poison them, then the call under test
-    partials = fold.partials
+    partials, mean_rstd, arrivals = fold.partials, fold.mean_rstd, fold.arrivals
     partials.fill_(float("nan"))  # a slot no tile writes must never be read
+    mean_rstd.fill_(float("nan"))  # every (sample, group) is finished by the call under test
     out = nan_like(ref, dtype)
     assert conv2d(x, *weights, **kwargs, out=out, stats=fold) is out
-    assert fold.partials is partials  # reused: fixed addresses for CUDA graphs
+    # reused: fixed addresses for CUDA graphs; every image's last tile reset its arrival counter
+    assert fold.partials is partials and fold.mean_rstd is mean_rstd and fold.arrivals is arrivals
+    assert arrivals.tolist() == [0] * case["n"]
     assert_corner(case, fold)
     assert rel_err(out, ref) < TOLERANCE[dtype]
-    mean_rstd = finalize_group_stats(fold)
     assert mean_rstd.shape == (case["n"], case["groups"], 2) and mean_rstd.dtype == torch.float32
     assert stats_err(mean_rstd, group_stats_ref(out.double(), case["groups"], EPS)) < STATS_TOLERANCE
     if dtype == torch.float32:  # the reference's own statistics (before rounding) agree too
@@ -296,8 +297,6 @@ def test_bad_arguments_raise() -> None:
         conv2d(x, packed, norm=3)
     with pytest.raises(FastdiffError, match="stats= first"):
         conv2d(x, packed, norm=FoldedGroupNorm(2))
-    with pytest.raises(FastdiffError, match="stats= first"):
-        finalize_group_stats(FoldedGroupNorm(2))
     with pytest.raises(FastdiffError, match="weight/bias shapes"):
         conv2d(x, packed, norm=FoldedGroupNorm(2, torch.ones(8, device=DEVICE), torch.zeros(8, device=DEVICE)))
     fold = FoldedGroupNorm(2)

@@ -353,20 +353,16 @@ class FusedModel:
                 x, packed, bias, padding=padding, time_emb=temb, residual=residual, activation=act,
                 out_scale=scale, out=out, upsample=up,
             )  # fmt: skip
-        if impl.startswith("triton-k"):  # the gather kernel with its reduction split over programs
-            packed, split_k, workspace = w["packed"], int(impl.removeprefix("triton-k")), self.split_workspace
-            return lambda: conv2d(
-                x, packed, bias, stride=stride, padding=padding, time_emb=temb, residual=residual, activation=act,
-                out_scale=scale, out=out, upsample=up, split_k=split_k, workspace=workspace,
-            )  # fmt: skip
-        if impl == "triton":
-            packed = w["packed"]
+        if impl == "triton" or impl.startswith("triton-k"):  # the gather kernel; -k<N>: its reduction split N ways
+            split_k = int(impl.removeprefix("triton-k")) if impl != "triton" else 1
+            packed, workspace = w["packed"], self.split_workspace if split_k > 1 else None
             stats, norm = (self._fold(p.get(key)) for key in ("stats", "norm"))
             if norm is not None and "norm_weight" in w:
                 norm.weight, norm.bias = w["norm_weight"], w["norm_bias"]
             return lambda: conv2d(
                 x, packed, bias, stride=stride, padding=padding, time_emb=temb, residual=residual,
-                activation=act, out_scale=scale, out=out, upsample=up, norm=norm, stats=stats,
+                activation=act, out_scale=scale, out=out, upsample=up, norm=norm, stats=stats, split_k=split_k,
+                workspace=workspace,
             )  # fmt: skip
         weight = w["weight"]
         temb4 = None if temb is None else temb[:, :, None, None]
@@ -473,7 +469,9 @@ class FusedModel:
     def _candidates(self, op: Op) -> tuple[str, ...]:
         """The implementations ``op`` may run: two to time, or the one forced / the only one."""
         if op.kind == "conv" and ("stats" in op.params or "norm" in op.params):
-            return ("triton",)  # a folded GroupNorm lives in the Triton kernel's epilogue / prologue
+            # a folded GroupNorm lives in the gather kernel's epilogue / prologue: it, split or not
+            splits = self._split_k_choices(op) if self.device.type == "cuda" else ()
+            return ("triton", *(f"triton-k{split}" for split in splits))
         if op.kind == "conv" and "fp8_scale" in op.params:
             return ("triton-tma-fp8",)
         if op.kind in ("conv", "depthwise", "linear"):

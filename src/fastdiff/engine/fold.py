@@ -8,8 +8,10 @@ norm's affine riding along in the consumer's weights as ``norm_weight`` / ``norm
 :class:`fastdiff.kernels.conv2d.FoldedGroupNorm` for the kernel side.
 
 What stays a standalone ``group_norm``: norms of a concatenation (the up path's skip concat: two producers), of the
-graph input, of a depthwise conv's output, and norms read by a ``linear`` (the transformer's ``proj_in``) or an
-attention projection. Folded convs run the Triton kernel only (cuDNN has no hooks for a prologue or statistics).
+graph input, of a depthwise conv's output, of the step cache's kept feature, norms that write a concat part, and
+norms read by a ``linear`` (the transformer's ``proj_in``) or an attention projection. A norm of one concat part
+(a down block's output, also kept for its skip) folds: its producer writes the slice and its statistics. Folded
+convs run the Triton gather kernel, split-K or not (cuDNN has no hooks for a prologue or statistics).
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ def fold_group_norms(ops: list[Op]) -> list[Op]:
         source = producer.get(id(x))
         if source is None or source.kind != "conv" or source.stage != "step" or "stats" in source.params:
             continue  # the graph input, a depthwise conv, or a conv that already feeds another norm
-        if x.concat is not None or y.concat is not None or x.persistent:
-            continue  # a concat part: the norm reads the whole concat, not this producer's slice
+        if y.concat is not None or x.persistent or (x.concat is not None and x.concat.persistent):
+            continue  # the norm writes a concat part (read whole later), or x is the step cache's kept feature
         consumers = readers.get(id(y), [])
         if not consumers or any(c.kind != "conv" or index != 0 or "norm" in c.params for c, index in consumers):
             continue  # also read by a linear / an attention projection, or as a residual

@@ -27,8 +27,10 @@ the standalone norm pass)::
   the tile's rows of each image (a row tile may hold rows of several images), then Chan's combination over the
   group's channels in the tile (a group may be narrower than the channel tile, or wider: then its channel tiles
   each write a part). No atomics, no sum of squares: robust when ``|mean| >> std``.
-* Finalize (consumer, :func:`finalize_group_stats`): one tiny launch of N*G programs merges each (image, group)'s
-  partials (Chan) into ``mean_rstd`` [N, G, 2] fp32.
+* Finalize (producer, same launch): each tile counts itself in on its images' arrival counters; the last tile of
+  an image to arrive merges that image's partials of every group (Chan, in slot order: the result does not depend
+  on which tile came last) into ``mean_rstd`` [N, G, 2] fp32 and resets the counter. The consumer reads
+  ``mean_rstd`` as it is: a fold costs no launch of its own.
 * Prologue (consumer): each A element is ``act((x - mean[n, g]) * rstd[n, g] * gamma[c] + beta[c])`` in fp32,
   rounded to the input dtype for the dot; padding taps stay exactly 0 (the reference pads the normalised tensor);
   with ``upsample`` the low-resolution pixel is normalised (nearest upsampling keeps the group statistics).
@@ -93,9 +95,10 @@ class FoldedGroupNorm:
     ``groups``, ``eps``, ``activation`` and the affine ``weight``/``bias`` ([C], both or neither, contiguous, on
     the conv's device; read as fp32) are the norm's. ``conv2d(..., stats=fold)`` fills ``partials`` (fp32 [N, G,
     row-tile slots, channel-tile parts, (count, mean, M2)], laid out by that call's tiles, kept in ``tiles``);
-    ``conv2d(..., norm=fold)`` merges them into ``mean_rstd`` (fp32 [N, G, (mean, 1/sqrt(var + eps))]) and
-    normalises its input with them. The buffers are allocated on the first call and reused while the shapes stay
-    the same (CUDA-graph safe). :func:`conv2d_ref` with ``stats=fold`` sets ``mean_rstd`` directly (``partials``
+    and, in the same launch, merges them into ``mean_rstd`` (fp32 [N, G, (mean, 1/sqrt(var + eps))]; ``arrivals``
+    int32 [N] counts the finished tiles of each image, 0 between calls); ``conv2d(..., norm=fold)`` normalises its
+    input with ``mean_rstd``. The buffers are allocated on the first call and reused while the shapes stay the same
+    (CUDA-graph safe). :func:`conv2d_ref` with ``stats=fold`` sets ``mean_rstd`` directly (``partials``
     None); so may any other source of the input's statistics.
     """
 
@@ -106,6 +109,7 @@ class FoldedGroupNorm:
     activation: str | None = None
     partials: torch.Tensor | None = field(default=None, init=False, repr=False)
     mean_rstd: torch.Tensor | None = field(default=None, init=False, repr=False)
+    arrivals: torch.Tensor | None = field(default=None, init=False, repr=False)
     tiles: tuple[int, int, int, int] | None = field(default=None, init=False, repr=False)
     """(BLOCK_M, BLOCK_N, Ho*Wo, Cout) of the conv that wrote ``partials``."""
 
@@ -303,33 +307,42 @@ def _tile_group_stats(
 
 
 @triton.jit
-def _group_stats_finalize_kernel(
-    part_ptr, mr_ptr, G, HWo, S, P, eps,
-    CG: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr, BLOCK: tl.constexpr,
+def _finish_group_stats(
+    part_ptr, mr_ptr, arrive_ptr, pid_m, num_pid_n, M, HWo, G, S, P, eps,
+    CG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_P2: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """One program per (sample, group): merge its valid partials (Chan) -> mean, 1/sqrt(var + eps)."""
-    pid = tl.program_id(0)
-    n = pid // G
-    g = pid % G
-    slots = ((n + 1) * HWo - 1) // TILE_M - (n * HWo) // TILE_M + 1  # row tiles that hold rows of sample n
-    parts = ((g + 1) * CG - 1) // TILE_N - (g * CG) // TILE_N + 1  # channel tiles that hold channels of group g
-    run_n = tl.zeros([], dtype=tl.float32)
-    run_mean = tl.zeros([], dtype=tl.float32)
-    run_m2 = tl.zeros([], dtype=tl.float32)
-    for i0 in range(0, slots * P, BLOCK):
-        offs = i0 + tl.arange(0, BLOCK)
-        ok = (offs < slots * P) & (offs % P < parts)
-        ptrs = part_ptr + (pid.to(tl.int64) * S * P + offs) * 3
-        cnt = tl.load(ptrs, mask=ok, other=0.0)
-        means = tl.load(ptrs + 1, mask=ok, other=0.0)
-        m2s = tl.load(ptrs + 2, mask=ok, other=0.0)
-        c_n = tl.sum(cnt, axis=0)
-        c_mean = tl.sum(cnt * means, axis=0) / tl.maximum(c_n, 1.0)
-        dev = means - c_mean
-        c_m2 = tl.sum(m2s + cnt * dev * dev, axis=0)
-        run_n, run_mean, run_m2 = merge_stats(run_n, run_mean, run_m2, c_n, c_mean, c_m2)
-    tl.store(mr_ptr + pid * 2, run_mean)
-    tl.store(mr_ptr + pid * 2 + 1, tl.math.rsqrt(run_m2 / run_n + eps))
+    """After a tile stored its partials: count it in on each of its images' arrival counters; for an image whose
+    last tile this is, merge the image's partials of every group (Chan, in slot order) into ``mr_ptr[n, g]`` =
+    (mean, 1/sqrt(var + eps)) and reset the image's counter."""
+    row0 = pid_m * BLOCK_M
+    n_first = row0 // HWo
+    n_last = (tl.minimum(row0 + BLOCK_M, M) - 1) // HWo
+    g = tl.arange(0, GROUPS_P2)
+    g_ok = g < G
+    parts = ((g + 1) * CG - 1) // BLOCK_N - (g * CG) // BLOCK_N + 1  # channel tiles that hold group g
+    for n in range(n_first, n_last + 1):
+        slots = ((n + 1) * HWo - 1) // BLOCK_M - (n * HWo) // BLOCK_M + 1  # row tiles that hold image n
+        if finish_arrival(arrive_ptr, n, slots * num_pid_n):
+            run_n = tl.zeros([GROUPS_P2], dtype=tl.float32)
+            run_mean = tl.zeros([GROUPS_P2], dtype=tl.float32)
+            run_m2 = tl.zeros([GROUPS_P2], dtype=tl.float32)
+            base = part_ptr + (n * G + g).to(tl.int64)[:, None] * (S * P * 3)
+            for i0 in range(0, slots * P, CHUNK):
+                offs = i0 + tl.arange(0, CHUNK)
+                ok = g_ok[:, None] & (offs < slots * P)[None, :] & ((offs % P)[None, :] < parts[:, None])
+                ptrs = base + offs[None, :] * 3
+                cnt = tl.load(ptrs, mask=ok, other=0.0, cache_modifier=".cg")
+                means = tl.load(ptrs + 1, mask=ok, other=0.0, cache_modifier=".cg")
+                m2s = tl.load(ptrs + 2, mask=ok, other=0.0, cache_modifier=".cg")
+                c_n = tl.where(g_ok, tl.sum(cnt, axis=1), 1.0)  # lanes past G: a dummy count, never stored
+                c_mean = tl.sum(cnt * means, axis=1) / c_n
+                dev = means - c_mean[:, None]
+                c_m2 = tl.sum(m2s + cnt * dev * dev, axis=1)
+                run_n, run_mean, run_m2 = merge_stats(run_n, run_mean, run_m2, c_n, c_mean, c_m2)
+            out = mr_ptr + (n * G + g) * 2
+            tl.store(out, run_mean, mask=g_ok)
+            tl.store(out + 1, tl.math.rsqrt(run_m2 / run_n + eps), mask=g_ok)
+            reset_arrivals(arrive_ptr, n)
 
 
 @triton.jit
@@ -344,6 +357,8 @@ def _conv2d_kernel(
     nw_ptr,
     nb_ptr,
     part_ptr,
+    stats_mr_ptr,
+    arrive_ptr,
     ws_ptr,
     count_ptr,
     M,
@@ -372,6 +387,7 @@ def _conv2d_kernel(
     STATS_G,
     STATS_S,
     STATS_P,
+    stats_eps,
     STRIDE: tl.constexpr,
     PAD: tl.constexpr,
     KSIZE: tl.constexpr,
@@ -389,6 +405,8 @@ def _conv2d_kernel(
     HAS_STATS: tl.constexpr,
     STATS_CG: tl.constexpr,
     STATS_GPT: tl.constexpr,
+    STATS_GP2: tl.constexpr,
+    STATS_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -451,22 +469,17 @@ def _conv2d_kernel(
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc)
 
+    is_last = True
     if SPLIT_K > 1:
         acc, is_last = _split_k_reduce(acc, ws_ptr, count_ptr, pid, tl.program_id(1), num_pid_m * num_pid_n,
                                        SPLIT_K, BLOCK_M, BLOCK_N)  # fmt: skip
-        if is_last:
-            _conv_epilogue(
-                acc, out_ptr, bias_ptr, temb_ptr, res_ptr, part_ptr, n_idx, oh, ow, offs_n, m_mask, n_mask, pid_m,
-                pid_n, M, Ho, Wo, stride_tn, stride_tc, stride_rn, stride_rc, stride_rh, stride_rw, stride_on,
-                stride_oc, stride_oh, stride_ow, out_scale, STATS_G, STATS_S, STATS_P, HAS_BIAS, HAS_TEMB, HAS_RES,
-                ACT, HAS_SCALE, HAS_STATS, STATS_CG, STATS_GPT, BLOCK_M, BLOCK_N,
-            )  # fmt: skip
-    else:
+    if is_last:
         _conv_epilogue(
-            acc, out_ptr, bias_ptr, temb_ptr, res_ptr, part_ptr, n_idx, oh, ow, offs_n, m_mask, n_mask, pid_m, pid_n,
-            M, Ho, Wo, stride_tn, stride_tc, stride_rn, stride_rc, stride_rh, stride_rw, stride_on, stride_oc,
-            stride_oh, stride_ow, out_scale, STATS_G, STATS_S, STATS_P, HAS_BIAS, HAS_TEMB, HAS_RES, ACT, HAS_SCALE,
-            HAS_STATS, STATS_CG, STATS_GPT, BLOCK_M, BLOCK_N,
+            acc, out_ptr, bias_ptr, temb_ptr, res_ptr, part_ptr, stats_mr_ptr, arrive_ptr, n_idx, oh, ow, offs_n,
+            m_mask, n_mask, pid_m, pid_n, num_pid_n, M, Ho, Wo, stride_tn, stride_tc, stride_rn, stride_rc, stride_rh,
+            stride_rw, stride_on, stride_oc, stride_oh, stride_ow, out_scale, STATS_G, STATS_S, STATS_P, stats_eps,
+            HAS_BIAS, HAS_TEMB, HAS_RES, ACT, HAS_SCALE, HAS_STATS, STATS_CG, STATS_GPT, STATS_GP2, STATS_CHUNK,
+            BLOCK_M, BLOCK_N,
         )  # fmt: skip
 
 
@@ -494,14 +507,15 @@ def _split_k_reduce(
 
 @triton.jit
 def _conv_epilogue(
-    acc, out_ptr, bias_ptr, temb_ptr, res_ptr, part_ptr, n_idx, oh, ow, offs_n, m_mask, n_mask, pid_m, pid_n,
-    M, Ho, Wo, stride_tn, stride_tc, stride_rn, stride_rc, stride_rh, stride_rw, stride_on, stride_oc,
-    stride_oh, stride_ow, out_scale, STATS_G, STATS_S, STATS_P,
+    acc, out_ptr, bias_ptr, temb_ptr, res_ptr, part_ptr, stats_mr_ptr, arrive_ptr, n_idx, oh, ow, offs_n, m_mask,
+    n_mask, pid_m, pid_n, num_pid_n, M, Ho, Wo, stride_tn, stride_tc, stride_rn, stride_rc, stride_rh, stride_rw,
+    stride_on, stride_oc, stride_oh, stride_ow, out_scale, STATS_G, STATS_S, STATS_P, stats_eps,
     HAS_BIAS: tl.constexpr, HAS_TEMB: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_STATS: tl.constexpr, STATS_CG: tl.constexpr, STATS_GPT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    STATS_GP2: tl.constexpr, STATS_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """The fused epilogue of a finished accumulator tile, its store and (``HAS_STATS``) its GroupNorm partials."""
+    """The fused epilogue of a finished accumulator tile, its store and (``HAS_STATS``) its GroupNorm partials,
+    merged into the statistics by the last tile of each image."""
     res_rows = res_ptr + n_idx.to(tl.int64) * stride_rn + oh * stride_rh + ow * stride_rw
     acc = fused_epilogue(
         acc, n_idx, offs_n, m_mask, n_mask, bias_ptr, temb_ptr, stride_tn, stride_tc, res_rows, stride_rc,
@@ -515,6 +529,10 @@ def _conv_epilogue(
         _tile_group_stats(
             y.to(tl.float32), n_idx, offs_n, m_mask, n_mask, pid_m, pid_n, M, Ho * Wo, part_ptr, STATS_G, STATS_S,
             STATS_P, STATS_CG, STATS_GPT, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        _finish_group_stats(
+            part_ptr, stats_mr_ptr, arrive_ptr, pid_m, num_pid_n, M, Ho * Wo, STATS_G, STATS_S, STATS_P, stats_eps,
+            STATS_CG, BLOCK_M, BLOCK_N, STATS_GP2, STATS_CHUNK,
         )  # fmt: skip
 
 
@@ -585,6 +603,24 @@ def _stats_layout(n: int, hw: int, cout: int, groups: int, block_m: int, block_n
     return slots, parts, triton.next_power_of_2(per_tile)
 
 
+def _reserve_stats(fold: FoldedGroupNorm, partials_shape: tuple[int, ...], device: torch.device) -> None:
+    """The producer's buffers of ``fold``: partials of this shape, ``mean_rstd`` [N, G, 2] and zeroed arrival
+    counters [N] (kept while the shapes stay: fixed addresses for CUDA graphs)."""
+    n, groups = partials_shape[:2]
+    if fold.partials is None or fold.partials.shape != partials_shape or fold.partials.device != device:
+        fold.partials = torch.empty(partials_shape, device=device, dtype=torch.float32)
+    mr = fold.mean_rstd
+    if mr is None or mr.shape != (n, groups, 2) or mr.dtype != torch.float32 or mr.device != device:
+        fold.mean_rstd = torch.empty((n, groups, 2), device=device, dtype=torch.float32)
+    if fold.arrivals is None or fold.arrivals.shape != (n,) or fold.arrivals.device != device:
+        fold.arrivals = torch.zeros(n, device=device, dtype=torch.int32)
+
+
+def _stats_chunk(groups: int, entries: int) -> int:
+    """Partials merged per step by the finishing tile: about 4096 (group, entry) pairs a step."""
+    return max(1, min(triton.next_power_of_2(entries), 4096 // triton.next_power_of_2(groups)))
+
+
 def _samples_per_tile(n: int, hw: int, block_m: int) -> int:
     """Most samples the rows of one ``block_m`` row tile can belong to (``hw`` rows per sample)."""
     if hw % block_m == 0:
@@ -592,28 +628,6 @@ def _samples_per_tile(n: int, hw: int, block_m: int) -> int:
     if block_m % hw == 0:
         return min(n, block_m // hw)
     return min(n, (block_m - 1) // hw + 2)
-
-
-def finalize_group_stats(fold: FoldedGroupNorm) -> torch.Tensor:
-    """``fold.mean_rstd`` [N, G, 2] fp32 (mean, 1/sqrt(var + eps)) from the partials the last ``stats=fold`` conv
-    wrote: one launch of N*G tiny programs, each merging its (sample, group)'s partials (Chan). Without partials
-    (statistics set by :func:`conv2d_ref` or another source) ``fold.mean_rstd`` is returned as it is."""
-    if fold.partials is None:
-        if fold.mean_rstd is None:
-            raise FastdiffError("norm= needs its input's statistics: run the conv producing it with stats= first")
-        return fold.mean_rstd
-    n, groups, slots, parts, _ = fold.partials.shape
-    block_m, block_n, hw, channels = fold.tiles
-    device = fold.partials.device
-    mr = fold.mean_rstd
-    if mr is None or mr.shape != (n, groups, 2) or mr.dtype != torch.float32 or mr.device != device:
-        fold.mean_rstd = torch.empty((n, groups, 2), device=device, dtype=torch.float32)
-    block = min(1024, triton.next_power_of_2(slots * parts))
-    _group_stats_finalize_kernel[(n * groups,)](
-        fold.partials, fold.mean_rstd, groups, hw, slots, parts, float(fold.eps),
-        CG=channels // groups, TILE_M=block_m, TILE_N=block_n, BLOCK=block, num_warps=1 if block <= 128 else 4,
-    )  # fmt: skip
-    return fold.mean_rstd
 
 
 def _check_fold(fold: Any, role: str, channels: int, device: torch.device) -> None:
@@ -633,14 +647,13 @@ def _check_norm_input(
     _check_fold(norm, "norm", cin, device)
     if norm is stats:
         raise FastdiffError("norm and stats must be different FoldedGroupNorms (the input's and the output's)")
-    source = norm.partials if norm.partials is not None else norm.mean_rstd
-    if source is None:
+    if norm.mean_rstd is None:
         raise FastdiffError("norm= needs its input's statistics: run the conv producing it with stats= first")
-    if tuple(source.shape[:2]) != (n, norm.groups) or (norm.tiles is not None and norm.tiles[3] != cin):
+    if tuple(norm.mean_rstd.shape[:2]) != (n, norm.groups) or (norm.tiles is not None and norm.tiles[3] != cin):
         channels = norm.tiles[3] if norm.tiles is not None else "?"
         raise FastdiffError(
-            f"norm: its statistics are of {source.shape[0]} samples x {channels} channels in {source.shape[1]} "
-            f"groups, the input has {n} x {cin} in {norm.groups}"
+            f"norm: its statistics are of {norm.mean_rstd.shape[0]} samples x {channels} channels in "
+            f"{norm.mean_rstd.shape[1]} groups, the input has {n} x {cin} in {norm.groups}"
         )
 
 
@@ -702,8 +715,8 @@ def conv2d(
     materialising it (the U-Net's Upsample2D: interpolate then conv, in one launch).
 
     GroupNorm folding (module docstring): ``norm=fold`` convolves ``act(group_norm(x))`` instead of ``x``, with
-    the statistics a ``stats=fold`` conv wrote for ``x`` (one extra tiny finalize launch first); ``stats=fold``
-    writes the statistics of this conv's output (as stored) for the ``norm=fold`` conv that consumes it.
+    the statistics a ``stats=fold`` conv wrote for ``x``; ``stats=fold`` writes the statistics of this conv's
+    output (as stored) for the ``norm=fold`` conv that consumes it, finished in the same launch.
 
     Split-K (``split_k > 1``; at most one split per reduction step, ``KSIZE*KSIZE*ceil(Cin/BLOCK_K)``): each output
     tile's reduction is divided among ``split_k`` programs, so a conv with few output tiles (batch 1, the 4x4 and
@@ -742,7 +755,7 @@ def conv2d(
         _check_fold(stats, "stats", cout, x.device)
     mean_rstd = None
     if norm is not None:
-        mean_rstd = finalize_group_stats(norm).to(device=x.device, dtype=torch.float32).contiguous()
+        mean_rstd = norm.mean_rstd.to(device=x.device, dtype=torch.float32).contiguous()
     if out is None:
         out = torch.empty((n, cout, ho, wo), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
     rows = n * ho * wo
@@ -755,9 +768,7 @@ def conv2d(
     stats_layout = (0, 0, 1)
     if stats is not None:
         stats_layout = _stats_layout(n, ho * wo, cout, stats.groups, block_m, block_n)
-        shape = (n, stats.groups, *stats_layout[:2], 3)
-        if stats.partials is None or stats.partials.shape != shape or stats.partials.device != x.device:
-            stats.partials = torch.empty(shape, device=x.device, dtype=torch.float32)
+        _reserve_stats(stats, (n, stats.groups, *stats_layout[:2], 3), x.device)
         stats.tiles = (block_m, block_n, ho * wo, cout)
     temb = time_emb if time_emb is not None else out
     res = residual if residual is not None else out
@@ -767,12 +778,13 @@ def conv2d(
     _conv2d_kernel[grid](
         x, weight, bias if bias is not None else out, temb, res, out,
         mean_rstd if norm is not None else out, norm.weight if norm_affine else out, norm.bias if norm_affine else out,
-        stats.partials if stats is not None else out,
+        *((stats.partials, stats.mean_rstd, stats.arrivals) if stats is not None else (out, out, out)),
         workspace.partials if split_k > 1 else out, workspace.counters if split_k > 1 else out,
         rows, h, w, cin, ho, wo, cout,
         *x.stride(), *temb_strides, *res.stride(), *out.stride(),
         1.0 if out_scale is None else float(out_scale),
         norm.groups if norm is not None else 1, stats.groups if stats is not None else 1, *stats_layout[:2],
+        float(stats.eps) if stats is not None else 0.0,
         STRIDE=stride, PAD=padding, KSIZE=ksize, UP=upsample,
         HAS_BIAS=bias is not None, HAS_TEMB=time_emb is not None, HAS_RES=residual is not None,
         ACT=ACTIVATIONS[activation], HAS_SCALE=out_scale is not None,
@@ -780,7 +792,8 @@ def conv2d(
         NORM_NPT=_samples_per_tile(n, ho * wo, block_m) if norm is not None else 1,
         NORM_ACT=ACTIVATIONS[norm.activation] if norm is not None else 0, NORM_AFFINE=norm_affine,
         HAS_STATS=stats is not None, STATS_CG=cout // stats.groups if stats is not None else 1,
-        STATS_GPT=stats_layout[2],
+        STATS_GPT=stats_layout[2], STATS_GP2=triton.next_power_of_2(stats.groups) if stats is not None else 1,
+        STATS_CHUNK=_stats_chunk(stats.groups, stats_layout[0] * stats_layout[1]) if stats is not None else 1,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, SPLIT_K=split_k,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
