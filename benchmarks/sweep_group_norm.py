@@ -41,23 +41,28 @@ def norm_cases(model: str, batch: int) -> list[dict]:
 
 
 def plans(n: int, c: int, hw: int, groups: int) -> dict[str, gn._Plan]:
-    """The auto plan and the alternatives: GPB whole groups per block, in registers when the tile fits 64K."""
+    """The auto plan and the alternatives: for each power-of-two lane width that holds a group, as many whole
+    groups as fit, kept in registers (when the tile fits 64K elements; 8 or 16 warps) or streamed twice (row tiles
+    of 4K or 8K elements; 4 or 8 warps)."""
     cg = c // groups
     hw_pad = triton.next_power_of_2(hw)
     out = {"auto": gn._plan(n, c, hw, groups, torch.device("cuda"), "auto")}
-    for gpb in (1, 2, 4, 8, 16):
-        if gpb > groups or gpb * cg > 256:
+    for block_c in (16, 32, 64, 128, 256):
+        if block_c < cg or (block_c // 2 >= c and block_c > 16):
             continue
-        block_c = max(16, triton.next_power_of_2(gpb * cg))
-        if hw_pad * block_c <= 65536:
-            out[f"reg-g{gpb}-c{block_c}"] = gn._Plan("single_pass", block_c, gpb, hw_pad, True)
-        block_hw = max(1, min(hw_pad, gn.STREAM_TILE // min(block_c, 64)))
-        out[f"stream-g{gpb}-c{block_c}"] = gn._Plan("single_pass", min(block_c, 64) if cg > 64 else block_c, gpb,
-                                                    block_hw, False)  # fmt: skip
+        gpb = min(groups, block_c // cg)
+        for warps in (8, 16):
+            if hw_pad * block_c <= 65536:
+                out[f"reg-c{block_c}-w{warps}"] = gn._Plan("single_pass", block_c, gpb, hw_pad, True, warps)
+        for tile in (4096, 8192):
+            for warps in (4, 8):
+                block_hw = max(1, min(hw_pad, tile // block_c))
+                out[f"stream-c{block_c}-t{tile}-w{warps}"] = gn._Plan("single_pass", block_c, gpb, block_hw, False,
+                                                                      warps)  # fmt: skip
     return out
 
 
-def sweep_case(case: dict, copy_gbps: float) -> dict:
+def sweep_case(case: dict, copy_gbps: float, with_fp8: bool = True) -> dict:
     n, c, h, w = case["x"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     parent = torch.randn((n, h, w, case["parent_channels"]), device="cuda", generator=gen).half()
@@ -68,7 +73,7 @@ def sweep_case(case: dict, copy_gbps: float) -> dict:
     ref = gn.group_norm_act_ref(x.double(), groups, weight.double(), bias.double(), 1e-5, activation=act)
     row = {**case, "plans": {}}
     real_plan = gn._plan
-    for fp8 in (False, True):
+    for fp8 in (False, True) if with_fp8 else (False,):
         out = torch.empty((n, h, w, c), device="cuda", dtype=FP8_DTYPE if fp8 else torch.float16).permute(0, 3, 1, 2)
         moved = n * c * h * w * (2 + (1 if fp8 else 2))
         for name, plan in plans(n, c, h * w, groups).items():
@@ -102,13 +107,14 @@ def main() -> None:
     parser.add_argument("--model", default="ddpm-cifar10", help="a model preset (random weights when it has none)")
     parser.add_argument("--batch", default="256", help="comma-separated batch sizes")
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    parser.add_argument("--no-fp8", action="store_true", help="time the fp16-output plans only")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     copy_gbps = measure_ceilings(torch.device("cuda"))["gbps"]
     result = {"env": environment(), "model": args.model, "copy_gbps": copy_gbps, "rows": []}
     for batch in (int(b) for b in args.batch.split(",")):
         for case in norm_cases(args.model, batch):
-            result["rows"].append({"batch": batch, **sweep_case(case, copy_gbps)})
+            result["rows"].append({"batch": batch, **sweep_case(case, copy_gbps, not args.no_fp8)})
             write_text_atomic(args.out, json.dumps(result, indent=1))
 
 

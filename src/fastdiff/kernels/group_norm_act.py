@@ -353,13 +353,15 @@ def _gn_apply_kernel(
 
 @dataclass(frozen=True)
 class _Plan:
-    """How one call runs: design, channel block, groups per block, row tile."""
+    """How one call runs: design, channel block, groups per block, row tile (and warps per single-pass program:
+    0 for one warp per 512 tile elements, at most 8)."""
 
     design: str
     block_c: int
     groups_per_block: int
     block_hw: int
     in_registers: bool
+    num_warps: int = 0
 
 
 def _channel_block(group_size: int, channels: int, min_lanes: int = 16) -> int:
@@ -509,7 +511,7 @@ def group_norm_act(
         _gn_single_pass_kernel[(n, blocks)](
             x, out, w_arg, b_arg, r_arg, hw, channels, stride_xn, stride_xp, eps, fp8_inv_scale,
             CG=group_size, GPB=plan.groups_per_block, BLOCK_HW=plan.block_hw, BLOCK_C=plan.block_c,
-            IN_REGISTERS=plan.in_registers, num_warps=max(1, min(8, tile // 512)), **flags,
+            IN_REGISTERS=plan.in_registers, num_warps=plan.num_warps or max(1, min(8, tile // 512)), **flags,
         )  # fmt: skip
         return out
     target = 2 * num_sms(x.device)
