@@ -59,6 +59,28 @@ def test_split_k_convs_match_eager(tiny_model, fold_norms):
     assert not any(fold.arrivals.any() for fold in fused.folds.values())
 
 
+@pytest.mark.parametrize("split", ["", "-k3"], ids=["one_program_per_tile", "split_k3"])
+def test_shortcut_summed_in_conv2_matches_eager(tiny_model, split):
+    """Every ResnetBlock2D conv2 that adds a 1x1 conv_shortcut runs with the shortcut summed in (``triton-sc``):
+    the shortcut launches nothing, the bias pair is summed, and the forward equals the eager model."""
+    model = tiny_model("attn_pad0", 4).to(DEVICE)
+    fused = FusedModel(model, 2, torch.float32, DEVICE, "triton", "triton")
+    shortcuts = [op.name for op in fused.ops if op.name.endswith("conv_shortcut")]
+    assert shortcuts and sorted(sc.name for sc in fused.shortcuts.values()) == sorted(shortcuts)
+    for name in fused.shortcuts:
+        fused._op_by_name[name].impl = f"triton-sc{split}"
+    gen = torch.Generator().manual_seed(12)
+    for t in (999, 3):
+        x = torch.randn(fused.x_in_value.shape, generator=gen)
+        x_in = channels_last_empty(x.shape, torch.float32, DEVICE).copy_(x)
+        out = fused.forward(x_in, torch.tensor([t], device=DEVICE))
+        with torch.no_grad():
+            ref = model.double().cpu()(x.double(), torch.tensor([t]))
+            model.to(DEVICE, torch.float32)
+        assert rel_err(out, ref) < TOL
+    assert all(sc.impl == "fused" for sc in fused.shortcuts.values())
+
+
 def test_layer_table(tiny_model):
     fused = FusedModel(tiny_model("attn_pad0", 1), 1, torch.float32, DEVICE, "triton", "triton")
     x_in = channels_last_empty(fused.x_in_value.shape, torch.float32, DEVICE).normal_()

@@ -51,6 +51,10 @@ def make_inputs(case: dict, dtype: torch.dtype, seed: int) -> tuple[tuple, dict]
         kwargs["activation"] = case["act"]
     if case.get("scale"):
         kwargs["out_scale"] = case["scale"]
+    if case.get("shortcut"):  # a ResnetBlock2D's 1x1 conv_shortcut input, at the output's size
+        cin_sc = case["shortcut"]
+        kwargs["shortcut"] = randn(n, cin_sc, ho, wo).contiguous(memory_format=torch.channels_last)
+        kwargs["shortcut_weight"] = (torch.randn((cout, cin_sc, 1, 1), generator=gen) / cin_sc**0.5).to(DEVICE, dtype)
     bias = randn(cout) if case.get("bias") else None
     return (x, pack_conv_weight(weight), bias), kwargs
 
@@ -85,6 +89,14 @@ CASES = [
     pytest.param(
         dict(n=1, cin=4, cout=8, h=32, w=32, k=3, padding=1, bias=True, res=True, scale=0.5),
         id="resnet_conv2_32x32",
+    ),
+    pytest.param(
+        dict(n=2, cin=24, cout=40, h=7, w=9, k=3, padding=1, bias=True, scale=0.5, shortcut=37),
+        id="resnet_conv2_with_1x1_shortcut_c37_b2",
+    ),
+    pytest.param(
+        dict(n=3, cin=5, cout=12, h=6, w=5, k=3, stride=2, padding=1, shortcut=3, act="silu", res=True),
+        id="k3s2_shortcut_c3_silu_res",
     ),
     pytest.param(
         dict(n=2, cin=320, cout=320, h=16, w=16, k=3, padding=1, bias=True, temb=True),
@@ -212,6 +224,35 @@ def test_split_k_with_folded_group_norm() -> None:
     got = stats.mean_rstd.double()  # the statistics of the tensor it stored, finished in the same launch
     want = group_stats_ref(out.double(), 8, 1e-5)
     assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("split_k", [2, 5, 9])
+def test_split_k_with_shortcut(split_k: int) -> None:
+    """The shortcut's reduction steps follow the main conv's in the split ranges (a split may hold steps of both,
+    or only shortcut steps); the shortcut a channel slice of a wider channels-last buffer (a concat part)."""
+    case = dict(n=2, cin=12, cout=20, h=5, w=7, k=3, padding=1, bias=True, scale=0.7071, shortcut=19)
+    args, kwargs = make_inputs(case, torch.float32, seed=17 + split_k)
+    wide = torch.randn((2, 30, 5, 7), generator=torch.Generator().manual_seed(split_k))
+    kwargs["shortcut"] = wide.to(DEVICE).contiguous(memory_format=torch.channels_last)[:, 4:23]
+    out = conv2d(*args, **kwargs, split_k=split_k, workspace=SplitWorkspace())
+    assert rel_err(out, reference(args, kwargs)) < TOLERANCE[torch.float32]
+    fused = conv2d(*args, **kwargs)
+    plain = conv2d(args[0], args[1], None, padding=1) + conv2d(kwargs["shortcut"], kwargs["shortcut_weight"])
+    assert rel_err(fused, float64((plain + args[2][None, :, None, None]) * 0.7071)) < TOLERANCE[torch.float32]
+
+
+def test_shortcut_arguments_raise() -> None:
+    case = dict(n=1, cin=4, cout=8, h=5, w=5, k=3, padding=1, shortcut=6)
+    (x, packed, _), kwargs = make_inputs(case, torch.float32, seed=3)
+    sc, w_sc = kwargs["shortcut"], kwargs["shortcut_weight"]
+    with pytest.raises(FastdiffError, match="together"):
+        conv2d(x, packed, padding=1, shortcut=sc)
+    with pytest.raises(FastdiffError, match="output's size"):
+        conv2d(x, packed, padding=0, shortcut=sc, shortcut_weight=w_sc)
+    with pytest.raises(FastdiffError, match=r"\[8, 6, 1, 1\]"):
+        conv2d(x, packed, padding=1, shortcut=sc, shortcut_weight=w_sc[:, :5])
+    with pytest.raises(FastdiffError, match="must match the input"):
+        conv2d(x, packed, padding=1, shortcut=sc.double(), shortcut_weight=w_sc)
 
 
 def test_bad_arguments_raise() -> None:

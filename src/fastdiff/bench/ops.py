@@ -22,6 +22,7 @@ folded GroupNorm's finalize launch count as the kernels they are, so there are m
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from typing import TYPE_CHECKING
 
@@ -57,10 +58,20 @@ KERNELS_METHOD = (
 def step_op_rows(fused: FusedModel, reps: int = 20) -> list[dict]:
     """One row per op of ``fused.step_ops`` (model order): ``name``, ``kind``, ``class``, ``impl``, ``shape`` (its
     output's), ``us`` (per call with the chosen implementation: ``FusedModel.time_ops(reps)``), ``flops`` and
-    ``bytes`` (``engine_op_cost``). Needs CUDA and a bound forward; overwrites the arena's activations."""
+    ``bytes`` (``engine_op_cost``). A shortcut conv summed in its conv2 (impl ``fused``: no launch) has time and
+    cost 0; its FLOPs and bytes count in the conv2's row, less its output's write and read-back, which the fused
+    launch never does. Needs CUDA and a bound forward; overwrites the arena's activations."""
+    size = fused.dtype.itemsize
+    costs = {op.name: engine_op_cost(op, size) for op in fused.step_ops}
+    for name, sc in fused.shortcuts.items():
+        if sc.impl == "fused":
+            saved = 2 * math.prod(sc.output.shape) * size
+            pair = (costs[name], costs[sc.name])
+            costs[name] = Cost(pair[0].flops + pair[1].flops, pair[0].bytes + pair[1].bytes - saved)
+            costs[sc.name] = Cost(0.0, 0.0)
     rows = []
     for op, us in zip(fused.step_ops, fused.time_ops(reps), strict=True):
-        cost = engine_op_cost(op, fused.dtype.itemsize)
+        cost = costs[op.name]
         rows.append({"name": op.name, "kind": op.kind, "class": ENGINE_OP_CLASS[op.kind], "impl": op.impl,
                      "shape": list(op.output.shape), "us": us, "flops": cost.flops, "bytes": cost.bytes,
                      "fp8": "fp8_scale" in op.params})  # fmt: skip

@@ -12,8 +12,10 @@ the forward as a list of ops of :mod:`fastdiff.engine.ir`, then:
 * binds each op to a kernel; where there are several implementations (conv: ``kernels.conv2d``, on Hopper also
   ``kernels.conv2d_tma`` for stride-1 convs, or cuDNN + a torch epilogue; token GEMM: ``kernels.linear`` or
   cuBLAS + a torch epilogue; the gather conv also with its reduction split over 2-16 programs where its grid
-  leaves SMs idle, ``triton-k<split>``; attention: ``kernels.attention`` or torch SDPA; GroupNorm: the kernel's
-  own launch plan or whole groups at 16, 32 or 64 channel lanes per program) ``autotune`` times them on the GPU
+  leaves SMs idle, ``triton-k<split>``; a ResnetBlock2D's conv2 also with its 1x1 conv_shortcut summed in,
+  ``triton-sc[-k<split>]``, timed against the pair unfused (:mod:`fastdiff.engine.shortcut`); attention:
+  ``kernels.attention`` or torch SDPA; GroupNorm: the kernel's own launch plan or whole groups at 16, 32 or 64
+  channel lanes per program) ``autotune`` times them on the GPU
   and keeps the fastest (``conv_impl`` / ``attention_impl`` narrow the choice; ``conv_impl`` covers both convs and
   GEMMs: "triton", our kernels, or the vendor library);
 * with ``fp8=True`` (Hopper), the convs that read a GroupNorm's output run on e4m3 operands
@@ -54,6 +56,7 @@ from fastdiff.engine.fp8 import mark_fp8_convs
 from fastdiff.engine.ir import GraphBuilder, Op, Value
 from fastdiff.engine.lower import lowering_for
 from fastdiff.engine.plan import BufferSpec, MemoryPlan, plan_memory
+from fastdiff.engine.shortcut import fusable_shortcuts
 from fastdiff.engine.weights import WeightStreamer
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.attention import attention
@@ -112,6 +115,7 @@ WEIGHT_ROLES: dict[tuple[str, str], set[str]] = {
     ("conv", "triton-tma"): {"packed", "packed_up2", "bias"},
     ("conv", "triton-tma-fp8"): {"packed_fp8", "weight_scale", "bias"},
     ("conv", "cudnn"): {"weight", "bias"},
+    ("conv", "fused"): {"packed", "bias"},
     ("depthwise", "triton"): {"packed"},
     ("depthwise", "cudnn"): {"weight"},
     ("linear", "triton"): {"packed", "bias"},
@@ -174,9 +178,12 @@ class FusedModel:
             self.ops = fold_group_norms(self.ops)
         self.fp8_convs = mark_fp8_convs(self.ops) if fp8 else 0  # engine/fp8.py, while the fp32 weights are here
         self.folds: dict[str, FoldedGroupNorm] = {}  # by norm name: shared by the producing and consuming convs
+        self.shortcuts = fusable_shortcuts(self.ops)  # engine/shortcut.py: conv2 name -> its 1x1 conv_shortcut op
         self.split_workspace = SplitWorkspace()  # shared by the split kernels: the ops run one after another
         self.x_in_value = self.inputs["x_in"]
         self.step_ops = [op for op in self.ops if op.stage == "step"]
+        self._op_by_name = {op.name: op for op in self.ops}
+        self._pair_bias: dict[str, torch.Tensor | None] = {}
         self.context_ops = [op for op in self.ops if op.stage == "context"]
         self.cached_value = graph.cached
         self._shallow_index: list[int] = []
@@ -330,6 +337,14 @@ class FusedModel:
             self.folds[name] = FoldedGroupNorm(groups, eps=eps, activation=act)
         return self.folds[name]
 
+    def _summed_bias(self, op: Op, sc: Op) -> torch.Tensor | None:
+        """conv2's bias + its shortcut's (the fused pair's one bias), made once per pair."""
+        key = f"{op.name}+{sc.name}"
+        if key not in self._pair_bias:
+            biases = [b for b in (self._device_weights[n].get("bias") for n in (op.name, sc.name)) if b is not None]
+            self._pair_bias[key] = (biases[0] + biases[1]) if len(biases) == 2 else (biases or [None])[0]
+        return self._pair_bias[key]
+
     def _conv_call(self, op: Op, impl: str) -> Callable[[], None]:
         x, out = self._tensor(op.inputs[0]), self._tensor(op.output)
         residual = self._tensor(op.inputs[1]) if len(op.inputs) > 1 else None
@@ -353,8 +368,15 @@ class FusedModel:
                 x, packed, bias, padding=padding, time_emb=temb, residual=residual, activation=act,
                 out_scale=scale, out=out, upsample=up,
             )  # fmt: skip
-        if impl == "triton" or impl.startswith("triton-k"):  # the gather kernel; -k<N>: its reduction split N ways
-            split_k = int(impl.removeprefix("triton-k")) if impl != "triton" else 1
+        if impl == "fused":  # summed in the conv that adds it (engine/shortcut.py): nothing to launch
+            return lambda: None
+        if impl.startswith("triton"):  # the gather kernel; -sc: + the 1x1 shortcut; -k<N>: reduction split N ways
+            shortcut = shortcut_weight = None
+            if impl.startswith("triton-sc"):
+                sc = self.shortcuts[op.name]
+                shortcut, shortcut_weight = self._tensor(sc.inputs[0]), self._device_weights[sc.name]["packed"]
+                bias, residual = self._summed_bias(op, sc), None
+            split_k = int(impl.rpartition("-k")[2]) if "-k" in impl else 1
             packed, workspace = w["packed"], self.split_workspace if split_k > 1 else None
             stats, norm = (self._fold(p.get(key)) for key in ("stats", "norm"))
             if norm is not None and "norm_weight" in w:
@@ -362,7 +384,7 @@ class FusedModel:
             return lambda: conv2d(
                 x, packed, bias, stride=stride, padding=padding, time_emb=temb, residual=residual,
                 activation=act, out_scale=scale, out=out, upsample=up, norm=norm, stats=stats, split_k=split_k,
-                workspace=workspace,
+                workspace=workspace, shortcut=shortcut, shortcut_weight=shortcut_weight,
             )  # fmt: skip
         weight = w["weight"]
         temb4 = None if temb is None else temb[:, :, None, None]
@@ -471,7 +493,8 @@ class FusedModel:
         if op.kind == "conv" and ("stats" in op.params or "norm" in op.params):
             # a folded GroupNorm lives in the gather kernel's epilogue / prologue: it, split or not
             splits = self._split_k_choices(op) if self.device.type == "cuda" else ()
-            return ("triton", *(f"triton-k{split}" for split in splits))
+            fused = ("", "-sc") if op.name in self.shortcuts and self.device.type == "cuda" else ("",)
+            return tuple(f"triton{sc}{k}" for sc in fused for k in ("", *(f"-k{split}" for split in splits)))
         if op.kind == "conv" and "fp8_scale" in op.params:
             return ("triton-tma-fp8",)
         if op.kind in ("conv", "depthwise", "linear"):
@@ -479,6 +502,8 @@ class FusedModel:
             ours = ("triton", "triton-tma") if op.kind == "conv" and self._tma_fits(op) else ("triton",)
             if op.kind == "conv" and self.device.type == "cuda":
                 ours = (*ours, *(f"triton-k{split}" for split in self._split_k_choices(op)))
+                if op.name in self.shortcuts:  # + the gather kernel with the shortcut summed in (engine/shortcut.py)
+                    ours = (*ours, "triton-sc", *(f"triton-sc-k{split}" for split in self._split_k_choices(op)))
             return {"auto": (*ours, library), "triton": ours, "cudnn": (library,)}[self.conv_impl]
         if op.kind == "attention":
             return {"auto": ("triton", "sdpa"), "triton": ("triton",), "sdpa": ("sdpa",)}[self.attention_impl]
@@ -527,6 +552,11 @@ class FusedModel:
         self._check_input(x_in)
         self._x_in = x_in
         self.tensors = {}
+        for name, sc in self.shortcuts.items():  # a shortcut summed in its conv2 (impl triton-sc*) runs no launch
+            if (self._op_by_name[name].impl or "").startswith("triton-sc"):
+                sc.impl, sc.why = "fused", f"summed in {name} (the reduction runs on over this conv's input)"
+            elif sc.impl == "fused":  # back to its own fastest (or default) implementation
+                sc.impl, sc.why = (min(sc.times_us, key=sc.times_us.get) if sc.times_us else None), None
         for op in self.ops:
             op.impl = op.impl or self._candidates(op)[0]
             op.why = op.why or self._default_why(op)
@@ -643,7 +673,13 @@ class FusedModel:
             else:
                 why = "timed earlier (tuning cache, same shapes)"
             op.times_us = {impl: known[impl] for impl in candidates}
-            op.impl = min(op.times_us, key=op.times_us.get)
+            effective = dict(op.times_us)
+            sc = self.shortcuts.get(op.name)
+            if sc is not None:  # unfused, the pair also pays for the shortcut conv's own launch at its best
+                sc_us = min(sc.times_us.values()) if sc.times_us else time_call_us(self._call(sc, sc.impl), reps)
+                effective = {k: v + (0.0 if k.startswith("triton-sc") else sc_us) for k, v in effective.items()}
+                why += f" (unfused + {sc.name} {sc_us:.1f} us)"
+            op.impl = min(effective, key=effective.get)
             op.why = f"{why}: " + ", ".join(f"{k} {v:.1f} us" for k, v in op.times_us.items())
         if self.ops_timed:
             _save_tuning_cache()
@@ -655,13 +691,15 @@ class FusedModel:
 
     def time_ops(self, reps: int = 20) -> list[float]:
         """Microseconds of each op of ``step_ops`` (in order) with its chosen implementation, timed like
-        ``autotune`` (a CUDA graph of ``reps`` launches, median of 3 replays; launch overhead excluded). Needs
+        ``autotune`` (a CUDA graph of ``reps`` launches, median of 3 replays; launch overhead excluded; 0 for a
+        shortcut summed in its conv2). Needs
         CUDA and a bound forward (any ``forward`` call); the ops overwrite the arena's activations."""
         if self.device.type != "cuda":
             raise FastdiffError("FusedModel.time_ops needs CUDA")
         if not self._calls:
             raise FastdiffError("FusedModel.time_ops before the first forward")
-        return [time_call_us(call, reps) for call in self._calls]
+        pairs = zip(self.step_ops, self._calls, strict=True)
+        return [0.0 if op.impl == "fused" else time_call_us(call, reps) for op, call in pairs]  # fused: no launch
 
     def _tuning_key(self, op: Op) -> str:
         """What an op's timing depends on: kind, shapes, strided (concat slice) or not, flags, dtype, GPU and
@@ -675,7 +713,8 @@ class FusedModel:
     def drop_unused_weights(self) -> None:
         """Free the weight layouts the chosen implementation does not read."""
         for op in self.ops:
-            impl = "triton" if op.kind == "conv" and op.impl.startswith("triton-k") else op.impl  # split-K: same
+            gather = op.kind == "conv" and op.impl.startswith(("triton-k", "triton-sc"))
+            impl = "triton" if gather else op.impl  # split-K and shortcut-summing variants: the gather kernel's
             reads = WEIGHT_ROLES.get((op.kind, impl))
             if reads is not None:
                 w = self._device_weights[op.name]

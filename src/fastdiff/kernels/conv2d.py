@@ -177,19 +177,27 @@ def conv2d_ref(
     upsample: int = 1,
     norm: FoldedGroupNorm | None = None,
     stats: FoldedGroupNorm | None = None,
+    shortcut: torch.Tensor | None = None,
+    shortcut_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain torch definition of :func:`conv2d`: (``F.group_norm`` + activation of the input,) (nearest
-    upsampling,) ``F.conv2d``, then the epilogue; raw or packed weights. With ``stats``, sets ``stats.mean_rstd``
-    to :func:`group_stats_ref` of the result as stored (in ``out``'s dtype when given)."""
+    upsampling,) ``F.conv2d`` (+ the 1x1 ``F.conv2d`` of ``shortcut``), then the epilogue; raw or packed weights.
+    With ``stats``, sets ``stats.mean_rstd`` to :func:`group_stats_ref` of the result as stored (in ``out``'s dtype
+    when given)."""
     if weight.dim() == 2:
         weight = unpack_conv_weight(weight, x.shape[1])
+    conv_sc = None
+    if shortcut is not None:
+        w_sc = unpack_conv_weight(shortcut_weight, shortcut.shape[1]) if shortcut_weight.dim() == 2 else shortcut_weight
+        conv_sc = F.conv2d(shortcut, w_sc)
     if norm is not None:
         affine = [None if t is None else t.to(x.dtype) for t in (norm.weight, norm.bias)]
         x = activation_ref(F.group_norm(x, norm.groups, *affine, norm.eps), norm.activation)
     if upsample > 1:
         x = F.interpolate(x, scale_factor=upsample, mode="nearest")
+    y = F.conv2d(x, weight, None, stride=stride, padding=padding)
     y = epilogue_ref(
-        F.conv2d(x, weight, None, stride=stride, padding=padding),
+        y if conv_sc is None else y + conv_sc,
         bias,
         time_emb,
         residual,
@@ -361,10 +369,13 @@ def _conv2d_kernel(
     arrive_ptr,
     ws_ptr,
     count_ptr,
+    sc_ptr,
+    sw_ptr,
     M,
     H,
     W,
     Cin,
+    Cin_sc,
     Ho,
     Wo,
     Cout,
@@ -382,6 +393,10 @@ def _conv2d_kernel(
     stride_oc,
     stride_oh,
     stride_ow,
+    stride_sn,
+    stride_sc,
+    stride_sh,
+    stride_sw,
     out_scale,
     NORM_G,
     STATS_G,
@@ -397,6 +412,7 @@ def _conv2d_kernel(
     HAS_RES: tl.constexpr,
     ACT: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    HAS_SHORTCUT: tl.constexpr,
     HAS_NORM: tl.constexpr,
     NORM_CG: tl.constexpr,
     NORM_NPT: tl.constexpr,
@@ -439,16 +455,20 @@ def _conv2d_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_chunks = tl.cdiv(Cin, BLOCK_K)
-    # One flat loop over (tap, cin chunk) so the compiler pipelines all KSIZE*KSIZE*k_chunks steps together;
-    # with SPLIT_K > 1 this program runs its share of the steps (program_id(1) of SPLIT_K contiguous ranges).
+    # One flat loop over (tap, cin chunk) so the compiler pipelines all KSIZE*KSIZE*k_chunks steps together, then
+    # (HAS_SHORTCUT) the 1x1 shortcut's cin chunks; with SPLIT_K > 1 this program runs its share of all those steps
+    # (program_id(1) of SPLIT_K contiguous ranges).
     steps = KSIZE * KSIZE * k_chunks
+    all_steps = steps
+    if HAS_SHORTCUT:
+        all_steps += tl.cdiv(Cin_sc, BLOCK_K)
     step_lo = 0
-    step_hi = steps
+    step_hi = all_steps
     if SPLIT_K > 1:
-        per_split = tl.cdiv(steps, SPLIT_K)
+        per_split = tl.cdiv(all_steps, SPLIT_K)
         step_lo = tl.program_id(1) * per_split
-        step_hi = tl.minimum(step_lo + per_split, steps)
-    for step in range(step_lo, step_hi):
+        step_hi = tl.minimum(step_lo + per_split, all_steps)
+    for step in range(step_lo, tl.minimum(step_hi, steps)):
         tap = step // k_chunks
         c0 = (step - tap * k_chunks) * BLOCK_K
         ih = ih0 + tap // KSIZE
@@ -468,6 +488,17 @@ def _conv2d_kernel(
         b_ptrs = w_ptr + (tap * Cin + offs_k)[:, None] * Cout + offs_n[None, :]
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc)
+
+    if HAS_SHORTCUT:  # + conv1x1(shortcut) at the output pixels: a ResnetBlock2D's conv_shortcut, summed in fp32
+        sc_rows = sc_ptr + n_idx.to(tl.int64) * stride_sn + oh * stride_sh + ow * stride_sw
+        for step in range(tl.maximum(step_lo, steps), step_hi):
+            offs_k = (step - steps) * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < Cin_sc
+            a = tl.load(sc_rows[:, None] + offs_k[None, :] * stride_sc, mask=m_mask[:, None] & k_mask[None, :],
+                        other=0.0)  # fmt: skip
+            b = tl.load(sw_ptr + offs_k[:, None] * Cout + offs_n[None, :], mask=k_mask[:, None] & n_mask[None, :],
+                        other=0.0)  # fmt: skip
+            acc = tl.dot(a, b, acc)
 
     is_last = True
     if SPLIT_K > 1:
@@ -657,6 +688,33 @@ def _check_norm_input(
         )
 
 
+def _check_shortcut(
+    shortcut: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    x: torch.Tensor,
+    n: int,
+    cout: int,
+    out_hw: tuple[int, int],
+) -> torch.Tensor:
+    """The packed [Cin_sc, Cout] shortcut weight; FastdiffError unless tensor and weight fit the conv's output."""
+    if shortcut is None or weight is None:
+        raise FastdiffError("shortcut and shortcut_weight must be given together")
+    if shortcut.dim() != 4 or (shortcut.shape[0], *shortcut.shape[2:]) != (n, *out_hw):
+        raise FastdiffError(f"shortcut must be [{n}, C, {out_hw[0]}, {out_hw[1]}] (the output's size), got "
+                            f"{tuple(shortcut.shape)}")  # fmt: skip
+    cin_sc = shortcut.shape[1]
+    if weight.dim() == 4:
+        if tuple(weight.shape) != (cout, cin_sc, 1, 1):
+            raise FastdiffError(f"shortcut_weight must be [{cout}, {cin_sc}, 1, 1], got {tuple(weight.shape)}")
+        weight = pack_conv_weight(weight)
+    if tuple(weight.shape) != (cin_sc, cout):
+        raise FastdiffError(f"packed shortcut_weight must be [{cin_sc}, {cout}], got {tuple(weight.shape)}")
+    for name, t in (("shortcut", shortcut), ("shortcut_weight", weight)):
+        if t.device != x.device or t.dtype != x.dtype:
+            raise FastdiffError(f"{name} ({t.dtype}, {t.device}) must match the input ({x.dtype}, {x.device})")
+    return weight.contiguous()
+
+
 def check_epilogue_args(
     n: int,
     cout: int,
@@ -704,6 +762,8 @@ def conv2d(
     stats: FoldedGroupNorm | None = None,
     split_k: int = 1,
     workspace: SplitWorkspace | None = None,
+    shortcut: torch.Tensor | None = None,
+    shortcut_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fused conv2d: ``((act(conv(x, w) + bias + time_emb[:, :, None, None]) + residual) * out_scale``.
 
@@ -717,6 +777,11 @@ def conv2d(
     GroupNorm folding (module docstring): ``norm=fold`` convolves ``act(group_norm(x))`` instead of ``x``, with
     the statistics a ``stats=fold`` conv wrote for ``x``; ``stats=fold`` writes the statistics of this conv's
     output (as stored) for the ``norm=fold`` conv that consumes it, finished in the same launch.
+
+    ``shortcut`` ([N, Cin_sc, Ho, Wo], at the output's size) with ``shortcut_weight`` (raw [Cout, Cin_sc, 1, 1] or
+    packed [Cin_sc, Cout]) adds the 1x1 conv of ``shortcut`` to the accumulator before the epilogue: the reduction
+    runs on over its channels (a ResnetBlock2D's ``conv2(h) + conv_shortcut(x)`` in one launch, the two
+    biases summed by the caller into ``bias``; no shortcut tensor written or read back).
 
     Split-K (``split_k > 1``; at most one split per reduction step, ``KSIZE*KSIZE*ceil(Cin/BLOCK_K)``): each output
     tile's reduction is divided among ``split_k`` programs, so a conv with few output tiles (batch 1, the 4x4 and
@@ -749,6 +814,8 @@ def conv2d(
     if weight.device != x.device or weight.dtype != x.dtype:
         raise FastdiffError(f"weight ({weight.dtype}, {weight.device}) must match input ({x.dtype}, {x.device})")
     check_epilogue_args(n, cout, (ho, wo), x.device, bias, time_emb, residual, activation, out)
+    if shortcut is not None or shortcut_weight is not None:
+        shortcut_weight = _check_shortcut(shortcut, shortcut_weight, x, n, cout, (ho, wo))
     if norm is not None:
         _check_norm_input(norm, stats, n, cin, x.device)
     if stats is not None:
@@ -761,7 +828,8 @@ def conv2d(
     rows = n * ho * wo
     block_m, block_n, block_k, num_warps, num_stages = _gemm_blocks(rows, cout, cin, x.dtype, x.device, split_k)
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(cout, block_n)
-    split_k = min(split_k, ksize * ksize * triton.cdiv(cin, block_k))
+    cin_sc = shortcut.shape[1] if shortcut is not None else 0
+    split_k = min(split_k, ksize * ksize * triton.cdiv(cin, block_k) + triton.cdiv(cin_sc, block_k))
     if split_k > 1:
         workspace = workspace if workspace is not None else SplitWorkspace()
         workspace.reserve(split_k * tiles * block_m * block_n, tiles, x.device)
@@ -780,14 +848,15 @@ def conv2d(
         mean_rstd if norm is not None else out, norm.weight if norm_affine else out, norm.bias if norm_affine else out,
         *((stats.partials, stats.mean_rstd, stats.arrivals) if stats is not None else (out, out, out)),
         workspace.partials if split_k > 1 else out, workspace.counters if split_k > 1 else out,
-        rows, h, w, cin, ho, wo, cout,
-        *x.stride(), *temb_strides, *res.stride(), *out.stride(),
+        shortcut if shortcut is not None else out, shortcut_weight if shortcut is not None else out,
+        rows, h, w, cin, cin_sc, ho, wo, cout,
+        *x.stride(), *temb_strides, *res.stride(), *out.stride(), *(shortcut if shortcut is not None else out).stride(),
         1.0 if out_scale is None else float(out_scale),
         norm.groups if norm is not None else 1, stats.groups if stats is not None else 1, *stats_layout[:2],
         float(stats.eps) if stats is not None else 0.0,
         STRIDE=stride, PAD=padding, KSIZE=ksize, UP=upsample,
         HAS_BIAS=bias is not None, HAS_TEMB=time_emb is not None, HAS_RES=residual is not None,
-        ACT=ACTIVATIONS[activation], HAS_SCALE=out_scale is not None,
+        ACT=ACTIVATIONS[activation], HAS_SCALE=out_scale is not None, HAS_SHORTCUT=shortcut is not None,
         HAS_NORM=norm is not None, NORM_CG=cin // norm.groups if norm is not None else 1,
         NORM_NPT=_samples_per_tile(n, ho * wo, block_m) if norm is not None else 1,
         NORM_ACT=ACTIVATIONS[norm.activation] if norm is not None else 0, NORM_AFFINE=norm_affine,
