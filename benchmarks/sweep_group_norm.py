@@ -108,12 +108,15 @@ def main() -> None:
     parser.add_argument("--batch", default="256", help="comma-separated batch sizes")
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
     parser.add_argument("--no-fp8", action="store_true", help="time the fp16-output plans only")
+    parser.add_argument("--only", default="", help="comma-separated op names: sweep only the norms of these ops")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     copy_gbps = measure_ceilings(torch.device("cuda"))["gbps"]
     result = {"env": environment(), "model": args.model, "copy_gbps": copy_gbps, "rows": []}
     for batch in (int(b) for b in args.batch.split(",")):
         for case in norm_cases(args.model, batch):
+            if args.only and not set(case["ops"]) & set(args.only.split(",")):
+                continue
             result["rows"].append({"batch": batch, **sweep_case(case, copy_gbps, not args.no_fp8)})
             write_text_atomic(args.out, json.dumps(result, indent=1))
 
