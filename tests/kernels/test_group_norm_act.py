@@ -80,15 +80,18 @@ def test_streamed_blocks_match_ref(monkeypatch: pytest.MonkeyPatch, design: str)
 @pytest.mark.parametrize("in_registers", [True, False], ids=["registers", "streamed"])
 @pytest.mark.parametrize("lanes", gn_module.LANE_CHOICES)
 def test_forced_lanes_match_ref(monkeypatch: pytest.MonkeyPatch, lanes: int, in_registers: bool) -> None:
-    """Each width the engine may time: 12-channel groups (1, 2 or all 3 per program, lanes left idle), 7x9 rows
-    in registers or streamed in row tiles; the two-phase design ignores the width."""
+    """Each width the engine may time: 12-channel groups (1, 2 or all 3 per program, lanes left idle; 4-channel
+    groups for the widths under 12: 1 or 2 per program), 7x9 rows in registers or streamed in row tiles; the
+    two-phase design ignores the width."""
     if not in_registers:
         monkeypatch.setattr(gn_module, "LANES_REGISTER_TILE", 16)
         monkeypatch.setattr(gn_module, "STREAM_TILE", 64)
-    plan = gn_module._plan(3, 36, 7 * 9, 3, torch.device("cpu"), "auto", lanes)
-    assert (plan.block_c, plan.groups_per_block, plan.in_registers) == (lanes, min(3, lanes // 12), in_registers)
-    assert run_case(3, 36, 3, 7, 9, "silu", True, "auto", torch.float32, lanes=lanes) < 1e-5
-    assert run_case(2, 36, 3, 7, 9, None, False, "two_phase", torch.float32, lanes=lanes) < 1e-5
+    groups = 3 if lanes >= 12 else 9
+    plan = gn_module._plan(3, 36, 7 * 9, groups, torch.device("cpu"), "auto", lanes)
+    expected = (lanes, min(groups, lanes * groups // 36), in_registers)
+    assert (plan.block_c, plan.groups_per_block, plan.in_registers) == expected
+    assert run_case(3, 36, groups, 7, 9, "silu", True, "auto", torch.float32, lanes=lanes) < 1e-5
+    assert run_case(2, 36, groups, 7, 9, None, False, "two_phase", torch.float32, lanes=lanes) < 1e-5
 
 
 @pytest.mark.parametrize("design", ["single_pass", "two_phase"])

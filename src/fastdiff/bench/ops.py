@@ -15,8 +15,8 @@ full engine step in order (the U-Net's fused ops, then the fused sampler step) w
   about 1.8x higher) and with the engine dtype's bytes for every tensor;
 
 then a summary per op class and ``kernels_per_step``: the kernels one step launches, counted by ``torch.profiler``
-on one step launched from the host (the kernels its CUDA graph replays; a cuDNN conv with its torch epilogue or a
-folded GroupNorm's finalize launch count as the kernels they are, so there are more kernels than ops).
+on one step launched from the host (the kernels its CUDA graph replays; a cuDNN conv with its torch epilogue counts
+as the kernels it is, a shortcut conv summed in its conv2 as none).
 """
 
 from __future__ import annotations

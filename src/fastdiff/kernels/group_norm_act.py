@@ -57,10 +57,12 @@ WIDE_LANES = 32
 ran 1.2-1.8x faster than 16 lanes (e.g. 384 channels at 32x32: 620 vs 914 us; 256 at 32x32: 166 vs 298 us)."""
 STREAM_TILE = 4096
 """Elements per loop step when a program streams its block."""
-LANE_CHOICES = (16, 32, 64)
+LANE_CHOICES = (4, 8, 16, 32, 64)
 """The ``lanes`` a caller may force (the engine times them per shape): no one width wins every shape. On the H100
 at DDPM-CIFAR10 batch 256: 384 channels at 32x32 ran 455 us at 64 lanes vs 620 at 32; 512 at 8x8 17.8 vs 19.9 us
-at 16 vs 32; an e4m3 output at 384 x 16x16 61 vs 82 us at 64 vs 32 (``benchmarks/sweep_group_norm.py``)."""
+at 16 vs 32; an e4m3 output at 384 x 16x16 61 vs 82 us at 64 vs 32 (``benchmarks/sweep_group_norm.py``). The
+narrow widths (4, 8: a group or two of 4 channels per program) are for batch 1, where a 32x32 norm of 128 channels
+in 16-lane blocks runs on only 8 programs."""
 LANES_REGISTER_TILE = 65536
 """The register tile allowed to a forced ``lanes`` plan (the timing decides whether it pays)."""
 MAX_SPLIT = 64
