@@ -38,14 +38,17 @@ def test_fused_matches_eager(tiny_name, tiny_model, impls):
 @pytest.mark.parametrize("fold_norms", [False, True], ids=["plain", "folded_norms"])
 def test_split_k_convs_match_eager(tiny_model, fold_norms):
     """Every conv on the split-K gather kernel (``triton-k3``, the implementation autotune may pick where a conv's
-    grid leaves SMs idle), sharing one workspace, two forwards in a row: equal to the eager model. With the
-    GroupNorms folded, the split convs also normalise on load and finish their outputs' statistics."""
+    grid leaves SMs idle) and every attention split over its keys (``triton-kv2``), sharing one workspace, two
+    forwards in a row: equal to the eager model. With the GroupNorms folded, the split convs also normalise on
+    load and finish their outputs' statistics."""
     model = tiny_model("attn_pad0", 9).to(DEVICE)
     fused = FusedModel(model, 2, torch.float32, DEVICE, "triton", "triton", fold_norms=fold_norms)
     assert not fold_norms or any("stats" in op.params for op in fused.ops)
     for op in fused.ops:
         if op.kind == "conv":
             op.impl = "triton-k3"
+        elif op.kind == "attention":  # the keys split too (60 tokens: 30 per split)
+            op.impl = "triton-kv2"
     gen = torch.Generator().manual_seed(8)
     for t in (999, 3):
         x = torch.randn(fused.x_in_value.shape, generator=gen)

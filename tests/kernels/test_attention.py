@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from fastdiff.errors import FastdiffError
-from fastdiff.kernels.attention import OP, attention, attention_ref
+from fastdiff.kernels.attention import OP, attention, attention_ref, split_kv_choices
+from fastdiff.kernels.common import SplitWorkspace
 
 from .conftest import CUDA, DEVICE, DTYPES, needs_cuda, rel_err
 
@@ -58,6 +59,30 @@ def test_attention_matches_ref(case: tuple, dtype: torch.dtype) -> None:
     assert rel_err(got, ref) < TOLERANCE[dtype]
 
 
+SPLIT_CASES = [
+    pytest.param((1, 1, 40, 100, 24, 3), id="kv100_3_splits_ragged_end"),
+    pytest.param((2, 3, 17, 77, 40, 4), id="b2_h3_cross_kv77_4_splits"),
+    pytest.param((1, 2, 9, 20, 16, 8), id="kv20_8_splits_some_empty"),
+    pytest.param((1, 1, 256, 256, 256, 4), id="cifar_b1_seq256_d256_4_splits", marks=needs_cuda),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_split_kv_matches_ref(case: tuple, dtype: torch.dtype) -> None:
+    """The keys split over programs, merged by the last split in the same launch: splits whose keys end mid-block,
+    splits with no keys at all (more splits than key blocks), two calls on one workspace (counters back at 0)."""
+    batch, heads, lq, lk, head_dim, split = case
+    workspace = SplitWorkspace()
+    for seed in range(2):
+        q, k, v = make_qkv(batch, heads, lq, lk, head_dim, True, dtype, zlib.crc32(repr((case, seed)).encode()))
+        got = attention(q * 4, k, v, split_kv=split, workspace=workspace)  # large logits: maxima differ by split
+        ref = attention_ref((q * 4).double(), k.double(), v.double())
+        assert rel_err(got, ref) < TOLERANCE[dtype]
+        assert not workspace.counters.any()
+    assert torch.equal(attention(q * 4, k, v, split_kv=split, workspace=workspace), got)  # same bits on a repeat
+
+
 def test_large_logits_stay_finite() -> None:
     """Scores of +-hundreds: the online softmax must subtract the running max (a naive exp overflows)."""
     q, k, v = make_qkv(1, 1, 24, 70, 16, False, torch.float32, seed=7)
@@ -82,3 +107,27 @@ def test_mismatched_shapes_raise(shapes: tuple) -> None:
     q, k, v = (torch.randn(s) for s in shapes)
     with pytest.raises(FastdiffError):
         attention(q, k, v)
+
+
+@pytest.mark.parametrize("split_kv", [0, 2.0, True])
+def test_bad_split_kv_raises(split_kv) -> None:
+    q = torch.randn(1, 1, 8, 16)
+    with pytest.raises(FastdiffError, match="split_kv"):
+        attention(q, q, q, split_kv=split_kv)
+
+
+@pytest.mark.parametrize(
+    ("shape", "expected"),
+    [
+        pytest.param((1, 1, 256, 256), (2, 4, 8), id="ddpm_b1_4_query_blocks"),
+        pytest.param((1, 1, 256, 100), (2,), id="100_keys_at_least_32_per_split"),
+        pytest.param((33, 1, 256, 256), (), id="b33_132_query_blocks_fill_the_sms"),
+        pytest.param((2, 8, 4096, 77), (), id="sd15_cross_many_query_blocks"),
+    ],
+)
+def test_split_kv_choices(monkeypatch: pytest.MonkeyPatch, shape: tuple, expected: tuple) -> None:
+    """Splits are offered only where the query blocks leave SMs idle (132 SMs)."""
+    import fastdiff.kernels.attention as attention_module
+
+    monkeypatch.setattr(attention_module, "num_sms", lambda device: 132)
+    assert split_kv_choices(*shape, torch.device("cpu")) == expected

@@ -14,7 +14,8 @@ the forward as a list of ops of :mod:`fastdiff.engine.ir`, then:
   cuBLAS + a torch epilogue; the gather conv also with its reduction split over 2-16 programs where its grid
   leaves SMs idle, ``triton-k<split>``; a ResnetBlock2D's conv2 also with its 1x1 conv_shortcut summed in,
   ``triton-sc[-k<split>]``, timed against the pair unfused (:mod:`fastdiff.engine.shortcut`); attention:
-  ``kernels.attention`` or torch SDPA; GroupNorm: the kernel's own launch plan or whole groups at 16, 32 or 64
+  ``kernels.attention`` (also with its keys split over 2-8 programs per query block where those leave SMs idle,
+  ``triton-kv<split>``) or torch SDPA; GroupNorm: the kernel's own launch plan or whole groups at 16, 32 or 64
   channel lanes per program) ``autotune`` times them on the GPU
   and keeps the fastest (``conv_impl`` / ``attention_impl`` narrow the choice; ``conv_impl`` covers both convs and
   GEMMs: "triton", our kernels, or the vendor library);
@@ -59,7 +60,7 @@ from fastdiff.engine.plan import BufferSpec, MemoryPlan, plan_memory
 from fastdiff.engine.shortcut import fusable_shortcuts
 from fastdiff.engine.weights import WeightStreamer
 from fastdiff.errors import FastdiffError
-from fastdiff.kernels.attention import attention
+from fastdiff.kernels.attention import attention, split_kv_choices
 from fastdiff.kernels.attention_gate import attention_gate
 from fastdiff.kernels.common import SplitWorkspace, activation_ref
 from fastdiff.kernels.conv2d import FoldedGroupNorm, conv2d, pack_conv_weight, split_k_choices
@@ -454,8 +455,10 @@ class FusedModel:
             qkv = tokens(self._tensor(op.inputs[0])).view(b, h * w, 3, heads, head_dim)  # dense NHWC: a view
             q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
         o = tokens(core).view(b, h * w, heads, head_dim).transpose(1, 2)
-        if impl == "triton":
-            return lambda: attention(q, k, v, out=o)
+        if impl.startswith("triton"):  # -kv<N>: the keys split over N programs per query block
+            split = int(impl.removeprefix("triton-kv")) if impl != "triton" else 1
+            workspace = self.split_workspace
+            return lambda: attention(q, k, v, out=o, split_kv=split, workspace=workspace)
         return lambda: o.copy_(F.scaled_dot_product_attention(q, k, v))
 
     def _call(self, op: Op, impl: str) -> Callable[[], None]:
@@ -506,7 +509,12 @@ class FusedModel:
                     ours = (*ours, "triton-sc", *(f"triton-sc-k{split}" for split in self._split_k_choices(op)))
             return {"auto": (*ours, library), "triton": ours, "cudnn": (library,)}[self.conv_impl]
         if op.kind == "attention":
-            return {"auto": ("triton", "sdpa"), "triton": ("triton",), "sdpa": ("sdpa",)}[self.attention_impl]
+            ours = ("triton",)
+            if self.device.type == "cuda":  # + the keys split over programs where the query blocks leave SMs idle
+                q, kv = op.inputs[0].shape, op.inputs[-1].shape
+                splits = split_kv_choices(q[0], op.params["heads"], q[2] * q[3], kv[2] * kv[3], self.device)
+                ours = (*ours, *(f"triton-kv{split}" for split in splits))
+            return {"auto": (*ours, "sdpa"), "triton": ours, "sdpa": ("sdpa",)}[self.attention_impl]
         if op.kind == "group_norm" and self.device.type == "cuda":  # the kernel's plan, or whole groups per width
             group = op.inputs[0].shape[1] // op.params["groups"]
             return ("triton", *(f"triton-c{lanes}" for lanes in LANE_CHOICES if lanes >= group))

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels import cost_model
-from fastdiff.kernels.common import num_sms
+from fastdiff.kernels.common import SplitWorkspace, finish_arrival, num_sms, reset_arrivals
 from fastdiff.kernels.registry import KernelOp
 
 log = logging.getLogger(__name__)
@@ -129,15 +129,19 @@ def _attention_kernel(
     stride_oh,
     stride_om,
     stride_od,
+    ws_ptr,
+    count_ptr,
     TUNE_PROGRAMS,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ALIGN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """One program: BLOCK_M query rows of one (batch, head). ``TUNE_PROGRAMS`` only keys the autotuner."""
+    """One program: BLOCK_M query rows of one (batch, head) over all keys, or (SPLIT_KV > 1) over the keys of
+    split ``program_id(2)``: see :func:`_merge_kv_splits`. ``TUNE_PROGRAMS`` only keys the autotuner."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -160,22 +164,75 @@ def _attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    n_full = (Lk // BLOCK_N) * BLOCK_N
-    for start_n in range(0, n_full, BLOCK_N):
+    lo = 0
+    hi = Lk
+    if SPLIT_KV > 1:  # this split's keys: whole BLOCK_N blocks, the ragged end in the last split
+        per_split = tl.cdiv(tl.cdiv(Lk, SPLIT_KV), BLOCK_N) * BLOCK_N
+        lo = tl.program_id(2) * per_split
+        hi = tl.minimum(lo + per_split, Lk)
+        k_ptrs += lo * stride_kn
+        v_ptrs += lo * stride_vn
+    n_full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+    for start_n in range(lo, n_full, BLOCK_N):
         m_i, l_i, acc = _attention_block(
-            q, m_i, l_i, acc, k_ptrs, v_ptrs, start_n + offs_n, Lk, d_mask, qk_scale,
+            q, m_i, l_i, acc, k_ptrs, v_ptrs, start_n + offs_n, hi, d_mask, qk_scale,
             MASK_N=False, MASK_D=BLOCK_D != HEAD_DIM, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
-    if n_full < Lk:
+    if n_full < hi:
         m_i, l_i, acc = _attention_block(
-            q, m_i, l_i, acc, k_ptrs, v_ptrs, n_full + offs_n, Lk, d_mask, qk_scale,
+            q, m_i, l_i, acc, k_ptrs, v_ptrs, n_full + offs_n, hi, d_mask, qk_scale,
             MASK_N=True, MASK_D=BLOCK_D != HEAD_DIM, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
-    acc = acc * (1.0 / l_i)[:, None]
-    o_ptrs = o_ptr + o_base + offs_m[:, None] * _aligned(stride_om, ALIGN) + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    is_last = True
+    if SPLIT_KV > 1:
+        tile = bh * tl.num_programs(0) + pid_m
+        acc, l_i, is_last = _merge_kv_splits(acc, m_i, l_i, ws_ptr, count_ptr, tile,
+                                             tl.num_programs(0) * tl.num_programs(1), SPLIT_KV, BLOCK_M,
+                                             BLOCK_D)  # fmt: skip
+    if is_last:
+        acc = acc * (1.0 / l_i)[:, None]
+        o_ptrs = o_ptr + o_base + offs_m[:, None] * _aligned(stride_om, ALIGN) + offs_d[None, :] * stride_od
+        tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _merge_kv_splits(
+    acc, m_i, l_i, ws_ptr, count_ptr, tile, num_tiles,
+    SPLIT_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Split-KV fix-up in the same launch (flash-decoding's combine): each split stores its unnormalised
+    accumulator, running max and sum; the last of a tile's splits to arrive rescales every split to the common
+    max and sums them in split order (bit-reproducible), then resets the tile's counter. Returns (acc, l, is_last).
+    A split with no keys has max -inf and sum 0: it adds nothing."""
+    split = tl.program_id(2)
+    rows = tl.arange(0, BLOCK_M)
+    offs = rows[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
+    acc_stride = num_tiles.to(tl.int64) * (BLOCK_M * BLOCK_D)
+    ml_base = ws_ptr + SPLIT_KV * acc_stride  # then (max, sum) rows: [SPLIT_KV, tiles, 2, BLOCK_M]
+    ml_stride = num_tiles.to(tl.int64) * (2 * BLOCK_M)
+    tile64 = tile.to(tl.int64)
+    tl.store(ws_ptr + split * acc_stride + tile64 * (BLOCK_M * BLOCK_D) + offs, acc)
+    tl.store(ml_base + split * ml_stride + tile64 * (2 * BLOCK_M) + rows, m_i)
+    tl.store(ml_base + split * ml_stride + tile64 * (2 * BLOCK_M) + BLOCK_M + rows, l_i)
+    is_last = finish_arrival(count_ptr, tile, SPLIT_KV)
+    if is_last:
+        m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_KV):
+            m_max = tl.maximum(m_max, tl.load(ml_base + s * ml_stride + tile64 * (2 * BLOCK_M) + rows,
+                                              cache_modifier=".cg"))  # fmt: skip
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for s in tl.static_range(SPLIT_KV):
+            ml = ml_base + s * ml_stride + tile64 * (2 * BLOCK_M)
+            m_s = tl.load(ml + rows, cache_modifier=".cg")
+            weight = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_max))
+            l_i += weight * tl.load(ml + BLOCK_M + rows, cache_modifier=".cg")
+            part = tl.load(ws_ptr + s * acc_stride + tile64 * (BLOCK_M * BLOCK_D) + offs, cache_modifier=".cg")
+            acc += weight[:, None] * part
+        reset_arrivals(count_ptr, tile)
+    return acc, l_i, is_last
 
 
 def _config(block_m: int, block_n: int, warps: int, stages: int) -> triton.Config:
@@ -194,7 +251,8 @@ the autotuner times them once per (Lq, Lk, head dim, programs class, dtype) and 
 
 _TUNED = {
     width: triton.autotune(
-        configs=[_config(*c) for c in configs], key=["Lq", "Lk", "TUNE_PROGRAMS", "HEAD_DIM", "BLOCK_D"]
+        configs=[_config(*c) for c in configs],
+        key=["Lq", "Lk", "TUNE_PROGRAMS", "HEAD_DIM", "BLOCK_D", "SPLIT_KV"],
     )(_attention_kernel)
     for width, configs in TUNING_CONFIGS.items()
 }
@@ -210,6 +268,18 @@ def _fixed_config(block_d: int, lq: int, fp32: bool) -> tuple[int, int, int, int
     else:
         block_m, block_n, warps, stages = TUNING_CONFIGS[max(64, block_d)][0]
     return max(16, min(block_m, triton.next_power_of_2(lq))), block_n, warps, stages
+
+
+SPLIT_KV_CHOICES = (2, 4, 8)
+"""The ``split_kv`` values offered to a caller that times them (:func:`split_kv_choices`)."""
+
+
+def split_kv_choices(batch: int, heads: int, lq: int, lk: int, device: torch.device) -> tuple[int, ...]:
+    """The ``split_kv`` values worth timing: none when the query blocks (of 64 rows) already number the SMs;
+    otherwise those of :data:`SPLIT_KV_CHOICES` that leave every split at least 32 keys."""
+    if batch * heads * triton.cdiv(lq, 64) >= num_sms(device):
+        return ()
+    return tuple(split for split in SPLIT_KV_CHOICES if lk >= 32 * split)
 
 
 def _row_alignment(*tensors: torch.Tensor) -> int:
@@ -229,8 +299,18 @@ def attention(
     *,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    split_kv: int = 1,
+    workspace: SplitWorkspace | None = None,
 ) -> torch.Tensor:
-    """Fused ``softmax(q @ k^T * scale) @ v`` on ``[B, heads, L, head_dim]`` tensors; scale: 1/sqrt(d)."""
+    """Fused ``softmax(q @ k^T * scale) @ v`` on ``[B, heads, L, head_dim]`` tensors; scale: 1/sqrt(d).
+
+    Split-KV (``split_kv > 1``, flash-decoding): the keys of each query block are divided among ``split_kv``
+    programs, so a call with few query blocks (batch 1: DDPM's 16x16 single-head attention has 256 queries) still
+    spreads over the GPU; the last split of a block to finish merges the others' partial results from
+    ``workspace`` (:class:`fastdiff.kernels.common.SplitWorkspace`; a new one per call when None), in the same
+    launch."""
+    if isinstance(split_kv, bool) or not isinstance(split_kv, int) or split_kv < 1:
+        raise FastdiffError(f"split_kv must be a positive int, got {split_kv!r}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise FastdiffError(
             f"attention inputs must be 4-D [B, heads, L, head_dim], got {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -255,9 +335,16 @@ def attention(
     block_d = max(16, triton.next_power_of_2(head_dim))
     sixteen_bit = q.dtype in (torch.float16, torch.bfloat16)
     programs = batch * heads * triton.cdiv(lq, 128)
+    split_kv = min(split_kv, lk)
+    ws = counters = out
+    if split_kv > 1:  # room for every config's query blocks (BLOCK_M divides 128; the smallest is 16)
+        workspace = workspace if workspace is not None else SplitWorkspace()
+        rows = batch * heads * triton.cdiv(lq, 128) * 128
+        workspace.reserve(split_kv * rows * (block_d + 2), batch * heads * triton.cdiv(lq, 16), q.device)
+        ws, counters = workspace.partials, workspace.counters
     args = (
         q, k, v, out, scale * LOG2_E, heads, lq, lk, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        min(triton.next_power_of_2(programs), 4 * num_sms(q.device)),
+        ws, counters, min(triton.next_power_of_2(programs), 4 * num_sms(q.device)),
     )  # fmt: skip
     meta = {
         "HEAD_DIM": head_dim,
@@ -265,13 +352,14 @@ def attention(
         "ALIGN": _row_alignment(q, k, v, out),
         # fp32 means fp32: exact-fp32 products (tf32 would cost ~1e-3 relative error); 16-bit inputs: tensor cores.
         "DOT_PRECISION": "tf32" if sixteen_bit else "ieee",
+        "SPLIT_KV": split_kv,
     }
     if q.is_cuda and sixteen_bit:
         tuned = _TUNED[max(64, block_d)]
-        tuned[lambda m: (triton.cdiv(lq, m["BLOCK_M"]), batch * heads)](*args, **meta)
+        tuned[lambda m: (triton.cdiv(lq, m["BLOCK_M"]), batch * heads, split_kv)](*args, **meta)
         return out
     block_m, block_n, num_warps, num_stages = _fixed_config(block_d, lq, not sixteen_bit)
-    _attention_kernel[(triton.cdiv(lq, block_m), batch * heads)](
+    _attention_kernel[(triton.cdiv(lq, block_m), batch * heads, split_kv)](
         *args, **meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages
     )
     return out
@@ -320,4 +408,4 @@ OP = KernelOp(
     cost=attention_cost,
 )
 
-__all__ = ["ATTENTION_SHAPES", "OP", "attention", "attention_ref"]
+__all__ = ["ATTENTION_SHAPES", "OP", "attention", "attention_ref", "split_kv_choices"]
