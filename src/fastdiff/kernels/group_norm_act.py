@@ -63,8 +63,12 @@ at DDPM-CIFAR10 batch 256: 384 channels at 32x32 ran 455 us at 64 lanes vs 620 a
 at 16 vs 32; an e4m3 output at 384 x 16x16 61 vs 82 us at 64 vs 32 (``benchmarks/sweep_group_norm.py``). The
 narrow widths (4, 8: a group or two of 4 channels per program) are for batch 1, where a 32x32 norm of 128 channels
 in 16-lane blocks runs on only 8 programs."""
-LANES_REGISTER_TILE = 65536
-"""The register tile allowed to a forced ``lanes`` plan (the timing decides whether it pays)."""
+LANES_REGISTER_TILE = 32768
+"""The register tile allowed to a forced ``lanes`` plan; a larger block is streamed at 4 warps. On the H100 at
+DDPM-CIFAR10 batch 256 the 384-channel 32x32 norm (12-channel groups) ran 447 us streamed at 64 lanes and 4 warps,
+against 618 for the size-based plan and over 570 for 64 lanes in registers (``benchmarks/sweep_group_norm.py``)."""
+STREAM_WARPS = 4
+"""Warps of a forced ``lanes`` plan that streams its block (4 beat 8 on every streamed shape of that sweep)."""
 MAX_SPLIT = 64
 """Most row splits per group in the two-phase design (the apply kernel merges them all in registers)."""
 
@@ -389,7 +393,8 @@ def _plan(
         groups_per_block = min(groups, lanes // group_size)
         if hw_pad * lanes <= LANES_REGISTER_TILE:
             return _Plan("single_pass", lanes, groups_per_block, hw_pad, True)
-        return _Plan("single_pass", lanes, groups_per_block, min(hw_pad, max(1, STREAM_TILE // lanes)), False)
+        block_hw = min(hw_pad, max(1, STREAM_TILE // lanes))
+        return _Plan("single_pass", lanes, groups_per_block, block_hw, False, STREAM_WARPS)
     block_c = _channel_block(group_size, channels, WIDE_LANES)
     groups_per_block = min(groups, block_c // group_size)
     if (
