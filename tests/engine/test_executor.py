@@ -15,24 +15,30 @@ from fastdiff.models.convnext_unet import ConvNeXtUNet, ConvNeXtUNetConfig
 from .conftest import DEVICE, TOL, rel_err
 
 
+def assert_two_forwards_match_eager(fused: FusedModel, model, seed: int) -> None:
+    """Two forwards in a row (t = 999, then 3; the second without the streamed-weight waits) against the float64
+    eager model on the CPU; the output finite and channels-last."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = fused.x_in_value.shape
+    for t in (999, 3):
+        x = torch.randn(shape, generator=gen)
+        x_in = channels_last_empty(shape, torch.float32, DEVICE).copy_(x.to(DEVICE))
+        out = fused.forward(x_in, torch.tensor([t], device=DEVICE))
+        with torch.no_grad():
+            ref = model.double().cpu()(x.double(), torch.tensor([t]))
+            model.to(DEVICE, torch.float32)
+        assert torch.isfinite(out).all()
+        assert rel_err(out, ref) < TOL
+        assert out.is_contiguous(memory_format=torch.channels_last)
+
+
 @pytest.mark.parametrize("impls", [("triton", "triton"), ("cudnn", "sdpa")])
 def test_fused_matches_eager(tiny_name, tiny_model, impls):
     model = tiny_model(tiny_name, seed=zlib.crc32(f"{tiny_name}{impls}".encode()) % 1000).to(DEVICE)
     batch = 3
     fused = FusedModel(model, batch, torch.float32, DEVICE, *impls)
     fused.arena.view(torch.float32).fill_(float("nan"))
-    shape = fused.x_in_value.shape
-    gen = torch.Generator().manual_seed(7)
-    for t in (999, 3):  # two calls: the second runs without the streamed-weight waits
-        x = torch.randn(shape, generator=gen).to(DEVICE)
-        x_in = channels_last_empty(shape, torch.float32, DEVICE).copy_(x)
-        out = fused.forward(x_in, torch.tensor([t], device=DEVICE))
-        with torch.no_grad():  # float64 reference on the CPU
-            ref = model.double().cpu()(x.double().cpu(), torch.tensor([t]))
-            model.to(DEVICE, torch.float32)
-        assert torch.isfinite(out).all()
-        assert rel_err(out, ref) < TOL
-        assert out.is_contiguous(memory_format=torch.channels_last)
+    assert_two_forwards_match_eager(fused, model, seed=7)
 
 
 @pytest.mark.parametrize("fold_norms", [False, True], ids=["plain", "folded_norms"])
@@ -49,15 +55,7 @@ def test_split_k_convs_match_eager(tiny_model, fold_norms):
             op.impl = "triton-k3"
         elif op.kind == "attention":  # the keys split too (60 tokens: 30 per split)
             op.impl = "triton-kv2"
-    gen = torch.Generator().manual_seed(8)
-    for t in (999, 3):
-        x = torch.randn(fused.x_in_value.shape, generator=gen)
-        x_in = channels_last_empty(x.shape, torch.float32, DEVICE).copy_(x)
-        out = fused.forward(x_in, torch.tensor([t], device=DEVICE))
-        with torch.no_grad():
-            ref = model.double().cpu()(x.double(), torch.tensor([t]))
-            model.to(DEVICE, torch.float32)
-        assert rel_err(out, ref) < TOL
+    assert_two_forwards_match_eager(fused, model, seed=8)
     assert fused.split_workspace.counters is not None and not fused.split_workspace.counters.any()
     assert not any(fold.arrivals.any() for fold in fused.folds.values())
 
@@ -72,15 +70,7 @@ def test_shortcut_summed_in_conv2_matches_eager(tiny_model, split):
     assert shortcuts and sorted(sc.name for sc in fused.shortcuts.values()) == sorted(shortcuts)
     for name in fused.shortcuts:
         fused._op_by_name[name].impl = f"triton-sc{split}"
-    gen = torch.Generator().manual_seed(12)
-    for t in (999, 3):
-        x = torch.randn(fused.x_in_value.shape, generator=gen)
-        x_in = channels_last_empty(x.shape, torch.float32, DEVICE).copy_(x)
-        out = fused.forward(x_in, torch.tensor([t], device=DEVICE))
-        with torch.no_grad():
-            ref = model.double().cpu()(x.double(), torch.tensor([t]))
-            model.to(DEVICE, torch.float32)
-        assert rel_err(out, ref) < TOL
+    assert_two_forwards_match_eager(fused, model, seed=12)
     assert all(sc.impl == "fused" for sc in fused.shortcuts.values())
 
 
