@@ -121,3 +121,28 @@ def test_guided_loop_checks_the_guidance_length(tiny_model):
     loop = SamplingLoop(lambda x, i: x, sampler, (2, 2, 4, 4), torch.float32, DEVICE, use_graphs=False, guided=True)
     with pytest.raises(FastdiffError, match=r"got \(3,\) guidance scales for a batch of 2"):
         loop.load(torch.zeros(2, 2, 4, 4), torch.zeros(2, dtype=torch.int64), torch.ones(3))
+
+
+@cuda_only
+def test_programmatic_launch_same_bits(tiny_model, monkeypatch):
+    """The captured loop with programmatic dependent launch (each kernel may start while the one before it runs)
+    gives the same bits as with every kernel serialised (FASTDIFF_PDL=0): no kernel reads early. The second
+    engine takes the first one's timed choices (tuning cache, same shapes), so both run the same kernels."""
+    from fastdiff.kernels.common import PDL_ENV, programmatic_launch
+
+    model = tiny_model("attn_pad0", 7).to(DEVICE)
+    sampler = make_sampler("ddpm", ScheduleConfig(), 12, device=DEVICE)
+    shape = (model.config.in_channels, *model.config.sample_size)
+    seeds = seed_tensor([3], DEVICE)
+    x_t = initial_noise(seeds, shape, DEVICE)
+    outs = []
+    for pdl in ("1", "0"):
+        monkeypatch.setenv(PDL_ENV, pdl)
+        engine = Engine(DEVICE, steps_per_graph=6)
+        engine.prepare(model, sampler, 1, torch.float16)
+        outs.append(engine.run(x_t, seeds))
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1])
+    monkeypatch.setenv(PDL_ENV, "1")
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert programmatic_launch(DEVICE)

@@ -23,7 +23,14 @@ import triton.language as tl
 
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels import cost_model
-from fastdiff.kernels.common import SplitWorkspace, finish_arrival, num_sms, reset_arrivals
+from fastdiff.kernels.common import (
+    SplitWorkspace,
+    finish_arrival,
+    grid_dependency_sync,
+    num_sms,
+    pdl_launch,
+    reset_arrivals,
+)
 from fastdiff.kernels.registry import KernelOp
 
 log = logging.getLogger(__name__)
@@ -139,9 +146,11 @@ def _attention_kernel(
     SPLIT_KV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head) over all keys, or (SPLIT_KV > 1) over the keys of
     split ``program_id(2)``: see :func:`_merge_kv_splits`. ``TUNE_PROGRAMS`` only keys the autotuner."""
+    grid_dependency_sync(PDL)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -356,11 +365,17 @@ def attention(
     }
     if q.is_cuda and sixteen_bit:
         tuned = _TUNED[max(64, block_d)]
-        tuned[lambda m: (triton.cdiv(lq, m["BLOCK_M"]), batch * heads, split_kv)](*args, **meta)
+        tuned[lambda m: (triton.cdiv(lq, m["BLOCK_M"]), batch * heads, split_kv)](*args, **meta, **pdl_launch(q.device))
         return out
     block_m, block_n, num_warps, num_stages = _fixed_config(block_d, lq, not sixteen_bit)
     _attention_kernel[(triton.cdiv(lq, block_m), batch * heads, split_kv)](
-        *args, **meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages
+        *args,
+        **meta,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **pdl_launch(q.device),
     )
     return out
 

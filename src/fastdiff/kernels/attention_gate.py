@@ -33,7 +33,7 @@ import triton.language as tl
 
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels import cost_model
-from fastdiff.kernels.common import channels_last_randn, num_sms
+from fastdiff.kernels.common import channels_last_randn, grid_dependency_sync, num_sms, pdl_launch
 from fastdiff.kernels.registry import KernelOp
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,9 @@ def _attention_gate_kernel(
     BLOCK_CG: tl.constexpr,
     BLOCK_F: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    grid_dependency_sync(PDL)
     rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     row_mask = rows < P
     rows64 = rows.to(tl.int64)
@@ -226,7 +228,7 @@ def attention_gate(
         HAS_BX=b_x is not None, HAS_BG=b_g is not None, HAS_BPSI=b_psi is not None,
         BLOCK_P=block_p, BLOCK_CX=block_cx, BLOCK_CG=block_cg, BLOCK_F=block_f,
         DOT_PRECISION="tf32" if x.dtype in (torch.float16, torch.bfloat16) else "ieee",
-        num_warps=4 if block_p * max(block_cx, block_cg) <= 8192 else 8,
+        num_warps=4 if block_p * max(block_cx, block_cg) <= 8192 else 8, **pdl_launch(x.device),
     )  # fmt: skip
     return out
 

@@ -56,7 +56,9 @@ from fastdiff.kernels.common import (
     channels_last_randn,
     check_activation,
     finish_arrival,
+    grid_dependency_sync,
     num_sms,
+    pdl_launch,
     reset_arrivals,
 )
 from fastdiff.kernels.group_norm_act import merge_stats
@@ -428,7 +430,9 @@ def _conv2d_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    grid_dependency_sync(PDL)
     # Grouped program order: GROUP_M row blocks share the weight columns in L2.
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -864,7 +868,7 @@ def conv2d(
         STATS_GPT=stats_layout[2], STATS_GP2=triton.next_power_of_2(stats.groups) if stats is not None else 1,
         STATS_CHUNK=_stats_chunk(stats.groups, stats_layout[0] * stats_layout[1]) if stats is not None else 1,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, SPLIT_K=split_k,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(x.device),
     )  # fmt: skip
     return out
 

@@ -38,7 +38,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fastdiff.errors import FastdiffError
-from fastdiff.kernels.common import ACTIVATIONS, num_sms
+from fastdiff.kernels.common import ACTIVATIONS, grid_dependency_sync, num_sms, pdl_launch
 from fastdiff.kernels.conv2d import (
     _packed_kernel_size,
     check_epilogue_args,
@@ -108,8 +108,9 @@ def _conv2d_tma_kernel(
     HAS_BIAS: tl.constexpr, HAS_TEMB: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     TN: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency_sync(PDL)
     BLOCK_M: tl.constexpr = TN * TH * TW
     # Output-channel tiles vary fastest: the programs that share an input tile run together (L2 reuse).
     pid = tl.program_id(0)
@@ -312,7 +313,7 @@ def conv2d_tma(
         HAS_BIAS=bias is not None, HAS_TEMB=time_emb is not None, HAS_RES=residual is not None,
         ACT=ACTIVATIONS[activation], HAS_SCALE=out_scale is not None,
         TN=tn, TH=th, TW=tw, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
     return out
 

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels import cost_model
-from fastdiff.kernels.common import channels_last_randn
+from fastdiff.kernels.common import channels_last_randn, grid_dependency_sync, pdl_launch
 from fastdiff.kernels.conv2d import conv_shape
 from fastdiff.kernels.registry import KernelOp
 
@@ -85,7 +85,9 @@ def _depthwise_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_W: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    grid_dependency_sync(PDL)
     pid_pix = tl.program_id(0)
     pid_c = tl.program_id(1)
     tiles_w = tl.cdiv(W, BLOCK_W)
@@ -186,7 +188,7 @@ def depthwise_conv2d(
         x, weight, bias if bias is not None else out, time_emb if time_emb is not None else out, out,
         channels, h, w, *x.stride(), *temb_strides, *out.stride(),
         KSIZE=KERNEL_SIZE, PAD=PADDING, HAS_BIAS=bias is not None, HAS_TEMB=time_emb is not None,
-        BLOCK_H=block_h, BLOCK_W=block_w, BLOCK_C=block_c, num_warps=num_warps,
+        BLOCK_H=block_h, BLOCK_W=block_w, BLOCK_C=block_c, num_warps=num_warps, **pdl_launch(x.device),
     )  # fmt: skip
     return out
 

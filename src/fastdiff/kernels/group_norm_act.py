@@ -41,7 +41,9 @@ from fastdiff.kernels.common import (
     apply_activation,
     channels_last_randn,
     check_activation,
+    grid_dependency_sync,
     num_sms,
+    pdl_launch,
 )
 from fastdiff.kernels.fp8 import FP8_DTYPE, quantize_e4m3_ref, to_e4m3
 from fastdiff.kernels.registry import KernelOp
@@ -226,8 +228,10 @@ def _gn_single_pass_kernel(
     HAS_RES: tl.constexpr,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (sample, block of GPB whole groups); x rows are ``stride_xp`` apart (y rows: C)."""
+    grid_dependency_sync(PDL)
     n = tl.program_id(0)
     c_begin = tl.program_id(1) * (GPB * CG)
     base = n.to(tl.int64) * HW * C
@@ -282,8 +286,10 @@ def _gn_partial_stats_kernel(
     GPB: tl.constexpr,
     BLOCK_HW: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Phase 1: (count, mean, M2) of each group of a (sample, group block) over one split of the rows."""
+    grid_dependency_sync(PDL)
     n = tl.program_id(0)
     block = tl.program_id(1)
     split = tl.program_id(2)
@@ -326,8 +332,10 @@ def _gn_apply_kernel(
     HAS_RES: tl.constexpr,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Phase 2: merge the partials of each channel's group, then normalise rows x BLOCK_C channels."""
+    grid_dependency_sync(PDL)
     n = tl.program_id(0)
     hw_start = tl.program_id(1) * HW_PER_PROGRAM
     hw_end = tl.minimum(hw_start + HW_PER_PROGRAM, HW)
@@ -519,6 +527,7 @@ def group_norm_act(
             x, out, w_arg, b_arg, r_arg, hw, channels, stride_xn, stride_xp, eps, fp8_inv_scale,
             CG=group_size, GPB=plan.groups_per_block, BLOCK_HW=plan.block_hw, BLOCK_C=plan.block_c,
             IN_REGISTERS=plan.in_registers, num_warps=plan.num_warps or max(1, min(8, tile // 512)), **flags,
+            **pdl_launch(x.device),
         )  # fmt: skip
         return out
     target = 2 * num_sms(x.device)
@@ -529,6 +538,7 @@ def group_norm_act(
     _gn_partial_stats_kernel[(n, blocks, split)](
         x, partials, hw, channels, stride_xn, stride_xp, num_groups, hw_per_split, split,
         CG=group_size, GPB=plan.groups_per_block, BLOCK_HW=plan.block_hw, BLOCK_C=plan.block_c, num_warps=4,
+        **pdl_launch(x.device),
     )  # fmt: skip
     apply_c = min(64, triton.next_power_of_2(channels))
     apply_hw = max(1, min(triton.next_power_of_2(hw), STREAM_TILE // apply_c))
@@ -539,7 +549,7 @@ def group_norm_act(
         x, out, w_arg, b_arg, r_arg, partials, hw, channels, stride_xn, stride_xp, num_groups, split, hw_per_program,
         eps, fp8_inv_scale,
         CG=group_size, BLOCK_HW=apply_hw, BLOCK_C=apply_c, BLOCK_S=triton.next_power_of_2(split),
-        num_warps=4, **flags,
+        num_warps=4, **flags, **pdl_launch(x.device),
     )  # fmt: skip
     return out
 

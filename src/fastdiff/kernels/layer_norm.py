@@ -25,7 +25,7 @@ import triton.language as tl
 
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels import cost_model
-from fastdiff.kernels.common import num_sms
+from fastdiff.kernels.common import grid_dependency_sync, num_sms, pdl_launch
 from fastdiff.kernels.registry import KernelOp
 
 MAX_CHANNELS = 8192
@@ -68,8 +68,10 @@ def _layer_norm_kernel(
     HAS_B: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: BLOCK_M rows x all C channels (padded to BLOCK_C), normalised from registers."""
+    grid_dependency_sync(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_C)
     c_mask = cols < C
@@ -147,6 +149,7 @@ def layer_norm(
         x, weight if weight is not None else x, bias if bias is not None else x, out,
         m, channels, x.stride(0), out.stride(0), eps,
         HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=num_warps,
+        **pdl_launch(x.device),
     )  # fmt: skip
     return out
 

@@ -44,7 +44,15 @@ import triton.language as tl
 
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels import cost_model
-from fastdiff.kernels.common import ACTIVATIONS, activation_ref, apply_activation, check_activation, num_sms
+from fastdiff.kernels.common import (
+    ACTIVATIONS,
+    activation_ref,
+    apply_activation,
+    check_activation,
+    grid_dependency_sync,
+    num_sms,
+    pdl_launch,
+)
 from fastdiff.kernels.conv2d import fused_epilogue
 from fastdiff.kernels.registry import KernelOp
 
@@ -162,11 +170,13 @@ def _linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: a BLOCK_M x BLOCK_N tile of the [M, N] output over the K slice of split ``program_id(1)``
     (K_PER_SPLIT long); GEGLU adds the gate columns' accumulator. Without PARTIAL (one split) the epilogue runs
     and ``out`` is written; with it the fp32 sums go to ``part`` [split, M, N_w] (value, then gate columns)."""
     # Grouped program order: GROUP_M row blocks share the weight columns in L2.
+    grid_dependency_sync(PDL)
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -238,8 +248,10 @@ def _split_k_epilogue_kernel(
     HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: the SPLIT partial sums of a BLOCK_M x BLOCK_N output tile added up, then the epilogue."""
+    grid_dependency_sync(PDL)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -404,18 +416,19 @@ def linear(
         in_place = residual is not None and residual.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
         tuned = _TUNED_IN_PLACE if in_place and split == 1 else _TUNED
         tuned[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), split)](
-            *args, **flags, PARTIAL=split > 1, GROUP_M=8
+            *args, **flags, PARTIAL=split > 1, GROUP_M=8, **pdl_launch(x.device)
         )
     else:
         block_m, block_n, block_k, num_warps, num_stages = INTERPRETER_CONFIG
         _linear_even_k[(triton.cdiv(m, block_m) * triton.cdiv(n, block_n), split)](
             *args, **flags, PARTIAL=split > 1, GROUP_M=8,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+            **pdl_launch(x.device),
         )  # fmt: skip
     if split > 1:
         _split_k_epilogue_kernel[(triton.cdiv(m, EPILOGUE_BLOCK), triton.cdiv(n, EPILOGUE_BLOCK))](
             part, bias_arg, res, out, m, n, split, m * n_w, n_w, res.stride(0), out.stride(0), scale,
-            **flags, BLOCK_M=EPILOGUE_BLOCK, BLOCK_N=EPILOGUE_BLOCK, num_warps=4,
+            **flags, BLOCK_M=EPILOGUE_BLOCK, BLOCK_N=EPILOGUE_BLOCK, num_warps=4, **pdl_launch(x.device),
         )  # fmt: skip
     return out
 

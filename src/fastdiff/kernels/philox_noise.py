@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from fastdiff.errors import FastdiffError
+from fastdiff.kernels.common import grid_dependency_sync, pdl_launch
 from fastdiff.kernels.registry import KernelOp
 
 BLOCK = 1024
@@ -123,8 +124,18 @@ def logical_index(offs, per_image, channels, hw, CHANNELS_LAST: tl.constexpr):
 
 @triton.jit(do_not_specialize=["counter"])
 def _gaussian_noise_kernel(
-    seeds_ptr, out_ptr, counter, numel, per_image, channels, hw, CHANNELS_LAST: tl.constexpr, BLOCK: tl.constexpr
+    seeds_ptr,
+    out_ptr,
+    counter,
+    numel,
+    per_image,
+    channels,
+    hw,
+    CHANNELS_LAST: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    grid_dependency_sync(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     image, logical = logical_index(offs, per_image, channels, hw, CHANNELS_LAST)
@@ -164,7 +175,17 @@ def gaussian_noise(
     numel = out.numel()
     if numel:
         _gaussian_noise_kernel[(triton.cdiv(numel, BLOCK),)](
-            seeds, out, int(counter), numel, math.prod(shape), c, hw, CHANNELS_LAST=is_cl, BLOCK=BLOCK, num_warps=4
+            seeds,
+            out,
+            int(counter),
+            numel,
+            math.prod(shape),
+            c,
+            hw,
+            CHANNELS_LAST=is_cl,
+            BLOCK=BLOCK,
+            num_warps=4,
+            **pdl_launch(out.device),
         )
     return out
 

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from fastdiff.errors import FastdiffError
+from fastdiff.kernels.common import grid_dependency_sync, pdl_launch
 from fastdiff.kernels.philox_noise import gaussian_noise_ref, layout_of, logical_index, normal_at
 from fastdiff.kernels.registry import KernelOp
 
@@ -110,8 +111,9 @@ def _sampler_step_kernel(
     numel, per_image, channels, hw,
     STEP_IN_MEMORY: tl.constexpr, HAS_H1: tl.constexpr, HAS_H2: tl.constexpr, HAS_AUX: tl.constexpr,
     NOISE: tl.constexpr, HAS_GUIDANCE: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_MODEL_INPUT: tl.constexpr,
-    CHANNELS_LAST: tl.constexpr, BLOCK: tl.constexpr,
+    CHANNELS_LAST: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency_sync(PDL)
     if STEP_IN_MEMORY:
         row = tl.load(step_ptr).to(tl.int64)
     else:
@@ -260,7 +262,7 @@ def sampler_step(
         STEP_IN_MEMORY=step_in_memory, HAS_H1=h1 is not None, HAS_H2=h2 is not None, HAS_AUX=aux is not None,
         NOISE=1 if noise is not None else 2 if seeds is not None else 0, HAS_GUIDANCE=guidance is not None,
         HAS_CLIP=clip_range is not None, HAS_MODEL_INPUT=model_input is not None, CHANNELS_LAST=channels_last,
-        BLOCK=BLOCK, num_warps=4,
+        BLOCK=BLOCK, num_warps=4, **pdl_launch(x.device),
     )  # fmt: skip
     return out
 

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels import cost_model
-from fastdiff.kernels.common import ACTIVATIONS, channels_last_randn
+from fastdiff.kernels.common import ACTIVATIONS, channels_last_randn, grid_dependency_sync, pdl_launch
 from fastdiff.kernels.conv2d import (
     _gemm_blocks,
     check_epilogue_args,
@@ -184,7 +184,9 @@ def _winograd_input_kernel(
     stride_xw,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    grid_dependency_sync(PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     t_mask = offs_t < T
@@ -227,8 +229,10 @@ def _winograd_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """M[k] = V[k] @ U[k] for k = program_id(1): [T, Cin] @ [Cin, Cout] -> fp32 [T, Cout]."""
+    grid_dependency_sync(PDL)
     pid = tl.program_id(0)
     k = tl.program_id(1)
     num_pid_m = tl.cdiv(T, BLOCK_M)
@@ -351,7 +355,9 @@ def _winograd_output_kernel(
     HAS_SCALE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    grid_dependency_sync(PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     t_mask = offs_t < T
@@ -442,13 +448,26 @@ def winograd_conv3x3(
     block_t = 16 if on_gpu else 64
     block_c = max(16, min(32 if on_gpu else 128, triton.next_power_of_2(cin)))
     _winograd_input_kernel[(triton.cdiv(tiles, block_t), triton.cdiv(cin, block_c))](
-        x, v, tiles, cin, h, w, tiles_h, tiles_w, *x.stride(), BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4
+        x,
+        v,
+        tiles,
+        cin,
+        h,
+        w,
+        tiles_h,
+        tiles_w,
+        *x.stride(),
+        BLOCK_T=block_t,
+        BLOCK_C=block_c,
+        num_warps=4,
+        **pdl_launch(x.device),
     )
     block_m, block_n, block_k, num_warps, num_stages = _gemm_blocks(36 * tiles, cout, cin, u.dtype, x.device)
     gemm_grid = (triton.cdiv(tiles, block_m) * triton.cdiv(cout, block_n), 36)
     _winograd_gemm_kernel[gemm_grid](
         v, u, m, tiles, cin, cout, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
         PRECISION="ieee" if u.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+        **pdl_launch(x.device),
     )  # fmt: skip
     block_out = max(16, min(32 if on_gpu else 128, triton.next_power_of_2(cout)))
     res = residual if residual is not None else out
@@ -459,7 +478,7 @@ def winograd_conv3x3(
         1.0 if out_scale is None else float(out_scale),
         HAS_BIAS=bias is not None, HAS_TEMB=time_emb is not None, HAS_RES=residual is not None,
         ACT=ACTIVATIONS[activation], HAS_SCALE=out_scale is not None,
-        BLOCK_T=block_t, BLOCK_N=block_out, num_warps=4,
+        BLOCK_T=block_t, BLOCK_N=block_out, num_warps=4, **pdl_launch(x.device),
     )  # fmt: skip
     return out
 
