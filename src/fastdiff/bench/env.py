@@ -1,4 +1,4 @@
-"""What every result records: GPU, driver, library versions, git sha, date."""
+"""What every result records: GPU, driver, library versions, git sha, date, whether kernels launch with PDL."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import subprocess
 from pathlib import Path
 
 import torch
+
+from fastdiff.kernels.common import programmatic_launch
 
 
 def package_version(name: str) -> str | None:
@@ -61,6 +63,7 @@ def environment() -> dict:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
         info["sm_count"] = torch.cuda.get_device_properties(0).multi_processor_count
+        info["programmatic_launch"] = programmatic_launch(torch.device("cuda", 0))  # FASTDIFF_PDL
         try:
             import pynvml
 
