@@ -72,10 +72,10 @@ def _supports_pdl(device_index: int) -> bool:
 
 def programmatic_launch(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with programmatic dependent launch (PDL; Hopper and newer, unless
-    ``FASTDIFF_PDL=0``). Such a launch may start while the kernel before it in the stream is still running; it
-    runs :func:`grid_dependency_sync` before touching memory, so it overlaps only the launch and the scheduling
-    of its programs with the previous kernel's tail: about 0.5 us per kernel on the H100 in a CUDA graph, what a
-    batch-1 step of ~120 small kernels is made of."""
+    ``FASTDIFF_PDL=0``): the GPU may launch a kernel as the programs of the one before it in the stream exit,
+    without the full drain and launch gap in between; the kernel runs :func:`grid_dependency_sync` before
+    touching memory. It counts where a step is ~120 small kernels in one CUDA graph (batch 1; README, "Programmatic
+    dependent launch")."""
     if device.type != "cuda" or os.environ.get(PDL_ENV, "1") == "0":
         return False
     return _supports_pdl(device.index if device.index is not None else torch.cuda.current_device())
@@ -90,11 +90,13 @@ def pdl_launch(device: torch.device) -> dict[str, bool]:
 @triton.jit
 def grid_dependency_sync(PDL: tl.constexpr):
     """The first statement of every kernel the package launches (``PDL``: launched with ``launch_pdl=True``):
-    lets the next kernel in the stream be scheduled now, then waits until the previous kernel has finished and
-    its writes are visible. Each kernel waiting for its predecessor makes the order transitive: no kernel reads
-    or writes before every earlier one is done. A no-op without PDL (and in the interpreter)."""
+    waits until the kernel before it in the stream has finished and its writes are visible. Each kernel waiting
+    for its predecessor makes the order transitive: nothing is read or written before every earlier kernel is
+    done. A no-op without PDL (and in the interpreter).
+
+    The kernels do not signal their dependents early (``gdc_launch_dependents`` at their start): that lets the
+    waiting programs of the next kernels fill the GPU ahead of time, and measured slower than no PDL at all."""
     if PDL:
-        tl_cuda.gdc_launch_dependents()
         tl_cuda.gdc_wait()
 
 
