@@ -74,6 +74,18 @@ def test_shortcut_summed_in_conv2_matches_eager(tiny_model, split):
     assert all(sc.impl == "fused" for sc in fused.shortcuts.values())
 
 
+def test_rows_attention_matches_eager(tiny_model):
+    """Every attention on the whole-rows schedule (``triton-rows``, which autotune may pick for up to 512 keys), two
+    forwards in a row: equal to the eager model."""
+    model = tiny_model("attn_pad0", 10).to(DEVICE)
+    fused = FusedModel(model, 2, torch.float32, DEVICE, "cudnn", "triton")
+    attentions = [op for op in fused.ops if op.kind == "attention"]
+    assert attentions
+    for op in attentions:
+        op.impl = "triton-rows"
+    assert_two_forwards_match_eager(fused, model, seed=11)
+
+
 def test_layer_table(tiny_model):
     fused = FusedModel(tiny_model("attn_pad0", 1), 1, torch.float32, DEVICE, "triton", "triton")
     x_in = channels_last_empty(fused.x_in_value.shape, torch.float32, DEVICE).normal_()

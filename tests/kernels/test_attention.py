@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastdiff.errors import FastdiffError
-from fastdiff.kernels.attention import OP, attention, attention_ref, split_kv_choices
+from fastdiff.kernels.attention import OP, ROWS_MAX_KEYS, attention, attention_ref, split_kv_choices
 from fastdiff.kernels.common import SplitWorkspace
 
 from .conftest import CUDA, DEVICE, DTYPES, needs_cuda, rel_err
@@ -81,6 +81,49 @@ def test_split_kv_matches_ref(case: tuple, dtype: torch.dtype) -> None:
         assert rel_err(got, ref) < TOLERANCE[dtype]
         assert not workspace.counters.any()
     assert torch.equal(attention(q * 4, k, v, split_kv=split, workspace=workspace), got)  # same bits on a repeat
+
+
+ROWS_CASES = [
+    pytest.param((1, 2, 7, 7, 8, False), id="seq7_d8"),
+    pytest.param((2, 1, 19, 19, 40, True), id="b2_seq19_d40_projected"),
+    pytest.param((1, 2, 33, 77, 64, False), id="q33_kv77_d64_cross"),
+    pytest.param((1, 1, 20, 5, 160, True), id="q20_kv5_d160_two_value_slices_ragged"),
+    pytest.param((1, 1, 40, 300, 24, True), id="kv300_d24_512_key_rows"),
+    pytest.param((1, 1, 16, 16, 256, False), id="ddpm_4x4_seq16_d256"),
+    pytest.param((1, 1, 256, 256, 256, True), id="ddpm_b1_seq256_d256", marks=needs_cuda),
+    pytest.param((8, 1, 256, 256, 256, False), id="ddpm_b8_seq256_d256", marks=needs_cuda),
+    pytest.param((2, 8, 1024, 77, 40, True), id="sd15_cross_kv77_d40", marks=needs_cuda),
+    pytest.param((2, 2, 100, 512, 512, False), id="kv512_d512", marks=needs_cuda),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ROWS_CASES)
+def test_rows_schedule_matches_ref(case: tuple, dtype: torch.dtype) -> None:
+    """Whole score rows per program, the value columns split: ragged query blocks, key counts below a power of two,
+    head dims that leave the last value slice part-empty, logits of +-hundreds (the exact softmax subtracts each
+    row's max), and the same bits on a repeat."""
+    batch, heads, lq, lk, head_dim, projected = case
+    q, k, v = make_qkv(batch, heads, lq, lk, head_dim, projected, dtype, zlib.crc32(repr(case).encode()))
+    out = torch.full((batch, heads, lq, head_dim), float("nan"), device=DEVICE, dtype=dtype)
+    got = attention(q * 4, k, v, out=out, schedule="rows")
+    assert got.data_ptr() == out.data_ptr()
+    assert rel_err(got, attention_ref((q * 4).double(), k.double(), v.double())) < TOLERANCE[dtype]
+    assert torch.equal(attention(q * 4, k, v, schedule="rows"), got)
+
+
+@pytest.mark.parametrize(
+    ("lk", "kwargs", "match"),
+    [
+        pytest.param(8, {"schedule": "blocks"}, "schedule must be", id="unknown_schedule"),
+        pytest.param(ROWS_MAX_KEYS + 1, {"schedule": "rows"}, "at most 512 keys", id="rows_too_many_keys"),
+        pytest.param(8, {"schedule": "rows", "split_kv": 2}, "no split_kv", id="rows_with_split_kv"),
+    ],
+)
+def test_bad_schedule_raises(lk: int, kwargs: dict, match: str) -> None:
+    q, k = torch.randn(1, 1, 8, 16), torch.randn(1, 1, lk, 16)
+    with pytest.raises(FastdiffError, match=match):
+        attention(q, k, k, **kwargs)
 
 
 def test_large_logits_stay_finite() -> None:

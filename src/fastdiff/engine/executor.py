@@ -15,8 +15,9 @@ the forward as a list of ops of :mod:`fastdiff.engine.ir`, then:
   leaves SMs idle, ``triton-k<split>``; a ResnetBlock2D's conv2 also with its 1x1 conv_shortcut summed in,
   ``triton-sc[-k<split>]``, timed against the pair unfused (:mod:`fastdiff.engine.shortcut`); attention:
   ``kernels.attention`` (also with its keys split over 2-8 programs per query block where those leave SMs idle,
-  ``triton-kv<split>``) or torch SDPA; GroupNorm: the kernel's own launch plan or whole groups at 16, 32 or 64
-  channel lanes per program) ``autotune`` times them on the GPU
+  ``triton-kv<split>``, and for at most 512 keys its whole-rows schedule, ``triton-rows``) or torch SDPA;
+  GroupNorm: the kernel's own launch plan or whole groups at 16, 32 or 64 channel lanes per program)
+  ``autotune`` times them on the GPU
   and keeps the fastest (``conv_impl`` / ``attention_impl`` narrow the choice; ``conv_impl`` covers both convs and
   GEMMs: "triton", our kernels, or the vendor library);
 * with ``fp8=True`` (Hopper), the convs that read a GroupNorm's output run on e4m3 operands
@@ -60,7 +61,7 @@ from fastdiff.engine.plan import BufferSpec, MemoryPlan, plan_memory
 from fastdiff.engine.shortcut import fusable_shortcuts
 from fastdiff.engine.weights import WeightStreamer
 from fastdiff.errors import FastdiffError
-from fastdiff.kernels.attention import attention, split_kv_choices
+from fastdiff.kernels.attention import ROWS_MAX_KEYS, attention, split_kv_choices
 from fastdiff.kernels.attention_gate import attention_gate
 from fastdiff.kernels.common import SplitWorkspace, activation_ref
 from fastdiff.kernels.conv2d import FoldedGroupNorm, conv2d, pack_conv_weight, split_k_choices
@@ -455,6 +456,8 @@ class FusedModel:
             qkv = tokens(self._tensor(op.inputs[0])).view(b, h * w, 3, heads, head_dim)  # dense NHWC: a view
             q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
         o = tokens(core).view(b, h * w, heads, head_dim).transpose(1, 2)
+        if impl == "triton-rows":  # whole score rows per program, the value columns split
+            return lambda: attention(q, k, v, out=o, schedule="rows")
         if impl.startswith("triton"):  # -kv<N>: the keys split over N programs per query block
             split = int(impl.removeprefix("triton-kv")) if impl != "triton" else 1
             workspace = self.split_workspace
@@ -514,6 +517,8 @@ class FusedModel:
                 q, kv = op.inputs[0].shape, op.inputs[-1].shape
                 splits = split_kv_choices(q[0], op.params["heads"], q[2] * q[3], kv[2] * kv[3], self.device)
                 ours = (*ours, *(f"triton-kv{split}" for split in splits))
+                if kv[2] * kv[3] <= ROWS_MAX_KEYS:  # + whole score rows, the value columns split
+                    ours = (*ours, "triton-rows")
             return {"auto": (*ours, "sdpa"), "triton": ours, "sdpa": ("sdpa",)}[self.attention_impl]
         if op.kind == "group_norm" and self.device.type == "cuda":  # the kernel's plan, or whole groups per width
             group = op.inputs[0].shape[1] // op.params["groups"]

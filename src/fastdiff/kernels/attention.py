@@ -10,6 +10,13 @@ Each program owns BLOCK_M query rows of one (batch, head) and streams K/V in BLO
 softmax in fp32 (running max and sum, base-2 exponentials); 16-bit inputs run both products on the tensor cores with
 fp32 accumulators; fp32 inputs use exact-fp32 products (``input_precision="ieee"``, FMA units), so fp32 means
 fp32. On CUDA the 16-bit tile shapes are autotuned per (Lq, Lk, head dim, grid size class).
+
+A second schedule for few keys (``schedule="rows"``, Lk <= :data:`ROWS_MAX_KEYS`): each program holds whole score
+rows, the q k^T of BLOCK_M queries against every key, takes their exact softmax and multiplies it by one
+BLOCK_DV-wide column slice of v; the value columns split over programs instead of the keys, so nothing is merged
+afterwards. Every slice recomputes its rows' scores (cheap next to reading K). It is the batch-1 shape's answer:
+DDPM's 16x16 single-head attention (256 queries and keys of 256 channels) gives the streaming schedule 4 query
+blocks, and splitting its keys costs a merge of fp32 partials 256 channels wide.
 """
 
 from __future__ import annotations
@@ -244,6 +251,63 @@ def _merge_kv_splits(
     return acc, l_i, is_last
 
 
+@triton.jit
+def _attention_rows_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, qk_scale, H, Lq, Lk,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    TUNE_PROGRAMS,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KD: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """One program: BLOCK_M query rows of one (batch, head) against all Lk <= BLOCK_N keys, output columns
+    ``[program_id(1) * BLOCK_DV, +BLOCK_DV)``. Stages: (1) scores s = q k^T over head-dim chunks of BLOCK_KD;
+    (2) exact softmax of each whole row (max, base-2 exponentials, sum; padded keys score -inf); (3) p @ v of
+    this program's value columns, divided by the row sums."""
+    grid_dependency_sync(PDL)
+    pid_m = tl.program_id(0)
+    pid_dv = tl.program_id(1)
+    bh = tl.program_id(2)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_mask = offs_m < Lq
+    n_mask = offs_n < Lk
+    q_rows = q_ptr + b * _aligned(stride_qb, ALIGN) + h * _aligned(stride_qh, ALIGN) + offs_m[:, None] * _aligned(
+        stride_qm, ALIGN)  # fmt: skip
+    k_rows = k_ptr + b * _aligned(stride_kb, ALIGN) + h * _aligned(stride_kh, ALIGN) + offs_n[:, None] * _aligned(
+        stride_kn, ALIGN)  # fmt: skip
+
+    # (1) scores of every key, head-dim chunk by chunk (the loop pipelines the K loads)
+    s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for d0 in tl.range(0, BLOCK_D, BLOCK_KD):
+        offs_kd = d0 + tl.arange(0, BLOCK_KD)
+        kd_mask = offs_kd < HEAD_DIM
+        q = tl.load(q_rows + offs_kd[None, :] * stride_qd, mask=m_mask[:, None] & kd_mask[None, :], other=0.0)
+        k = tl.load(k_rows + offs_kd[None, :] * stride_kd, mask=n_mask[:, None] & kd_mask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), s, input_precision=DOT_PRECISION)
+
+    # (2) exact softmax of whole rows (unnormalised here; the sums divide the output)
+    s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
+    p = tl.exp2(s - tl.max(s, axis=1)[:, None])
+    row_sum = tl.sum(p, axis=1)
+
+    # (3) this program's value columns
+    offs_dv = pid_dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    dv_mask = offs_dv < HEAD_DIM
+    v_base = b * _aligned(stride_vb, ALIGN) + h * _aligned(stride_vh, ALIGN)
+    v_ptrs = v_ptr + v_base + offs_n[:, None] * _aligned(stride_vn, ALIGN) + offs_dv[None, :] * stride_vd
+    v = tl.load(v_ptrs, mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
+    acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION) * (1.0 / row_sum)[:, None]
+    o_base = b * _aligned(stride_ob, ALIGN) + h * _aligned(stride_oh, ALIGN)
+    o_ptrs = o_ptr + o_base + offs_m[:, None] * _aligned(stride_om, ALIGN) + offs_dv[None, :] * stride_od
+    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & dv_mask[None, :])
+
+
 def _config(block_m: int, block_n: int, warps: int, stages: int) -> triton.Config:
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
 
@@ -279,6 +343,34 @@ def _fixed_config(block_d: int, lq: int, fp32: bool) -> tuple[int, int, int, int
     return max(16, min(block_m, triton.next_power_of_2(lq))), block_n, warps, stages
 
 
+ROWS_MAX_KEYS = 512
+"""The most keys ``schedule="rows"`` takes: a program holds BLOCK_M x next_pow2(Lk) fp32 scores in registers."""
+
+ROWS_TUNING_CONFIGS: list[tuple[int, int, int, int]] = [
+    (16, 64, 4, 2), (16, 128, 4, 2), (16, 256, 8, 2), (32, 64, 4, 2), (32, 128, 8, 2), (64, 64, 4, 2),
+    (64, 128, 8, 2), (16, 32, 4, 2), (32, 32, 4, 2),
+]  # fmt: skip
+"""``schedule="rows"`` on CUDA, 16-bit: (BLOCK_M, BLOCK_DV, num_warps, num_stages) candidates; BLOCK_DV is capped
+at the padded head dim, and the autotuner keeps the fastest per (Lq, Lk, head dim, programs class, dtype)."""
+
+
+def _rows_configs(block_d: int) -> list[triton.Config]:
+    shapes = dict.fromkeys((m, min(dv, block_d), w, st) for m, dv, w, st in ROWS_TUNING_CONFIGS)
+    return [triton.Config({"BLOCK_M": m, "BLOCK_DV": dv}, num_warps=w, num_stages=st) for m, dv, w, st in shapes]
+
+
+_TUNED_ROWS = {
+    width: triton.autotune(
+        configs=_rows_configs(width), key=["Lq", "Lk", "TUNE_PROGRAMS", "HEAD_DIM", "BLOCK_D", "BLOCK_N"]
+    )(_attention_rows_kernel)
+    for width in (16, 32, 64, 128, 256, 512)
+}
+
+SCHEDULES = ("stream", "rows")
+"""``attention``'s schedules: online softmax over key blocks (any Lk, optional split-KV), or whole score rows with
+the value columns split (Lk <= :data:`ROWS_MAX_KEYS`); see the module docstring."""
+
+
 SPLIT_KV_CHOICES = (2, 4, 8)
 """The ``split_kv`` values offered to a caller that times them (:func:`split_kv_choices`)."""
 
@@ -310,6 +402,7 @@ def attention(
     out: torch.Tensor | None = None,
     split_kv: int = 1,
     workspace: SplitWorkspace | None = None,
+    schedule: str = "stream",
 ) -> torch.Tensor:
     """Fused ``softmax(q @ k^T * scale) @ v`` on ``[B, heads, L, head_dim]`` tensors; scale: 1/sqrt(d).
 
@@ -317,7 +410,10 @@ def attention(
     programs, so a call with few query blocks (batch 1: DDPM's 16x16 single-head attention has 256 queries) still
     spreads over the GPU; the last split of a block to finish merges the others' partial results from
     ``workspace`` (:class:`fastdiff.kernels.common.SplitWorkspace`; a new one per call when None), in the same
-    launch."""
+    launch. ``schedule="rows"`` (Lk <= :data:`ROWS_MAX_KEYS`, no split-KV): whole score rows per program and the
+    value columns split instead (module docstring)."""
+    if schedule not in SCHEDULES:
+        raise FastdiffError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if isinstance(split_kv, bool) or not isinstance(split_kv, int) or split_kv < 1:
         raise FastdiffError(f"split_kv must be a positive int, got {split_kv!r}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -334,6 +430,10 @@ def attention(
         )
     if not 1 <= head_dim <= 512 or lk < 1:
         raise FastdiffError(f"attention needs 1 <= head_dim <= 512 and Lk >= 1, got head_dim={head_dim}, Lk={lk}")
+    if schedule == "rows" and (lk > ROWS_MAX_KEYS or split_kv != 1):
+        raise FastdiffError(
+            f'schedule="rows" takes at most {ROWS_MAX_KEYS} keys and no split_kv, got Lk={lk}, split_kv={split_kv}'
+        )
     if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
         raise FastdiffError("q, k and v must share one dtype and device")
     if out is None:
@@ -343,6 +443,9 @@ def attention(
     scale = head_dim**-0.5 if scale is None else scale
     block_d = max(16, triton.next_power_of_2(head_dim))
     sixteen_bit = q.dtype in (torch.float16, torch.bfloat16)
+    if schedule == "rows":
+        _attention_rows(q, k, v, out, scale, block_d, sixteen_bit)
+        return out
     programs = batch * heads * triton.cdiv(lq, 128)
     split_kv = min(split_kv, lk)
     ws = counters = out
@@ -378,6 +481,39 @@ def attention(
         **pdl_launch(q.device),
     )
     return out
+
+
+def _attention_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float, block_d: int,
+    sixteen_bit: bool,
+) -> None:  # fmt: skip
+    """Launches :func:`_attention_rows_kernel` (checked arguments): autotuned for 16-bit inputs on CUDA."""
+    batch, heads, lq, head_dim = q.shape
+    lk = k.shape[2]
+    block_n = max(16, triton.next_power_of_2(lk))
+    args = (
+        q, k, v, out, scale * LOG2_E, heads, lq, lk, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        min(triton.next_power_of_2(batch * heads * triton.cdiv(lq, 16)), 4 * num_sms(q.device)),
+    )  # fmt: skip
+    meta = {
+        "HEAD_DIM": head_dim,
+        "BLOCK_D": block_d,
+        "BLOCK_N": block_n,
+        "ALIGN": _row_alignment(q, k, v, out),
+        "DOT_PRECISION": "tf32" if sixteen_bit else "ieee",
+        "BLOCK_KD": min(block_d, 64 if block_n <= 256 else 32),
+    }
+
+    def grid(m: dict[str, Any]) -> tuple[int, int, int]:
+        return triton.cdiv(lq, m["BLOCK_M"]), triton.cdiv(head_dim, m["BLOCK_DV"]), batch * heads
+
+    if q.is_cuda and sixteen_bit:
+        _TUNED_ROWS[block_d][grid](*args, **meta, **pdl_launch(q.device))
+        return
+    # the interpreter and fp32 (exact-fp32 products on the FMA units): one fixed, small tile
+    block_m = max(16, min(32 if block_n <= 256 else 16, triton.next_power_of_2(lq)))
+    fixed = {"BLOCK_M": block_m, "BLOCK_DV": min(block_d, 64)}
+    _attention_rows_kernel[grid(fixed)](*args, **meta, **fixed, num_warps=4, num_stages=1, **pdl_launch(q.device))
 
 
 ATTENTION_SHAPES: dict[str, tuple[int, int, int, int, int]] = {
@@ -423,4 +559,4 @@ OP = KernelOp(
     cost=attention_cost,
 )
 
-__all__ = ["ATTENTION_SHAPES", "OP", "attention", "attention_ref", "split_kv_choices"]
+__all__ = ["ATTENTION_SHAPES", "OP", "ROWS_MAX_KEYS", "SCHEDULES", "attention", "attention_ref", "split_kv_choices"]
