@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import zlib
 
 import pytest
@@ -9,9 +10,11 @@ import torch
 
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.philox_noise import gaussian_noise_ref
-from fastdiff.kernels.sampler_step import COLUMNS, OP, sampler_step, sampler_step_ref
+from fastdiff.kernels.sampler_step import COLUMNS, OP, block_size, sampler_step, sampler_step_ref
 
 from .conftest import DEVICE, DTYPES, float64, needs_cuda, rel_err
+
+sampler_step_module = importlib.import_module("fastdiff.kernels.sampler_step")
 
 TOLERANCE = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -100,6 +103,35 @@ def test_seeded_noise_is_the_counter_draw_of_step_plus_one() -> None:
     torch.testing.assert_close(got, gaussian_noise_ref(seeds, 5, shape[1:]), rtol=1e-5, atol=1e-5)
     alone = sampler_step(x[1:2], x[1:2], coefs, 4, seeds=seeds[1:2])[0]
     torch.testing.assert_close(alone, got[1:2], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("numel", "expected"),
+    [
+        pytest.param(3 * 32 * 32, 128, id="cifar_b1_24_programs"),
+        pytest.param(4 * 64 * 64, 128, id="sd_latent_b1_128_programs"),
+        pytest.param(100, 128, id="tiny_one_program"),
+        pytest.param(256 * 3 * 32 * 32, 1024, id="cifar_b256_largest_block"),
+        pytest.param(132 * 2 * 300, 512, id="between"),
+    ],
+)
+def test_block_size(monkeypatch: pytest.MonkeyPatch, numel: int, expected: int) -> None:
+    """Two programs per SM (132 SMs), each of 128..1024 elements."""
+    monkeypatch.setattr(sampler_step_module, "num_sms", lambda device: 132)
+    assert block_size(numel, torch.device("cpu")) == expected
+
+
+def test_block_size_does_not_change_the_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every element is its own thread's work: the step with seeded noise gives the same bits at any block size
+    (here 128 against 1024, with a ragged last program)."""
+    t, coefs, _ = make_inputs((2, 3, 7, 9), torch.float32, 11, True, False)
+    seeds = torch.tensor([4, 9], device=DEVICE)
+    results = []
+    for block in (128, 1024):
+        monkeypatch.setattr(sampler_step_module, "block_size", lambda numel, device, block=block: block)
+        results.append(sampler_step(t["x"], t["model_output"], coefs, 3, t["h1"], seeds=seeds, clip_range=1.0))
+    for small, large in zip(*results, strict=True):
+        torch.testing.assert_close(small, large, rtol=0, atol=0)
 
 
 def test_registry_example_runs() -> None:
