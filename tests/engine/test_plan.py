@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -49,8 +50,22 @@ def test_bad_specs_raise():
         plan_memory([BufferSpec("a", 1, 3, 2)])
 
 
+def byte_range(fused: FusedModel, v) -> tuple[int, int] | None:
+    """[start, end) of ``v``'s root buffer in the arena; None outside it (input, persistent)."""
+    root = v.concat if v.concat is not None else v
+    offset = fused.plan.offsets.get(root.name)
+    return None if offset is None else (offset, offset + math.prod(root.shape) * fused.dtype.itemsize)
+
+
+def assert_apart(fused: FusedModel, a, b, why: str) -> None:
+    ra, rb = byte_range(fused, a), byte_range(fused, b)
+    assert ra is None or rb is None or ra[1] <= rb[0] or rb[1] <= ra[0], f"{why}: {a.name} {ra} and {b.name} {rb}"
+
+
 def check_fused_plan(fused: FusedModel) -> None:
     assert_no_live_overlap(fused.plan)
+    for name, sc in fused.shortcuts.items():  # conv2 with its shortcut summed in reads the shortcut's input
+        assert_apart(fused, sc.inputs[0], fused._op_by_name[name].output, f"{name} fused with {sc.name}")
     specs = list(fused.plan.specs.values())
     assert max_live_bytes(specs) <= fused.plan.peak_bytes <= fused.plan.total_bytes
     fused._x_in = torch.empty(0)  # only needed for the external input, never looked up here

@@ -227,12 +227,24 @@ class FusedModel:
         return sum(t.numel() * t.element_size() for w in self._device_weights.values() for t in w.values())
 
     # ------------------------------------------------------------------------------------------------ plan
+    def _fused_access(self) -> dict[int, list[Value]]:
+        """Step-op index -> the values that op also reads or writes when a fusion the autotune may pick runs: a
+        conv2 reads its shortcut conv's input (engine/shortcut.py). The arena plan keeps them live there too,
+        whichever implementation runs: otherwise the fused op could write its output over bytes it still reads."""
+        index = {id(op): i for i, op in enumerate(self.step_ops)}
+        extra: dict[int, list[Value]] = {}
+        for name, sc in self.shortcuts.items():
+            extra.setdefault(index[id(self._op_by_name[name])], []).append(sc.inputs[0])
+        return extra
+
     def _plan(self) -> MemoryPlan:
-        """The step arena: every non-persistent, non-input buffer over its lifetime in the step ops."""
+        """The step arena: every non-persistent, non-input buffer over its lifetime in the step ops (including the
+        accesses of the fusions the autotune may pick: :meth:`_fused_access`)."""
         first: dict[str, int] = {}
         last: dict[str, int] = {}
+        fused_access = self._fused_access()
         for index, op in enumerate(self.step_ops):
-            for v in [*op.inputs, op.output]:
+            for v in [*op.inputs, op.output, *fused_access.get(index, ())]:
                 r = _root(v)
                 if r.producer == "external" or r.persistent:
                     continue
