@@ -34,6 +34,13 @@ the standalone norm pass)::
 * Prologue (consumer): each A element is ``act((x - mean[n, g]) * rstd[n, g] * gamma[c] + beta[c])`` in fp32,
   rounded to the input dtype for the dot; padding taps stay exactly 0 (the reference pads the normalised tensor);
   with ``upsample`` the low-resolution pixel is normalised (nearest upsampling keeps the group statistics).
+
+GroupNorm of the output in the epilogue (:class:`OutputGroupNorm`, ``norm_out=``): where every output tile holds
+whole images (``Ho*Wo`` a power of two, at most :data:`NORM_OUT_MAX_PIXELS`; the row tile grows to it) and whole
+groups (a power-of-two group width), the tile's (image, group) statistics are complete in registers: the epilogue
+stores ``y`` and also ``act(group_norm(y) * gamma + beta)`` (two-pass mean and variance of the values as stored),
+so the norm costs no launch and no pass over memory and its consumer reads a plain tensor. It is the small levels'
+answer at batch 1 (4x4 to 16x16 images), where a standalone GroupNorm is a 2-3 us launch of a few KB.
 """
 
 from __future__ import annotations
@@ -135,6 +142,37 @@ class FoldedGroupNorm:
             )
 
 
+NORM_OUT_MAX_PIXELS = 256
+"""The largest image (Ho*Wo) whose GroupNorm a conv's epilogue takes: the row tile holds whole images."""
+
+
+@dataclass(frozen=True)
+class OutputGroupNorm:
+    """``act(group_norm(y, groups) * weight + bias)`` of a conv's output ``y``, written to ``out`` by the conv's
+    epilogue (``y`` itself still goes to the conv's ``out``): ``conv2d(..., norm_out=OutputGroupNorm(...))``.
+    ``weight``/``bias``: [Cout] (both or neither, contiguous; read as fp32). See :func:`norm_out_unsupported`."""
+
+    groups: int
+    out: torch.Tensor
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    eps: float = 1e-5
+    activation: str | None = None
+
+
+def norm_out_unsupported(n: int, cout: int, out_hw: tuple[int, int], groups: int) -> str | None:
+    """Why the epilogue cannot take the GroupNorm (``groups``) of an [n, cout, *out_hw] conv output, or None."""
+    hw = out_hw[0] * out_hw[1]
+    if hw & (hw - 1) or hw > NORM_OUT_MAX_PIXELS:
+        return f"Ho*Wo = {hw} is not a power of two <= {NORM_OUT_MAX_PIXELS} (the row tile holds whole images)"
+    if groups < 1 or cout % groups:
+        return f"{groups} groups do not divide {cout} channels"
+    width = cout // groups
+    if width & (width - 1) or width > 128:
+        return f"the group width {width} is not a power of two <= 128 (the channel tile holds whole groups)"
+    return None
+
+
 def group_stats_ref(y: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
     """``[N, G, 2]``: each (image, group)'s mean and ``1/sqrt(var + eps)`` (biased variance) of ``y`` [N, C, H, W],
     in ``y``'s dtype: what ``F.group_norm`` normalises with."""
@@ -181,11 +219,13 @@ def conv2d_ref(
     stats: FoldedGroupNorm | None = None,
     shortcut: torch.Tensor | None = None,
     shortcut_weight: torch.Tensor | None = None,
+    norm_out: OutputGroupNorm | None = None,
 ) -> torch.Tensor:
     """Plain torch definition of :func:`conv2d`: (``F.group_norm`` + activation of the input,) (nearest
     upsampling,) ``F.conv2d`` (+ the 1x1 ``F.conv2d`` of ``shortcut``), then the epilogue; raw or packed weights.
     With ``stats``, sets ``stats.mean_rstd`` to :func:`group_stats_ref` of the result as stored (in ``out``'s dtype
-    when given)."""
+    when given); with ``norm_out``, writes ``F.group_norm`` + activation of the result as stored to
+    ``norm_out.out``."""
     if weight.dim() == 2:
         weight = unpack_conv_weight(weight, x.shape[1])
     conv_sc = None
@@ -211,6 +251,11 @@ def conv2d_ref(
     if stats is not None:
         stats.partials, stats.tiles = None, None
         stats.mean_rstd = group_stats_ref(y, stats.groups, stats.eps)
+    if norm_out is not None:
+        stored = y.to(norm_out.out.dtype)
+        affine = [None if t is None else t.to(stored.dtype) for t in (norm_out.weight, norm_out.bias)]
+        normed = F.group_norm(stored, norm_out.groups, *affine, norm_out.eps)
+        norm_out.out.copy_(activation_ref(normed, norm_out.activation))
     return y
 
 
@@ -356,6 +401,31 @@ def _finish_group_stats(
 
 
 @triton.jit
+def _group_norm_of_tile(
+    y, mask, offs_n, n_mask, out_ptrs, w_ptr, b_ptr, eps,
+    IPT: tl.constexpr, HW: tl.constexpr, GPT: tl.constexpr, CG: tl.constexpr, ACT: tl.constexpr,
+    AFFINE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Stores ``act(group_norm(y) * gamma + beta)`` of an output tile ``y`` [IPT*HW, BLOCK_N] (fp32 of the stored
+    values) that holds IPT whole images of HW pixels and GPT whole groups of CG channels: two-pass mean and
+    (biased) variance per (image, group) in registers. Masked rows and channels are whole images and groups of
+    zeros: their statistics are never used."""
+    y3 = tl.reshape(tl.where(mask, y, 0.0), [IPT, HW, BLOCK_N])
+    inv_count = 1.0 / (HW * CG)
+    g_mean = tl.sum(tl.reshape(tl.sum(y3, axis=1), [IPT, GPT, CG]), axis=2) * inv_count
+    dev = y3 - tl.reshape(tl.broadcast_to(g_mean[:, :, None], [IPT, GPT, CG]), [IPT, BLOCK_N])[:, None, :]
+    g_var = tl.sum(tl.reshape(tl.sum(dev * dev, axis=1), [IPT, GPT, CG]), axis=2) * inv_count
+    rstd = tl.math.rsqrt(g_var + eps)
+    z = dev * tl.reshape(tl.broadcast_to(rstd[:, :, None], [IPT, GPT, CG]), [IPT, BLOCK_N])[:, None, :]
+    if AFFINE:
+        gamma = tl.load(w_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        beta = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        z = z * gamma[None, None, :] + beta[None, None, :]
+    z = apply_activation(tl.reshape(z, [IPT * HW, BLOCK_N]), ACT)
+    tl.store(out_ptrs, z.to(out_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _conv2d_kernel(
     x_ptr,
     w_ptr,
@@ -373,6 +443,9 @@ def _conv2d_kernel(
     count_ptr,
     sc_ptr,
     sw_ptr,
+    on_ptr,
+    onw_ptr,
+    onb_ptr,
     M,
     H,
     W,
@@ -399,6 +472,11 @@ def _conv2d_kernel(
     stride_sc,
     stride_sh,
     stride_sw,
+    stride_onn,
+    stride_onc,
+    stride_onh,
+    stride_onw,
+    on_eps,
     out_scale,
     NORM_G,
     STATS_G,
@@ -425,6 +503,13 @@ def _conv2d_kernel(
     STATS_GPT: tl.constexpr,
     STATS_GP2: tl.constexpr,
     STATS_CHUNK: tl.constexpr,
+    HAS_NORM_OUT: tl.constexpr,
+    NORM_OUT_IPT: tl.constexpr,
+    NORM_OUT_HW: tl.constexpr,
+    NORM_OUT_GPT: tl.constexpr,
+    NORM_OUT_CG: tl.constexpr,
+    NORM_OUT_ACT: tl.constexpr,
+    NORM_OUT_AFFINE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -509,13 +594,20 @@ def _conv2d_kernel(
         acc, is_last = _split_k_reduce(acc, ws_ptr, count_ptr, pid, tl.program_id(1), num_pid_m * num_pid_n,
                                        SPLIT_K, BLOCK_M, BLOCK_N)  # fmt: skip
     if is_last:
-        _conv_epilogue(
+        y = _conv_epilogue(
             acc, out_ptr, bias_ptr, temb_ptr, res_ptr, part_ptr, stats_mr_ptr, arrive_ptr, n_idx, oh, ow, offs_n,
             m_mask, n_mask, pid_m, pid_n, num_pid_n, M, Ho, Wo, stride_tn, stride_tc, stride_rn, stride_rc, stride_rh,
             stride_rw, stride_on, stride_oc, stride_oh, stride_ow, out_scale, STATS_G, STATS_S, STATS_P, stats_eps,
             HAS_BIAS, HAS_TEMB, HAS_RES, ACT, HAS_SCALE, HAS_STATS, STATS_CG, STATS_GPT, STATS_GP2, STATS_CHUNK,
             BLOCK_M, BLOCK_N,
         )  # fmt: skip
+        if HAS_NORM_OUT:  # the tile holds whole images and groups (the wrapper sized it so)
+            on_ptrs = (on_ptr + n_idx.to(tl.int64)[:, None] * stride_onn + (oh * stride_onh + ow * stride_onw)[:, None]
+                       + offs_n[None, :] * stride_onc)  # fmt: skip
+            _group_norm_of_tile(
+                y.to(tl.float32), m_mask[:, None] & n_mask[None, :], offs_n, n_mask, on_ptrs, onw_ptr, onb_ptr, on_eps,
+                NORM_OUT_IPT, NORM_OUT_HW, NORM_OUT_GPT, NORM_OUT_CG, NORM_OUT_ACT, NORM_OUT_AFFINE, BLOCK_N,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -550,7 +642,7 @@ def _conv_epilogue(
     STATS_GP2: tl.constexpr, STATS_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """The fused epilogue of a finished accumulator tile, its store and (``HAS_STATS``) its GroupNorm partials,
-    merged into the statistics by the last tile of each image."""
+    merged into the statistics by the last tile of each image; returns the tile as stored (in the output dtype)."""
     res_rows = res_ptr + n_idx.to(tl.int64) * stride_rn + oh * stride_rh + ow * stride_rw
     acc = fused_epilogue(
         acc, n_idx, offs_n, m_mask, n_mask, bias_ptr, temb_ptr, stride_tn, stride_tc, res_rows, stride_rc,
@@ -569,6 +661,7 @@ def _conv_epilogue(
             part_ptr, stats_mr_ptr, arrive_ptr, pid_m, num_pid_n, M, Ho * Wo, STATS_G, STATS_S, STATS_P, stats_eps,
             STATS_CG, BLOCK_M, BLOCK_N, STATS_GP2, STATS_CHUNK,
         )  # fmt: skip
+    return y
 
 
 def _pow2_at_least(value: int, low: int, high: int) -> int:
@@ -692,6 +785,30 @@ def _check_norm_input(
         )
 
 
+def _check_norm_out(
+    norm_out: OutputGroupNorm, folded: bool, n: int, cout: int, out_hw: tuple[int, int], device: torch.device
+) -> None:
+    """FastdiffError unless the epilogue can take ``norm_out`` for an [n, cout, *out_hw] output on ``device``."""
+    if not isinstance(norm_out, OutputGroupNorm):
+        raise FastdiffError(f"norm_out must be an OutputGroupNorm, got {type(norm_out).__name__}")
+    if folded:
+        raise FastdiffError("norm_out does not combine with a folded GroupNorm (norm= / stats=)")
+    why = norm_out_unsupported(n, cout, out_hw, norm_out.groups)
+    if why is not None:
+        raise FastdiffError(f"norm_out: {why}")
+    check_activation(norm_out.activation)
+    if norm_out.eps < 0:
+        raise FastdiffError(f"norm_out: GroupNorm eps must be >= 0, got {norm_out.eps}")
+    if tuple(norm_out.out.shape) != (n, cout, *out_hw) or norm_out.out.device != device:
+        raise FastdiffError(f"norm_out.out must be a [{n}, {cout}, {out_hw[0]}, {out_hw[1]}] tensor on {device}, got "
+                            f"{tuple(norm_out.out.shape)} on {norm_out.out.device}")  # fmt: skip
+    if (norm_out.weight is None) != (norm_out.bias is None):
+        raise FastdiffError("norm_out: GroupNorm weight and bias must be given together (or neither)")
+    for t in (norm_out.weight, norm_out.bias):
+        if t is not None and (tuple(t.shape) != (cout,) or t.device != device or not t.is_contiguous()):
+            raise FastdiffError(f"norm_out: GroupNorm weight and bias must be contiguous [{cout}] tensors on {device}")
+
+
 def _check_shortcut(
     shortcut: torch.Tensor | None,
     weight: torch.Tensor | None,
@@ -768,6 +885,7 @@ def conv2d(
     workspace: SplitWorkspace | None = None,
     shortcut: torch.Tensor | None = None,
     shortcut_weight: torch.Tensor | None = None,
+    norm_out: OutputGroupNorm | None = None,
 ) -> torch.Tensor:
     """Fused conv2d: ``((act(conv(x, w) + bias + time_emb[:, :, None, None]) + residual) * out_scale``.
 
@@ -780,7 +898,9 @@ def conv2d(
 
     GroupNorm folding (module docstring): ``norm=fold`` convolves ``act(group_norm(x))`` instead of ``x``, with
     the statistics a ``stats=fold`` conv wrote for ``x``; ``stats=fold`` writes the statistics of this conv's
-    output (as stored) for the ``norm=fold`` conv that consumes it, finished in the same launch.
+    output (as stored) for the ``norm=fold`` conv that consumes it, finished in the same launch. ``norm_out``
+    (:class:`OutputGroupNorm`; where :func:`norm_out_unsupported` is None) also writes the output's GroupNorm and
+    activation to ``norm_out.out``, from the tile in registers (module docstring).
 
     ``shortcut`` ([N, Cin_sc, Ho, Wo], at the output's size) with ``shortcut_weight`` (raw [Cout, Cin_sc, 1, 1] or
     packed [Cin_sc, Cout]) adds the 1x1 conv of ``shortcut`` to the accumulator before the epilogue: the reduction
@@ -824,6 +944,8 @@ def conv2d(
         _check_norm_input(norm, stats, n, cin, x.device)
     if stats is not None:
         _check_fold(stats, "stats", cout, x.device)
+    if norm_out is not None:
+        _check_norm_out(norm_out, norm is not None or stats is not None, n, cout, (ho, wo), x.device)
     mean_rstd = None
     if norm is not None:
         mean_rstd = norm.mean_rstd.to(device=x.device, dtype=torch.float32).contiguous()
@@ -831,6 +953,9 @@ def conv2d(
         out = torch.empty((n, cout, ho, wo), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
     rows = n * ho * wo
     block_m, block_n, block_k, num_warps, num_stages = _gemm_blocks(rows, cout, cin, x.dtype, x.device, split_k)
+    if norm_out is not None:  # whole images per row tile, whole groups per channel tile
+        block_m, block_n = max(block_m, ho * wo), max(block_n, cout // norm_out.groups)
+        num_warps = 8 if block_m * block_n >= 128 * 128 else 4
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(cout, block_n)
     cin_sc = shortcut.shape[1] if shortcut is not None else 0
     split_k = min(split_k, ksize * ksize * triton.cdiv(cin, block_k) + triton.cdiv(cin_sc, block_k))
@@ -847,14 +972,19 @@ def conv2d(
     grid = (tiles, split_k)
     temb_strides = time_emb.stride() if time_emb is not None else (0, 0)
     norm_affine = norm is not None and norm.weight is not None
+    on = norm_out.out if norm_out is not None else out
+    on_affine = norm_out is not None and norm_out.weight is not None
+    on_width = cout // norm_out.groups if norm_out is not None else 1
     _conv2d_kernel[grid](
         x, weight, bias if bias is not None else out, temb, res, out,
         mean_rstd if norm is not None else out, norm.weight if norm_affine else out, norm.bias if norm_affine else out,
         *((stats.partials, stats.mean_rstd, stats.arrivals) if stats is not None else (out, out, out)),
         workspace.partials if split_k > 1 else out, workspace.counters if split_k > 1 else out,
         shortcut if shortcut is not None else out, shortcut_weight if shortcut is not None else out,
+        on, norm_out.weight if on_affine else out, norm_out.bias if on_affine else out,
         rows, h, w, cin, cin_sc, ho, wo, cout,
         *x.stride(), *temb_strides, *res.stride(), *out.stride(), *(shortcut if shortcut is not None else out).stride(),
+        *on.stride(), float(norm_out.eps) if norm_out is not None else 0.0,
         1.0 if out_scale is None else float(out_scale),
         norm.groups if norm is not None else 1, stats.groups if stats is not None else 1, *stats_layout[:2],
         float(stats.eps) if stats is not None else 0.0,
@@ -867,6 +997,9 @@ def conv2d(
         HAS_STATS=stats is not None, STATS_CG=cout // stats.groups if stats is not None else 1,
         STATS_GPT=stats_layout[2], STATS_GP2=triton.next_power_of_2(stats.groups) if stats is not None else 1,
         STATS_CHUNK=_stats_chunk(stats.groups, stats_layout[0] * stats_layout[1]) if stats is not None else 1,
+        HAS_NORM_OUT=norm_out is not None, NORM_OUT_IPT=block_m // (ho * wo) if norm_out is not None else 1,
+        NORM_OUT_HW=ho * wo if norm_out is not None else 1, NORM_OUT_GPT=block_n // on_width, NORM_OUT_CG=on_width,
+        NORM_OUT_ACT=ACTIVATIONS[norm_out.activation] if norm_out is not None else 0, NORM_OUT_AFFINE=on_affine,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, SPLIT_K=split_k,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(x.device),
     )  # fmt: skip
