@@ -34,12 +34,19 @@ TINY_CONFIGS = {
         downsample_padding=1,
     ),
 }  # fmt: skip
+POW2_CONFIG = dict(
+    sample_size=(8, 8), in_channels=3, out_channels=3, block_out_channels=(8, 16), norm_num_groups=4,
+    down_block_types=("AttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "AttnUpBlock2D"),
+    layers_per_block=1, attention_head_dim=4,
+)  # fmt: skip
+"""Power-of-two images (8x8, 4x4) and group widths (2, 4): the convs' epilogues can take the GroupNorms
+(``engine/epilogue_norm.py``). Not among the parametrised tiny configs: only the tests of that fusion use it."""
 
 
 def make_tiny(name: str, seed: int) -> DDPMUNet:
-    """A tiny DDPMUNet with random weights (scaled so every layer matters)."""
+    """A tiny DDPMUNet with random weights (scaled so every layer matters); ``name`` of TINY_CONFIGS or "pow2"."""
     torch.manual_seed(seed)
-    model = DDPMUNet(DDPMUNetConfig(**TINY_CONFIGS[name])).eval()
+    model = DDPMUNet(DDPMUNetConfig(**(POW2_CONFIG if name == "pow2" else TINY_CONFIGS[name]))).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.3)

@@ -74,6 +74,26 @@ def test_shortcut_summed_in_conv2_matches_eager(tiny_model, split):
     assert all(sc.impl == "fused" for sc in fused.shortcuts.values())
 
 
+@pytest.mark.parametrize("impl", ["triton-gn", "triton-gn-k3"])
+def test_group_norm_in_conv_epilogue_matches_eager(tiny_model, impl):
+    """Every conv whose output a GroupNorm reads (8x8 and 4x4 images) with that norm in its epilogue, split-K or not,
+    the shortcut-adding conv2 too (``triton-sc-gn``): the norms launch nothing, and two forwards in a row equal the
+    eager model (the arena poisoned with NaN: a norm output left unwritten would show)."""
+    model = tiny_model("pow2", 5).to(DEVICE)
+    fused = FusedModel(model, 2, torch.float32, DEVICE, "triton", "triton")
+    norms = [op for op in fused.ops if op.kind == "group_norm"]
+    assert len(fused.epilogue_norms) >= len(norms) // 2  # the up path's concat norms stay
+    for name in fused.epilogue_norms:
+        sc = "-sc" if name in fused.shortcuts else ""
+        fused._op_by_name[name].impl = impl.replace("triton", f"triton{sc}", 1)
+    fused.arena.view(torch.float32).fill_(float("nan"))
+    assert_two_forwards_match_eager(fused, model, seed=13)
+    assert all(norm.impl == "fused" for norm in fused.epilogue_norms.values())
+    assert sum(op.impl != "fused" for op in fused.step_ops) == len(fused.step_ops) - len(fused.epilogue_norms) - sum(
+        sc.impl == "fused" for sc in fused.shortcuts.values()
+    )
+
+
 def test_rows_attention_matches_eager(tiny_model):
     """Every attention on the whole-rows schedule (``triton-rows``, which autotune may pick for up to 512 keys), two
     forwards in a row: equal to the eager model."""

@@ -66,6 +66,11 @@ def check_fused_plan(fused: FusedModel) -> None:
     assert_no_live_overlap(fused.plan)
     for name, sc in fused.shortcuts.items():  # conv2 with its shortcut summed in reads the shortcut's input
         assert_apart(fused, sc.inputs[0], fused._op_by_name[name].output, f"{name} fused with {sc.name}")
+    for name, norm in fused.epilogue_norms.items():  # a conv with a norm in its epilogue writes the norm's output
+        conv = fused._op_by_name[name]
+        for value in (*conv.inputs, conv.output):
+            if value is not norm.output:
+                assert_apart(fused, value, norm.output, f"{name} with {norm.name} in its epilogue")
     specs = list(fused.plan.specs.values())
     assert max_live_bytes(specs) <= fused.plan.peak_bytes <= fused.plan.total_bytes
     fused._x_in = torch.empty(0)  # only needed for the external input, never looked up here
@@ -88,6 +93,12 @@ def check_fused_plan(fused: FusedModel) -> None:
 
 def test_tiny_unet_plan(tiny_name, tiny_model):
     check_fused_plan(FusedModel(tiny_model(tiny_name, 0), 3, torch.float32, "cpu", "triton", "triton"))
+
+
+def test_pow2_unet_plan_with_epilogue_norms(tiny_model):
+    fused = FusedModel(tiny_model("pow2", 0), 2, torch.float32, "cpu", "triton", "triton")
+    assert fused.epilogue_norms
+    check_fused_plan(fused)
 
 
 def test_cifar10_plan_reuses_memory():

@@ -60,7 +60,8 @@ def step_op_rows(fused: FusedModel, reps: int = 20) -> list[dict]:
     output's), ``us`` (per call with the chosen implementation: ``FusedModel.time_ops(reps)``), ``flops`` and
     ``bytes`` (``engine_op_cost``). A shortcut conv summed in its conv2 (impl ``fused``: no launch) has time and
     cost 0; its FLOPs and bytes count in the conv2's row, less its output's write and read-back, which the fused
-    launch never does. Needs CUDA and a bound forward; overwrites the arena's activations."""
+    launch never does; the same for a GroupNorm in its producer's epilogue, less the norm's read of its input.
+    Needs CUDA and a bound forward; overwrites the arena's activations."""
     size = fused.dtype.itemsize
     costs = {op.name: engine_op_cost(op, size) for op in fused.step_ops}
     for name, sc in fused.shortcuts.items():
@@ -69,6 +70,12 @@ def step_op_rows(fused: FusedModel, reps: int = 20) -> list[dict]:
             pair = (costs[name], costs[sc.name])
             costs[name] = Cost(pair[0].flops + pair[1].flops, pair[0].bytes + pair[1].bytes - saved)
             costs[sc.name] = Cost(0.0, 0.0)
+    for name, norm in fused.epilogue_norms.items():  # in its producer's epilogue: the norm never reads its input
+        if norm.impl == "fused":
+            saved = math.prod(norm.inputs[0].shape) * size
+            pair = (costs[name], costs[norm.name])
+            costs[name] = Cost(pair[0].flops + pair[1].flops, pair[0].bytes + pair[1].bytes - saved)
+            costs[norm.name] = Cost(0.0, 0.0)
     rows = []
     for op, us in zip(fused.step_ops, fused.time_ops(reps), strict=True):
         cost = costs[op.name]

@@ -13,7 +13,9 @@ the forward as a list of ops of :mod:`fastdiff.engine.ir`, then:
   ``kernels.conv2d_tma`` for stride-1 convs, or cuDNN + a torch epilogue; token GEMM: ``kernels.linear`` or
   cuBLAS + a torch epilogue; the gather conv also with its reduction split over 2-16 programs where its grid
   leaves SMs idle, ``triton-k<split>``; a ResnetBlock2D's conv2 also with its 1x1 conv_shortcut summed in,
-  ``triton-sc[-k<split>]``, timed against the pair unfused (:mod:`fastdiff.engine.shortcut`); attention:
+  ``triton-sc[-k<split>]``, timed against the pair unfused (:mod:`fastdiff.engine.shortcut`); a conv whose output
+  a GroupNorm reads also with that norm in its epilogue, ``triton[-sc]-gn[-k<split>]``, timed against the conv and
+  the norm apart (:mod:`fastdiff.engine.epilogue_norm`); attention:
   ``kernels.attention`` (also with its keys split over 2-8 programs per query block where those leave SMs idle,
   ``triton-kv<split>``, and for at most 512 keys its whole-rows schedule, ``triton-rows``) or torch SDPA;
   GroupNorm: the kernel's own launch plan or whole groups at 16, 32 or 64 channel lanes per program)
@@ -53,6 +55,7 @@ from torch import nn
 
 from fastdiff.atomic import write_text_atomic
 from fastdiff.devices import normalize_device
+from fastdiff.engine.epilogue_norm import epilogue_norms
 from fastdiff.engine.fold import fold_group_norms
 from fastdiff.engine.fp8 import mark_fp8_convs
 from fastdiff.engine.ir import GraphBuilder, Op, Value
@@ -64,7 +67,7 @@ from fastdiff.errors import FastdiffError
 from fastdiff.kernels.attention import ROWS_MAX_KEYS, attention, split_kv_choices
 from fastdiff.kernels.attention_gate import attention_gate
 from fastdiff.kernels.common import SplitWorkspace, activation_ref
-from fastdiff.kernels.conv2d import FoldedGroupNorm, conv2d, pack_conv_weight, split_k_choices
+from fastdiff.kernels.conv2d import FoldedGroupNorm, OutputGroupNorm, conv2d, pack_conv_weight, split_k_choices
 from fastdiff.kernels.conv2d_tma import conv2d_tma, pack_conv_weight_fp8, pack_upsample2_weight, tma_conv_unsupported
 from fastdiff.kernels.depthwise_conv2d import depthwise_conv2d, pack_depthwise_weight
 from fastdiff.kernels.fp8 import FP8_DTYPE, fp8_supported
@@ -124,6 +127,19 @@ WEIGHT_ROLES: dict[tuple[str, str], set[str]] = {
     ("linear", "cublas"): {"packed", "bias"},
 }
 """(op kind, implementation) -> the device weight layouts it reads (the others are dropped after autotune)."""
+
+
+def _is_gather(impl: str) -> bool:
+    """Whether a conv implementation is the gather kernel (``kernels.conv2d``): plain, split-K, with the shortcut
+    summed in or the output's GroupNorm in the epilogue."""
+    return impl == "triton" or impl.startswith(("triton-k", "triton-sc", "triton-gn"))
+
+
+def _with_norm_out(impl: str) -> str:
+    """The gather implementation ``impl`` with the GroupNorm of its output in the epilogue:
+    ``triton[-sc][-k<N>]`` -> ``triton[-sc]-gn[-k<N>]``."""
+    base, _, split = impl.partition("-k")
+    return f"{base}-gn" + (f"-k{split}" if split else "")
 
 
 class FusedModel:
@@ -193,6 +209,12 @@ class FusedModel:
             _root(self.cached_value).persistent = True  # outlives the full forward that wrote it
             self._shallow_index = self._shallow_slice()
         self.shallow_ops = [self.step_ops[i] for i in self._shallow_index]
+        shallow = {id(op) for op in self.shallow_ops}  # a pair runs in the shallow step (step cache) or not at all
+        self.epilogue_norms = {  # engine/epilogue_norm.py: conv name -> the GroupNorm its epilogue may take
+            name: norm
+            for name, norm in epilogue_norms(self.ops).items()
+            if (id(self._op_by_name[name]) in shallow) == (id(norm) in shallow)
+        }
         self._time_features = graph.time_features
         self._temb_channels = graph.temb_channels
         self.temb_row = torch.zeros((1, self._temb_channels), dtype=dtype, device=self.device)
@@ -229,12 +251,15 @@ class FusedModel:
     # ------------------------------------------------------------------------------------------------ plan
     def _fused_access(self) -> dict[int, list[Value]]:
         """Step-op index -> the values that op also reads or writes when a fusion the autotune may pick runs: a
-        conv2 reads its shortcut conv's input (engine/shortcut.py). The arena plan keeps them live there too,
+        conv2 reads its shortcut conv's input (engine/shortcut.py), a conv with a GroupNorm in its epilogue writes
+        the norm's output (engine/epilogue_norm.py). The arena plan keeps them live there too,
         whichever implementation runs: otherwise the fused op could write its output over bytes it still reads."""
         index = {id(op): i for i, op in enumerate(self.step_ops)}
         extra: dict[int, list[Value]] = {}
         for name, sc in self.shortcuts.items():
             extra.setdefault(index[id(self._op_by_name[name])], []).append(sc.inputs[0])
+        for name, norm in self.epilogue_norms.items():  # a conv with a GroupNorm in its epilogue writes its output
+            extra.setdefault(index[id(self._op_by_name[name])], []).append(norm.output)
         return extra
 
     def _plan(self) -> MemoryPlan:
@@ -384,8 +409,13 @@ class FusedModel:
             )  # fmt: skip
         if impl == "fused":  # summed in the conv that adds it (engine/shortcut.py): nothing to launch
             return lambda: None
-        if impl.startswith("triton"):  # the gather kernel; -sc: + the 1x1 shortcut; -k<N>: reduction split N ways
-            shortcut = shortcut_weight = None
+        if impl.startswith("triton"):  # the gather kernel; -sc: + the 1x1 shortcut; -gn: + the GroupNorm of the
+            shortcut = shortcut_weight = norm_out = None  # output in the epilogue; -k<N>: reduction split N ways
+            if "-gn" in impl:
+                gn = self.epilogue_norms[op.name]
+                gw, gp = self._device_weights[gn.name], gn.params
+                norm_out = OutputGroupNorm(gp["groups"], self._tensor(gn.output), gw.get("weight"), gw.get("bias"),
+                                           gp["eps"], gp["act"])  # fmt: skip
             if impl.startswith("triton-sc"):
                 sc = self.shortcuts[op.name]
                 shortcut, shortcut_weight = self._tensor(sc.inputs[0]), self._device_weights[sc.name]["packed"]
@@ -398,7 +428,7 @@ class FusedModel:
             return lambda: conv2d(
                 x, packed, bias, stride=stride, padding=padding, time_emb=temb, residual=residual,
                 activation=act, out_scale=scale, out=out, upsample=up, norm=norm, stats=stats, split_k=split_k,
-                workspace=workspace, shortcut=shortcut, shortcut_weight=shortcut_weight,
+                workspace=workspace, shortcut=shortcut, shortcut_weight=shortcut_weight, norm_out=norm_out,
             )  # fmt: skip
         weight = w["weight"]
         temb4 = None if temb is None else temb[:, :, None, None]
@@ -477,6 +507,8 @@ class FusedModel:
         return lambda: o.copy_(F.scaled_dot_product_attention(q, k, v))
 
     def _call(self, op: Op, impl: str) -> Callable[[], None]:
+        if impl == "fused":  # run inside another op's launch (a shortcut conv, an epilogue GroupNorm)
+            return lambda: None
         if op.kind == "conv":
             return self._conv_call(op, impl)
         if op.kind == "linear":
@@ -522,6 +554,8 @@ class FusedModel:
                 ours = (*ours, *(f"triton-k{split}" for split in self._split_k_choices(op)))
                 if op.name in self.shortcuts:  # + the gather kernel with the shortcut summed in (engine/shortcut.py)
                     ours = (*ours, "triton-sc", *(f"triton-sc-k{split}" for split in self._split_k_choices(op)))
+                if op.name in self.epilogue_norms:  # + each gather variant with the GroupNorm in its epilogue
+                    ours = (*ours, *(_with_norm_out(impl) for impl in ours if _is_gather(impl)))
             return {"auto": (*ours, library), "triton": ours, "cudnn": (library,)}[self.conv_impl]
         if op.kind == "attention":
             ours = ("triton",)
@@ -582,6 +616,11 @@ class FusedModel:
                 sc.impl, sc.why = "fused", f"summed in {name} (the reduction runs on over this conv's input)"
             elif sc.impl == "fused":  # back to its own fastest (or default) implementation
                 sc.impl, sc.why = (min(sc.times_us, key=sc.times_us.get) if sc.times_us else None), None
+        for name, gn in self.epilogue_norms.items():  # a GroupNorm in its producer's epilogue runs no launch
+            if "-gn" in (self._op_by_name[name].impl or ""):
+                gn.impl, gn.why = "fused", f"in {name}'s epilogue (its output tiles hold whole images and groups)"
+            elif gn.impl == "fused":
+                gn.impl, gn.why = (min(gn.times_us, key=gn.times_us.get) if gn.times_us else None), None
         for op in self.ops:
             op.impl = op.impl or self._candidates(op)[0]
             op.why = op.why or self._default_why(op)
@@ -627,8 +666,17 @@ class FusedModel:
             op.weights = {}  # the fp32 source copies are no longer needed
             self.streamer.wait(op.name)
             op.impl = op.impl or self._candidates(op)[0]
-            self._call(op, op.impl)()
+            self._call(op, self._first_forward_impl(op))()
         self._bind(x_in)
+
+    def _first_forward_impl(self, op: Op) -> str:
+        """``op``'s implementation in the streamed first forward: a GroupNorm that runs in its producer's epilogue
+        runs on its own there (its weights upload after the conv's)."""
+        if op.kind == "conv" and "-gn" in op.impl:
+            return op.impl.replace("-gn", "")
+        if op.kind == "group_norm" and op.impl == "fused":
+            return self._candidates(op)[0]
+        return op.impl
 
     def forward_from_row(self, x_in: torch.Tensor, shallow: bool = False) -> torch.Tensor:
         """The model output for ``x_in`` with the time embedding already in ``temb_row`` (the first call
@@ -689,21 +737,20 @@ class FusedModel:
             candidates = self._candidates(op)
             if len(candidates) < 2:
                 continue
-            key = self._tuning_key(op)
-            known = TUNING_CACHE.setdefault(key, {})
-            missing = [impl for impl in candidates if impl not in known]
-            known.update({impl: time_call_us(self._call(op, impl), reps) for impl in missing})
-            if missing:
-                why, self.ops_timed = "timed", self.ops_timed + 1
-            else:
-                why = "timed earlier (tuning cache, same shapes)"
-            op.times_us = {impl: known[impl] for impl in candidates}
+            timed_now = self.ops_timed
+            op.times_us = self._candidate_times(op, candidates, reps)
+            why = "timed" if self.ops_timed > timed_now else "timed earlier (tuning cache, same shapes)"
             effective = dict(op.times_us)
             sc = self.shortcuts.get(op.name)
             if sc is not None:  # unfused, the pair also pays for the shortcut conv's own launch at its best
                 sc_us = min(sc.times_us.values()) if sc.times_us else time_call_us(self._call(sc, sc.impl), reps)
                 effective = {k: v + (0.0 if k.startswith("triton-sc") else sc_us) for k, v in effective.items()}
                 why += f" (unfused + {sc.name} {sc_us:.1f} us)"
+            gn = self.epilogue_norms.get(op.name)
+            if gn is not None:  # without the norm in its epilogue, the norm launches on its own, at its best
+                gn_us = min(self._candidate_times(gn, self._candidates(gn), reps).values())
+                effective = {k: v + (0.0 if "-gn" in k else gn_us) for k, v in effective.items()}
+                why += f" (apart + {gn.name} {gn_us:.1f} us)"
             op.impl = min(effective, key=effective.get)
             op.why = f"{why}: " + ", ".join(f"{k} {v:.1f} us" for k, v in op.times_us.items())
         if self.ops_timed:
@@ -714,10 +761,19 @@ class FusedModel:
             for call in self._context_calls:
                 call()
 
+    def _candidate_times(self, op: Op, candidates: tuple[str, ...], reps: int) -> dict[str, float]:
+        """Microseconds of each of ``op``'s candidates: the tuning cache's, the missing ones timed now (then
+        ``ops_timed`` counts the op)."""
+        known = TUNING_CACHE.setdefault(self._tuning_key(op), {})
+        missing = [impl for impl in candidates if impl not in known]
+        known.update({impl: time_call_us(self._call(op, impl), reps) for impl in missing})
+        self.ops_timed += bool(missing)
+        return {impl: known[impl] for impl in candidates}
+
     def time_ops(self, reps: int = 20) -> list[float]:
         """Microseconds of each op of ``step_ops`` (in order) with its chosen implementation, timed like
         ``autotune`` (a CUDA graph of ``reps`` launches, median of 3 replays; launch overhead excluded; 0 for a
-        shortcut summed in its conv2). Needs
+        shortcut summed in its conv2 or a GroupNorm in its producer's epilogue). Needs
         CUDA and a bound forward (any ``forward`` call); the ops overwrite the arena's activations."""
         if self.device.type != "cuda":
             raise FastdiffError("FusedModel.time_ops needs CUDA")
@@ -730,6 +786,9 @@ class FusedModel:
         """What an op's timing depends on: kind, shapes, strided (concat slice) or not, flags, dtype, GPU and
         library versions (a string: it is a JSON key on disk)."""
         params = {k: (v is not None if k == "temb" else v) for k, v in op.params.items()}
+        if op.name in self.epilogue_norms:  # its -gn candidates also run this norm
+            gn = self.epilogue_norms[op.name].params
+            params["norm_out"] = (gn["groups"], gn["eps"], gn["act"])
         values = [(v.shape, v.concat is not None) for v in (*op.inputs, op.output)]
         gpu = torch.cuda.get_device_name(self.device)
         return repr((op.kind, values, sorted(params.items()), str(self.dtype), gpu, torch.__version__,
@@ -738,8 +797,8 @@ class FusedModel:
     def drop_unused_weights(self) -> None:
         """Free the weight layouts the chosen implementation does not read."""
         for op in self.ops:
-            gather = op.kind == "conv" and op.impl.startswith(("triton-k", "triton-sc"))
-            impl = "triton" if gather else op.impl  # split-K and shortcut-summing variants: the gather kernel's
+            gather = op.kind == "conv" and _is_gather(op.impl)  # every gather variant reads the plain kernel's
+            impl = "triton" if gather else op.impl
             reads = WEIGHT_ROLES.get((op.kind, impl))
             if reads is not None:
                 w = self._device_weights[op.name]
