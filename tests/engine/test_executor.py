@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import pytest
@@ -86,12 +87,36 @@ def test_group_norm_in_conv_epilogue_matches_eager(tiny_model, impl):
     for name in fused.epilogue_norms:
         sc = "-sc" if name in fused.shortcuts else ""
         fused._op_by_name[name].impl = impl.replace("triton", f"triton{sc}", 1)
+    shape = fused.x_in_value.shape  # the streamed first forward runs the norms on their own: get it out of the way
+    fused.forward(channels_last_empty(shape, torch.float32, DEVICE).normal_(), torch.tensor([5], device=DEVICE))
     fused.arena.view(torch.float32).fill_(float("nan"))
     assert_two_forwards_match_eager(fused, model, seed=13)
     assert all(norm.impl == "fused" for norm in fused.epilogue_norms.values())
     assert sum(op.impl != "fused" for op in fused.step_ops) == len(fused.step_ops) - len(fused.epilogue_norms) - sum(
         sc.impl == "fused" for sc in fused.shortcuts.values()
     )
+
+
+def test_candidate_that_does_not_fit_the_gpu_times_infinite(tiny_model, monkeypatch):
+    """A candidate whose kernel needs more shared memory than the GPU has (Triton's OutOfResources at its first
+    launch) is recorded as infinitely slow and never chosen; the others are timed as usual."""
+    from triton.runtime.errors import OutOfResources
+
+    from fastdiff.engine import executor
+
+    fused = FusedModel(tiny_model("pow2", 6), 2, torch.float32, DEVICE, "triton", "triton")
+    conv = fused._op_by_name[next(iter(fused.epilogue_norms))]
+
+    def fake_time(call, reps):
+        raise OutOfResources(300_000, 232_448, "shared memory")
+
+    monkeypatch.setattr(executor, "TUNING_CACHE", {})
+    monkeypatch.setattr(FusedModel, "_tuning_key", lambda self, op: op.name)
+    monkeypatch.setattr(FusedModel, "_call", lambda self, op, impl: impl)
+    monkeypatch.setattr(executor, "time_call_us", lambda impl, reps: fake_time(impl, reps) if "-gn" in impl else 7.0)
+    times = fused._candidate_times(conv, ("triton", "triton-gn", "triton-k2", "triton-gn-k2"), 5)
+    assert times == {"triton": 7.0, "triton-gn": math.inf, "triton-k2": 7.0, "triton-gn-k2": math.inf}
+    assert fused.ops_timed == 1
 
 
 def test_rows_attention_matches_eager(tiny_model):

@@ -68,7 +68,8 @@ def check_fused_plan(fused: FusedModel) -> None:
         assert_apart(fused, sc.inputs[0], fused._op_by_name[name].output, f"{name} fused with {sc.name}")
     for name, norm in fused.epilogue_norms.items():  # a conv with a norm in its epilogue writes the norm's output
         conv = fused._op_by_name[name]
-        for value in (*conv.inputs, conv.output):
+        sc = fused.shortcuts.get(name)  # with its shortcut summed in, the conv also reads the shortcut's input
+        for value in (*conv.inputs, conv.output, *((sc.inputs[0],) if sc is not None else ())):
             if value is not norm.output:
                 assert_apart(fused, value, norm.output, f"{name} with {norm.name} in its epilogue")
     specs = list(fused.plan.specs.values())

@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 import triton
 from torch import nn
+from triton.runtime.errors import OutOfResources
 
 from fastdiff.atomic import write_text_atomic
 from fastdiff.devices import normalize_device
@@ -763,10 +764,16 @@ class FusedModel:
 
     def _candidate_times(self, op: Op, candidates: tuple[str, ...], reps: int) -> dict[str, float]:
         """Microseconds of each of ``op``'s candidates: the tuning cache's, the missing ones timed now (then
-        ``ops_timed`` counts the op)."""
+        ``ops_timed`` counts the op). A candidate that does not fit this GPU (Triton's ``OutOfResources``: e.g. the
+        larger tile of an epilogue GroupNorm on a GPU with less shared memory than Hopper's) times as infinite."""
         known = TUNING_CACHE.setdefault(self._tuning_key(op), {})
         missing = [impl for impl in candidates if impl not in known]
-        known.update({impl: time_call_us(self._call(op, impl), reps) for impl in missing})
+        for impl in missing:
+            try:
+                known[impl] = time_call_us(self._call(op, impl), reps)
+            except OutOfResources as err:
+                log.info("%s: %s does not fit this GPU (%s)", op.name, impl, err)
+                known[impl] = math.inf
         self.ops_timed += bool(missing)
         return {impl: known[impl] for impl in candidates}
 
@@ -787,8 +794,9 @@ class FusedModel:
         library versions (a string: it is a JSON key on disk)."""
         params = {k: (v is not None if k == "temb" else v) for k, v in op.params.items()}
         if op.name in self.epilogue_norms:  # its -gn candidates also run this norm
-            gn = self.epilogue_norms[op.name].params
-            params["norm_out"] = (gn["groups"], gn["eps"], gn["act"])
+            gn = self.epilogue_norms[op.name]
+            affine = self._device_weights.get(gn.name, {}).get("weight") is not None
+            params["norm_out"] = (gn.params["groups"], gn.params["eps"], gn.params["act"], affine)
         values = [(v.shape, v.concat is not None) for v in (*op.inputs, op.output)]
         gpu = torch.cuda.get_device_name(self.device)
         return repr((op.kind, values, sorted(params.items()), str(self.dtype), gpu, torch.__version__,

@@ -510,9 +510,12 @@ def _attention_rows(
     if q.is_cuda and sixteen_bit:
         _TUNED_ROWS[block_d][grid](*args, **meta, **pdl_launch(q.device))
         return
-    # the interpreter and fp32 (exact-fp32 products on the FMA units): one fixed, small tile
+    # the interpreter and fp32 (exact-fp32 products on the FMA units): one fixed, small tile whose fp32 K chunk and
+    # V slice (BLOCK_N x 32, or x 16 past 256 keys) fit the shared memory of any CUDA GPU
     block_m = max(16, min(32 if block_n <= 256 else 16, triton.next_power_of_2(lq)))
-    fixed = {"BLOCK_M": block_m, "BLOCK_DV": min(block_d, 64)}
+    width = 32 if block_n <= 256 else 16
+    fixed = {"BLOCK_M": block_m, "BLOCK_DV": min(block_d, width)}
+    meta["BLOCK_KD"] = min(block_d, width)
     _attention_rows_kernel[grid(fixed)](*args, **meta, **fixed, num_warps=4, num_stages=1, **pdl_launch(q.device))
 
 
