@@ -97,6 +97,31 @@ def test_group_norm_in_conv_epilogue_matches_eager(tiny_model, impl):
     )
 
 
+def test_epilogue_norms_in_the_shallow_forward(tiny_model):
+    """With the step cache's shallow forward (only the ops its output needs, on the kept deep feature), every pair
+    runs in both forwards or in neither: the shallow forward with all norms in their convs' epilogues equals the
+    same forward with every op on its own (a norm left to a conv the shallow forward skips would read stale data)."""
+    model = tiny_model("pow2", 8).to(DEVICE)
+    fused, plain = (FusedModel(model, 1, torch.float32, DEVICE, "triton", "triton") for _ in range(2))
+    assert fused.cached_value is not None and fused.epilogue_norms
+    shallow = {op.name for op in fused.shallow_ops}
+    assert any(name in shallow for name in fused.epilogue_norms)  # some pairs run in the shallow forward too
+    for name in fused.epilogue_norms:
+        fused._op_by_name[name].impl = "triton-sc-gn" if name in fused.shortcuts else "triton-gn"
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(fused.x_in_value.shape, generator=gen) for _ in range(3)]
+    outs = {}
+    for key, model_ in (("fused", fused), ("plain", plain)):
+        runs = []
+        for x, t, shallow_step in zip(xs, (999, 500, 3), (False, False, True), strict=True):
+            x_in = channels_last_empty(x.shape, torch.float32, DEVICE).copy_(x.to(DEVICE))
+            runs.append(model_.forward(x_in, torch.tensor([t], device=DEVICE), shallow=shallow_step).clone())
+        outs[key] = runs
+    assert all(norm.impl == "fused" for norm in fused.epilogue_norms.values())
+    for got, ref in zip(outs["fused"], outs["plain"], strict=True):
+        assert rel_err(got, ref) < TOL
+
+
 def test_candidate_that_does_not_fit_the_gpu_times_infinite(tiny_model, monkeypatch):
     """A candidate whose kernel needs more shared memory than the GPU has (Triton's OutOfResources at its first
     launch) is recorded as infinitely slow and never chosen; the others are timed as usual."""
