@@ -124,6 +124,12 @@ def test_norm_out_bad_arguments_raise() -> None:
         conv2d(x, w, padding=1, norm_out=OutputGroupNorm(4, out), stats=FoldedGroupNorm(4))
     with pytest.raises(FastdiffError, match=r"norm_out.out must be a \[1, 16, 4, 4\]"):
         conv2d(x, w, padding=1, norm_out=OutputGroupNorm(4, out[:, :8]))
+    with pytest.raises(FastdiffError, match="overlaps"):  # the normalised output over the raw one
+        conv2d(x, w, padding=1, out=out, norm_out=OutputGroupNorm(4, out))
+    buffer = torch.empty(2, 16, 4, 4, device=DEVICE)
+    with pytest.raises(FastdiffError, match="overlaps"):  # over the residual
+        conv2d(x, w, padding=1, residual=buffer[0:1], norm_out=OutputGroupNorm(4, buffer[0:1]))
+    conv2d(x, w, padding=1, residual=buffer[0:1], norm_out=OutputGroupNorm(4, buffer[1:2]))  # apart: fine
     with pytest.raises(FastdiffError, match="together"):
         conv2d(x, w, padding=1, norm_out=OutputGroupNorm(4, out, weight=torch.ones(16, device=DEVICE)))
     with pytest.raises(FastdiffError, match="contiguous"):

@@ -785,10 +785,24 @@ def _check_norm_input(
         )
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) bytes of device memory that ``t``'s elements may occupy."""
+    reach = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True) if size > 0)
+    return t.data_ptr(), t.data_ptr() + (reach + 1) * t.element_size()
+
+
 def _check_norm_out(
-    norm_out: OutputGroupNorm, folded: bool, n: int, cout: int, out_hw: tuple[int, int], device: torch.device
+    norm_out: OutputGroupNorm,
+    folded: bool,
+    n: int,
+    cout: int,
+    out_hw: tuple[int, int],
+    device: torch.device,
+    operands: tuple[torch.Tensor | None, ...],
 ) -> None:
-    """FastdiffError unless the epilogue can take ``norm_out`` for an [n, cout, *out_hw] output on ``device``."""
+    """FastdiffError unless the epilogue can take ``norm_out`` for an [n, cout, *out_hw] output on ``device``,
+    into memory none of the conv's ``operands`` (input, residual, shortcut, output) occupies: a tile storing its
+    normalised values there could overwrite what another tile still reads."""
     if not isinstance(norm_out, OutputGroupNorm):
         raise FastdiffError(f"norm_out must be an OutputGroupNorm, got {type(norm_out).__name__}")
     if folded:
@@ -807,6 +821,12 @@ def _check_norm_out(
     for t in (norm_out.weight, norm_out.bias):
         if t is not None and (tuple(t.shape) != (cout,) or t.device != device or not t.is_contiguous()):
             raise FastdiffError(f"norm_out: GroupNorm weight and bias must be contiguous [{cout}] tensors on {device}")
+    first, end = _byte_span(norm_out.out)
+    for t in operands:
+        if t is not None and t.numel() and norm_out.out.numel():
+            t_first, t_end = _byte_span(t)
+            if t_first < end and first < t_end:
+                raise FastdiffError("norm_out.out overlaps the conv's input, residual, shortcut or output")
 
 
 def _check_shortcut(
@@ -945,7 +965,8 @@ def conv2d(
     if stats is not None:
         _check_fold(stats, "stats", cout, x.device)
     if norm_out is not None:
-        _check_norm_out(norm_out, norm is not None or stats is not None, n, cout, (ho, wo), x.device)
+        folded = norm is not None or stats is not None
+        _check_norm_out(norm_out, folded, n, cout, (ho, wo), x.device, (x, residual, shortcut, out))
     mean_rstd = None
     if norm is not None:
         mean_rstd = norm.mean_rstd.to(device=x.device, dtype=torch.float32).contiguous()
