@@ -30,7 +30,6 @@ FP8 = "fp8"
 GroupNorm (``fastdiff.engine.Engine(fp8=True)``; Hopper GPUs, or Triton's CPU interpreter for tests)."""
 DTYPE_NAMES = (*DTYPES, FP8)
 """The dtype names ``Pipeline.from_pretrained`` takes."""
-FP8_DTYPES = (torch.float16, torch.bfloat16)
 """The activation dtypes fp8 convs read and write."""
 
 
@@ -47,15 +46,14 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
 
 def check_fp8(device: torch.device, dtype: torch.dtype, backend: str | None) -> str:
     """The backend for an fp8 pipeline (None means "engine": fp8 exists only there), after checking, in this
-    order, that ``device`` can run fp8 convs (``fastdiff.kernels.fp8.fp8_supported``), that ``dtype`` is fp16 or
-    bf16 and that the backend is the engine; each failure is a one-line FastdiffError."""
-    from fastdiff.kernels.fp8 import fp8_supported
+    order, that ``device`` can run fp8 convs and that ``dtype`` is fp16 or bf16
+    (``fastdiff.engine.fp8.fp8_unsupported``) and that the backend is the engine; each failure is a one-line
+    FastdiffError."""
+    from fastdiff.engine.fp8 import fp8_unsupported
 
-    reason = fp8_supported(device)
+    reason = fp8_unsupported(device, dtype, role="pipeline")
     if reason is not None:
         raise FastdiffError(reason)
-    if dtype not in FP8_DTYPES:
-        raise FastdiffError(f"fp8 convs read and write fp16 or bf16 activations: the pipeline dtype cannot be {dtype}")
     backend = resolve_backend("engine" if backend is None else backend, device)
     if backend != "engine":
         raise FastdiffError(f"fp8 runs only in the engine backend (e4m3 convs on Hopper): not with backend={backend!r}")

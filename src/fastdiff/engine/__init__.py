@@ -24,6 +24,7 @@ from torch import nn
 
 from fastdiff.devices import normalize_device
 from fastdiff.engine.executor import FusedModel, tuning_cache_path
+from fastdiff.engine.fp8 import fp8_unsupported
 from fastdiff.engine.graph import CapturedForward, SamplingLoop, StepModel, channels_last_empty
 from fastdiff.engine.lower import lowering_for, supports
 from fastdiff.engine.weights import WeightStreamer
@@ -109,8 +110,8 @@ class Engine:
             raise FastdiffError(f"unet_impl must be 'fused' or 'eager', got {unet_impl!r}")
         if fold_norms and conv_impl == "cudnn":
             raise FastdiffError("fold_norms needs the Triton conv kernel: conv_impl 'auto' or 'triton', not 'cudnn'")
-        if fp8 and (conv_impl == "cudnn" or fold_norms):
-            raise FastdiffError("fp8 runs its convs on the TMA kernel: not with conv_impl='cudnn' or fold_norms")
+        if fp8 and (reason := fp8_unsupported(self.device, None, conv_impl, fold_norms)) is not None:
+            raise FastdiffError(reason)
         self.unet_impl, self.conv_impl, self.attention_impl = unet_impl, conv_impl, attention_impl
         self.fold_norms, self.fp8 = fold_norms, fp8
         self.steps_per_graph, self.use_graphs = steps_per_graph, use_graphs

@@ -58,7 +58,7 @@ from fastdiff.atomic import write_text_atomic
 from fastdiff.devices import normalize_device
 from fastdiff.engine.epilogue_norm import epilogue_norms
 from fastdiff.engine.fold import fold_group_norms
-from fastdiff.engine.fp8 import mark_fp8_convs
+from fastdiff.engine.fp8 import fp8_unsupported, mark_fp8_convs
 from fastdiff.engine.ir import GraphBuilder, Op, Value
 from fastdiff.engine.lower import lowering_for
 from fastdiff.engine.plan import BufferSpec, MemoryPlan, plan_memory
@@ -71,7 +71,7 @@ from fastdiff.kernels.common import SplitWorkspace, activation_ref
 from fastdiff.kernels.conv2d import FoldedGroupNorm, OutputGroupNorm, conv2d, pack_conv_weight, split_k_choices
 from fastdiff.kernels.conv2d_tma import conv2d_tma, pack_conv_weight_fp8, pack_upsample2_weight, tma_conv_unsupported
 from fastdiff.kernels.depthwise_conv2d import depthwise_conv2d, pack_depthwise_weight
-from fastdiff.kernels.fp8 import FP8_DTYPE, fp8_supported
+from fastdiff.kernels.fp8 import FP8_DTYPE
 from fastdiff.kernels.group_norm_act import LANE_CHOICES, group_norm_act
 from fastdiff.kernels.layer_norm import layer_norm
 from fastdiff.kernels.linear import linear, pack_linear_weight
@@ -179,7 +179,9 @@ class FusedModel:
             raise FastdiffError("fold_norms needs the Triton conv kernel: conv_impl 'auto' or 'triton', not 'cudnn'")
         self.device = normalize_device(device)
         if fp8:
-            _check_fp8(self.device, dtype, conv_impl, fold_norms)
+            reason = fp8_unsupported(self.device, dtype, conv_impl, fold_norms)
+            if reason is not None:
+                raise FastdiffError(reason)
         self.dtype, self.batch = dtype, batch
         self.cfg = model.config
         self.height, self.width = size if size is not None else family.default_size(model)
@@ -822,16 +824,6 @@ class FusedModel:
             rows.append(dict(name=op.name, kind=op.kind, stage=op.stage, shape=list(out.shape), impl=op.impl,
                              why=op.why, times_us=op.times_us, output=where))  # fmt: skip
         return rows
-
-
-def _check_fp8(device: torch.device, dtype: torch.dtype, conv_impl: str, fold_norms: bool) -> None:
-    reason = fp8_supported(device)
-    if reason is not None:
-        raise FastdiffError(reason)
-    if dtype not in (torch.float16, torch.bfloat16):
-        raise FastdiffError(f"fp8 convs write fp16 or bf16 activations: the engine dtype cannot be {dtype}")
-    if conv_impl == "cudnn" or fold_norms:
-        raise FastdiffError("fp8 runs its convs on the TMA kernel: not with conv_impl='cudnn' or fold_norms")
 
 
 def _root(v: Value) -> Value:

@@ -11,8 +11,31 @@ op's output) stays in the engine dtype.
 
 from __future__ import annotations
 
+import torch
+
 from fastdiff.engine.ir import Op, Value
-from fastdiff.kernels.fp8 import norm_output_scale
+from fastdiff.kernels.fp8 import fp8_supported, norm_output_scale
+
+FP8_ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
+"""The activation dtypes of an fp8 engine: its e4m3 convs read and write them."""
+
+
+def fp8_unsupported(
+    device: torch.device, dtype: torch.dtype | None, conv_impl: str = "auto", fold_norms: bool = False,
+    role: str = "engine",
+) -> str | None:  # fmt: skip
+    """Why the engine cannot run fp8 with these settings (one line, checked in this order: the device, the
+    activation ``dtype`` when given, the conv implementation and folding), or None. ``role`` names the dtype's
+    owner in the message ("engine", "pipeline"). The one home of fp8's preconditions: the engine, its step model
+    and the pipeline all ask it."""
+    reason = fp8_supported(device)
+    if reason is not None:
+        return reason
+    if dtype is not None and dtype not in FP8_ACTIVATION_DTYPES:
+        return f"fp8 convs read and write fp16 or bf16 activations: the {role} dtype cannot be {dtype}"
+    if conv_impl == "cudnn" or fold_norms:
+        return "fp8 runs its convs on the TMA kernel: not with conv_impl='cudnn' or fold_norms"
+    return None
 
 
 def _fp8_reader(op: Op, value: Value) -> bool:
