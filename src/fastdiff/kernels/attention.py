@@ -118,6 +118,14 @@ def _aligned(stride, ALIGN: tl.constexpr):
 
 
 @triton.jit
+def _row_pointers(ptr, b, h, rows, stride_b, stride_h, stride_row, ALIGN: tl.constexpr):
+    """``[rows, 1]`` pointers to the first element of each row of head ``h`` of batch entry ``b``, the strides
+    rewritten as visible multiples of ALIGN (:func:`_aligned`)."""
+    base = b * _aligned(stride_b, ALIGN) + h * _aligned(stride_h, ALIGN)
+    return ptr + base + rows[:, None] * _aligned(stride_row, ALIGN)
+
+
+@triton.jit
 def _attention_kernel(
     q_ptr,
     k_ptr,
@@ -168,14 +176,10 @@ def _attention_kernel(
     d_mask = offs_d < HEAD_DIM
     m_mask = offs_m < Lq
 
-    q_base = b * _aligned(stride_qb, ALIGN) + h * _aligned(stride_qh, ALIGN)
-    k_base = b * _aligned(stride_kb, ALIGN) + h * _aligned(stride_kh, ALIGN)
-    v_base = b * _aligned(stride_vb, ALIGN) + h * _aligned(stride_vh, ALIGN)
-    o_base = b * _aligned(stride_ob, ALIGN) + h * _aligned(stride_oh, ALIGN)
-    q_ptrs = q_ptr + q_base + offs_m[:, None] * _aligned(stride_qm, ALIGN) + offs_d[None, :] * stride_qd
+    q_ptrs = _row_pointers(q_ptr, b, h, offs_m, stride_qb, stride_qh, stride_qm, ALIGN) + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    k_ptrs = k_ptr + k_base + offs_n[:, None] * _aligned(stride_kn, ALIGN) + offs_d[None, :] * stride_kd
-    v_ptrs = v_ptr + v_base + offs_n[:, None] * _aligned(stride_vn, ALIGN) + offs_d[None, :] * stride_vd
+    k_ptrs = _row_pointers(k_ptr, b, h, offs_n, stride_kb, stride_kh, stride_kn, ALIGN) + offs_d[None, :] * stride_kd
+    v_ptrs = _row_pointers(v_ptr, b, h, offs_n, stride_vb, stride_vh, stride_vn, ALIGN) + offs_d[None, :] * stride_vd
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -209,7 +213,8 @@ def _attention_kernel(
                                              BLOCK_D)  # fmt: skip
     if is_last:
         acc = acc * (1.0 / l_i)[:, None]
-        o_ptrs = o_ptr + o_base + offs_m[:, None] * _aligned(stride_om, ALIGN) + offs_d[None, :] * stride_od
+        o_rows = _row_pointers(o_ptr, b, h, offs_m, stride_ob, stride_oh, stride_om, ALIGN)
+        o_ptrs = o_rows + offs_d[None, :] * stride_od
         tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
@@ -277,10 +282,8 @@ def _attention_rows_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     m_mask = offs_m < Lq
     n_mask = offs_n < Lk
-    q_rows = q_ptr + b * _aligned(stride_qb, ALIGN) + h * _aligned(stride_qh, ALIGN) + offs_m[:, None] * _aligned(
-        stride_qm, ALIGN)  # fmt: skip
-    k_rows = k_ptr + b * _aligned(stride_kb, ALIGN) + h * _aligned(stride_kh, ALIGN) + offs_n[:, None] * _aligned(
-        stride_kn, ALIGN)  # fmt: skip
+    q_rows = _row_pointers(q_ptr, b, h, offs_m, stride_qb, stride_qh, stride_qm, ALIGN)
+    k_rows = _row_pointers(k_ptr, b, h, offs_n, stride_kb, stride_kh, stride_kn, ALIGN)
 
     # (1) scores of every key, head-dim chunk by chunk (the loop pipelines the K loads)
     s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -299,12 +302,12 @@ def _attention_rows_kernel(
     # (3) this program's value columns
     offs_dv = pid_dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
     dv_mask = offs_dv < HEAD_DIM
-    v_base = b * _aligned(stride_vb, ALIGN) + h * _aligned(stride_vh, ALIGN)
-    v_ptrs = v_ptr + v_base + offs_n[:, None] * _aligned(stride_vn, ALIGN) + offs_dv[None, :] * stride_vd
+    v_rows = _row_pointers(v_ptr, b, h, offs_n, stride_vb, stride_vh, stride_vn, ALIGN)
+    v_ptrs = v_rows + offs_dv[None, :] * stride_vd
     v = tl.load(v_ptrs, mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
     acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION) * (1.0 / row_sum)[:, None]
-    o_base = b * _aligned(stride_ob, ALIGN) + h * _aligned(stride_oh, ALIGN)
-    o_ptrs = o_ptr + o_base + offs_m[:, None] * _aligned(stride_om, ALIGN) + offs_dv[None, :] * stride_od
+    o_rows = _row_pointers(o_ptr, b, h, offs_m, stride_ob, stride_oh, stride_om, ALIGN)
+    o_ptrs = o_rows + offs_dv[None, :] * stride_od
     tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & dv_mask[None, :])
 
 
