@@ -410,8 +410,6 @@ class FusedModel:
                 x, packed, bias, padding=padding, time_emb=temb, residual=residual, activation=act,
                 out_scale=scale, out=out, upsample=up,
             )  # fmt: skip
-        if impl == "fused":  # summed in the conv that adds it (engine/shortcut.py): nothing to launch
-            return lambda: None
         if impl.startswith("triton"):  # the gather kernel; -sc: + the 1x1 shortcut; -gn: + the GroupNorm of the
             shortcut = shortcut_weight = norm_out = None  # output in the epilogue; -k<N>: reduction split N ways
             if "-gn" in impl:
