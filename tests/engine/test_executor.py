@@ -97,6 +97,25 @@ def test_group_norm_in_conv_epilogue_matches_eager(tiny_model, impl):
     )
 
 
+@pytest.mark.parametrize(("name", "impl"), [("attn_pad0", "triton-st"), ("pow2", "triton-st-k3")])
+def test_group_norm_statistics_in_conv_epilogue_match_eager(tiny_model, name, impl):
+    """Every conv whose output a GroupNorm reads writes that norm's partial statistics (``-st``; groups of 3
+    channels, images of 6x10 that straddle row tiles; split-K or not, the shortcut-adding conv2 too), and the norm
+    runs as one pass that merges them (``apply``): two forwards in a row equal the eager model, the arena poisoned
+    with NaN."""
+    model = tiny_model(name, 6).to(DEVICE)
+    fused = FusedModel(model, 3, torch.float32, DEVICE, "triton", "triton")
+    norms = [op for op in fused.ops if op.kind == "group_norm"]
+    assert len(fused.epilogue_stats) >= len(norms) // 2  # the up path's concat norms stay
+    for conv in fused.epilogue_stats:
+        sc = "-sc" if conv in fused.shortcuts else ""
+        fused._op_by_name[conv].impl = impl.replace("triton", f"triton{sc}", 1)
+    fused.arena.view(torch.float32).fill_(float("nan"))
+    assert_two_forwards_match_eager(fused, model, seed=14)
+    assert all(norm.impl == "apply" for norm in fused.epilogue_stats.values())
+    assert sorted(fused.stat_folds) == sorted(norm.name for norm in fused.epilogue_stats.values())
+
+
 def test_epilogue_norms_in_the_shallow_forward(tiny_model):
     """With the step cache's shallow forward (only the ops its output needs, on the kept deep feature), every pair
     runs in both forwards or in neither: the shallow forward with all norms in their convs' epilogues equals the

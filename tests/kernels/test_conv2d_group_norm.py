@@ -23,6 +23,7 @@ from fastdiff.kernels.conv2d import (
     group_stats_ref,
     pack_conv_weight,
 )
+from fastdiff.kernels.group_norm_act import group_norm_act, group_norm_act_ref
 
 from .conftest import CUDA, DEVICE, float64, needs_cuda, rel_err
 
@@ -167,6 +168,55 @@ def test_stats_epilogue_matches_ref(case: dict, dtype: torch.dtype) -> None:
     assert stats_err(mean_rstd, group_stats_ref(out.double(), case["groups"], EPS)) < STATS_TOLERANCE
     if dtype == torch.float32:  # the reference's own statistics (before rounding) agree too
         assert stats_err(mean_rstd, ref_fold.mean_rstd) < 10 * TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("split_k", [1, 3], ids=["one_program_per_tile", "split_k3"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", STATS_CASES)
+def test_stats_left_to_the_standalone_norm(case: dict, dtype: torch.dtype, split_k: int) -> None:
+    """``finish=False``: the conv writes only its partials (the unused slots stay NaN and are never read; no
+    ``mean_rstd``, no arrivals), and ``group_norm_act(..., stats=)`` merges them while it normalises: equal to
+    ``group_norm_act_ref`` of the stored tensor in float64, twice with new inputs (no stale partial counts)."""
+    gen = torch.Generator().manual_seed(seed_of(case, dtype) + split_k)
+    weights, kwargs = conv_inputs(case, case["cin"], case["cout"], dtype, gen)
+    norm = group_norm(case, case["cout"], dtype, gen)
+    fold = FoldedGroupNorm(case["groups"], eps=EPS, finish=False)
+    x = channels_last(torch.randn((case["n"], case["cin"], case["h"], case["w"]), generator=gen).to(DEVICE, dtype))
+    conv2d(x, *weights, **kwargs, stats=fold, split_k=split_k)  # allocates the buffers; poison them
+    fold.partials.fill_(float("nan"))
+    fold.mean_rstd.fill_(float("nan"))
+    for _ in range(2):
+        x = channels_last(torch.randn(x.shape, generator=gen).to(DEVICE, dtype))
+        y = conv2d(x, *weights, **kwargs, stats=fold, split_k=split_k)
+        assert_corner(case, fold)
+        out = nan_like(y, dtype)
+        got = group_norm_act(y, case["groups"], norm.weight, norm.bias, EPS, activation="silu", out=out, stats=fold)
+        ref = group_norm_act_ref(y.double(), case["groups"], float64(norm.weight), float64(norm.bias), EPS,
+                                 activation="silu")  # fmt: skip
+        assert got is out and rel_err(out, ref) < TOLERANCE[dtype]
+    assert fold.mean_rstd.isnan().all() and not fold.arrivals.any()
+
+
+def test_standalone_norm_rejects_statistics_it_cannot_use() -> None:
+    gen = torch.Generator().manual_seed(5)
+    x = channels_last(torch.randn((2, 6, 5, 5), generator=gen).to(DEVICE))
+    packed = pack_conv_weight(torch.randn((8, 6, 3, 3), generator=gen).to(DEVICE))
+    fold = FoldedGroupNorm(4, finish=False)
+    with pytest.raises(FastdiffError, match="finish=False"):  # no conv wrote them yet
+        group_norm_act(x, 2, None, None, stats=FoldedGroupNorm(2, finish=False))
+    y = conv2d(x, packed, padding=1, stats=fold)
+    with pytest.raises(FastdiffError, match="4 groups"):
+        group_norm_act(y, 2, None, None, stats=fold)
+    with pytest.raises(FastdiffError, match="do not apply"):
+        group_norm_act(y, 4, None, None, stats=fold, lanes=16)
+    with pytest.raises(FastdiffError, match="x is 2 x 8 x 9"):
+        group_norm_act(y[:, :, :3, :3], 4, None, None, stats=fold)
+    finished = FoldedGroupNorm(4)
+    conv2d(x, packed, padding=1, stats=finished)
+    with pytest.raises(FastdiffError, match="finish=False"):
+        group_norm_act(y, 4, None, None, stats=finished)
+    with pytest.raises(FastdiffError, match="finished statistics"):
+        conv2d(y, pack_conv_weight(torch.randn((3, 8, 1, 1), generator=gen).to(DEVICE)), norm=fold)
 
 
 # ----------------------------------------------------------------------------------------- normalising prologue

@@ -14,8 +14,9 @@ the forward as a list of ops of :mod:`fastdiff.engine.ir`, then:
   cuBLAS + a torch epilogue; the gather conv also with its reduction split over 2-16 programs where its grid
   leaves SMs idle, ``triton-k<split>``; a ResnetBlock2D's conv2 also with its 1x1 conv_shortcut summed in,
   ``triton-sc[-k<split>]``, timed against the pair unfused (:mod:`fastdiff.engine.shortcut`); a conv whose output
-  a GroupNorm reads also with that norm in its epilogue, ``triton[-sc]-gn[-k<split>]``, timed against the conv and
-  the norm apart (:mod:`fastdiff.engine.epilogue_norm`); attention:
+  a GroupNorm reads also with that norm in its epilogue, ``triton[-sc]-gn[-k<split>]``, or with the norm's
+  statistics in its epilogue, ``triton[-sc]-st[-k<split>]`` (the norm then one elementwise pass, ``apply``), timed
+  against the conv and the norm apart (:mod:`fastdiff.engine.epilogue_norm`); attention:
   ``kernels.attention`` (also with its keys split over 2-8 programs per query block where those leave SMs idle,
   ``triton-kv<split>``, and for at most 512 keys its whole-rows schedule, ``triton-rows``) or torch SDPA;
   GroupNorm: the kernel's own launch plan or whole groups at 16, 32 or 64 channel lanes per program)
@@ -56,7 +57,7 @@ from triton.runtime.errors import OutOfResources
 
 from fastdiff.atomic import write_text_atomic
 from fastdiff.devices import normalize_device
-from fastdiff.engine.epilogue_norm import epilogue_norms
+from fastdiff.engine.epilogue_norm import epilogue_norms, epilogue_stats
 from fastdiff.engine.fold import fold_group_norms
 from fastdiff.engine.fp8 import fp8_unsupported, mark_fp8_convs
 from fastdiff.engine.ir import GraphBuilder, Op, Value
@@ -132,15 +133,15 @@ WEIGHT_ROLES: dict[tuple[str, str], set[str]] = {
 
 def _is_gather(impl: str) -> bool:
     """Whether a conv implementation is the gather kernel (``kernels.conv2d``): plain, split-K, with the shortcut
-    summed in or the output's GroupNorm in the epilogue."""
-    return impl == "triton" or impl.startswith(("triton-k", "triton-sc", "triton-gn"))
+    summed in, the output's GroupNorm or its statistics in the epilogue."""
+    return impl == "triton" or impl.startswith(("triton-k", "triton-sc", "triton-gn", "triton-st"))
 
 
-def _with_norm_out(impl: str) -> str:
-    """The gather implementation ``impl`` with the GroupNorm of its output in the epilogue:
-    ``triton[-sc][-k<N>]`` -> ``triton[-sc]-gn[-k<N>]``."""
+def _with_epilogue(impl: str, tag: str) -> str:
+    """The gather implementation ``impl`` with the GroupNorm of its output (``tag`` "gn") or its statistics ("st")
+    in the epilogue: ``triton[-sc][-k<N>]`` -> ``triton[-sc]-<tag>[-k<N>]``."""
     base, _, split = impl.partition("-k")
-    return f"{base}-gn" + (f"-k{split}" if split else "")
+    return f"{base}-{tag}" + (f"-k{split}" if split else "")
 
 
 class FusedModel:
@@ -213,11 +214,15 @@ class FusedModel:
             self._shallow_index = self._shallow_slice()
         self.shallow_ops = [self.step_ops[i] for i in self._shallow_index]
         shallow = {id(op) for op in self.shallow_ops}  # a pair runs in the shallow step (step cache) or not at all
-        self.epilogue_norms = {  # engine/epilogue_norm.py: conv name -> the GroupNorm its epilogue may take
-            name: norm
-            for name, norm in epilogue_norms(self.ops).items()
-            if (id(self._op_by_name[name]) in shallow) == (id(norm) in shallow)
-        }
+        self.epilogue_norms, self.epilogue_stats = (  # engine/epilogue_norm.py: conv name -> the GroupNorm whose
+            {  # whole pass / statistics its epilogue may take
+                name: norm
+                for name, norm in pairs(self.ops).items()
+                if (id(self._op_by_name[name]) in shallow) == (id(norm) in shallow)
+            }
+            for pairs in (epilogue_norms, epilogue_stats)
+        )
+        self.stat_folds: dict[str, FoldedGroupNorm] = {}  # by norm name: the partials of a -st conv for its norm
         self._time_features = graph.time_features
         self._temb_channels = graph.temb_channels
         self.temb_row = torch.zeros((1, self._temb_channels), dtype=dtype, device=self.device)
@@ -379,6 +384,13 @@ class FusedModel:
             self.folds[name] = FoldedGroupNorm(groups, eps=eps, activation=act)
         return self.folds[name]
 
+    def _stat_fold(self, norm: Op) -> FoldedGroupNorm:
+        """The buffers of the partial statistics a ``-st`` conv writes for ``norm`` (which merges them)."""
+        if norm.name not in self.stat_folds:
+            p = norm.params
+            self.stat_folds[norm.name] = FoldedGroupNorm(p["groups"], eps=p["eps"], activation=p["act"], finish=False)
+        return self.stat_folds[norm.name]
+
     def _summed_bias(self, op: Op, sc: Op) -> torch.Tensor | None:
         """conv2's bias + its shortcut's (the fused pair's one bias), made once per pair."""
         key = f"{op.name}+{sc.name}"
@@ -424,6 +436,8 @@ class FusedModel:
             split_k = int(impl.rpartition("-k")[2]) if "-k" in impl else 1
             packed, workspace = w["packed"], self.split_workspace if split_k > 1 else None
             stats, norm = (self._fold(p.get(key)) for key in ("stats", "norm"))
+            if "-st" in impl:  # -st: the partial statistics of the output for its GroupNorm
+                stats = self._stat_fold(self.epilogue_stats[op.name])
             if norm is not None and "norm_weight" in w:
                 norm.weight, norm.bias = w["norm_weight"], w["norm_bias"]
             return lambda: conv2d(
@@ -524,12 +538,13 @@ class FusedModel:
             return lambda: attention_gate(
                 x, g, w["w_x"], w["w_g"], w.get("b_g"), w["w_psi"], w.get("b_psi"), b_x=w.get("b_x"), out=out
             )
-        if op.kind == "group_norm":  # impl "triton" (the kernel's own plan) or "triton-c<lanes>"
-            w, p = self._device_weights[op.name], op.params
+        if op.kind == "group_norm":  # "triton" (the kernel's own plan), "triton-c<lanes>" or "apply" (a -st conv's
+            w, p = self._device_weights[op.name], op.params  # statistics)
             lanes = int(impl.removeprefix("triton-c")) if impl.startswith("triton-c") else None
+            stats = self._stat_fold(op) if impl == "apply" else None
             return lambda: group_norm_act(
                 x, p["groups"], w["weight"], w["bias"], p["eps"], activation=p["act"], out=out,
-                fp8_scale=p.get("fp8_scale"), lanes=lanes,
+                fp8_scale=p.get("fp8_scale"), lanes=lanes, stats=stats,
             )  # fmt: skip
         if op.kind == "layer_norm":
             w, eps = self._device_weights[op.name], op.params["eps"]
@@ -555,8 +570,11 @@ class FusedModel:
                 ours = (*ours, *(f"triton-k{split}" for split in self._split_k_choices(op)))
                 if op.name in self.shortcuts:  # + the gather kernel with the shortcut summed in (engine/shortcut.py)
                     ours = (*ours, "triton-sc", *(f"triton-sc-k{split}" for split in self._split_k_choices(op)))
+                gather = [impl for impl in ours if _is_gather(impl)]
                 if op.name in self.epilogue_norms:  # + each gather variant with the GroupNorm in its epilogue
-                    ours = (*ours, *(_with_norm_out(impl) for impl in ours if _is_gather(impl)))
+                    ours = (*ours, *(_with_epilogue(impl, "gn") for impl in gather))
+                if op.name in self.epilogue_stats:  # + each with the GroupNorm's statistics in its epilogue
+                    ours = (*ours, *(_with_epilogue(impl, "st") for impl in gather))
             return {"auto": (*ours, library), "triton": ours, "cudnn": (library,)}[self.conv_impl]
         if op.kind == "attention":
             ours = ("triton",)
@@ -617,10 +635,13 @@ class FusedModel:
                 sc.impl, sc.why = "fused", f"summed in {name} (the reduction runs on over this conv's input)"
             elif sc.impl == "fused":  # back to its own fastest (or default) implementation
                 sc.impl, sc.why = (min(sc.times_us, key=sc.times_us.get) if sc.times_us else None), None
-        for name, gn in self.epilogue_norms.items():  # a GroupNorm in its producer's epilogue runs no launch
-            if "-gn" in (self._op_by_name[name].impl or ""):
+        for name, gn in self.epilogue_stats.items():  # a GroupNorm in its producer's epilogue runs no launch; one
+            conv_impl = self._op_by_name[name].impl or ""  # whose statistics it writes runs one elementwise pass
+            if "-gn" in conv_impl:
                 gn.impl, gn.why = "fused", f"in {name}'s epilogue (its output tiles hold whole images and groups)"
-            elif gn.impl == "fused":
+            elif "-st" in conv_impl:
+                gn.impl, gn.why = "apply", f"one pass, with the statistics {name} writes in its epilogue"
+            elif gn.impl in ("fused", "apply"):
                 gn.impl, gn.why = (min(gn.times_us, key=gn.times_us.get) if gn.times_us else None), None
         for op in self.ops:
             op.impl = op.impl or self._candidates(op)[0]
@@ -747,11 +768,18 @@ class FusedModel:
                 sc_us = min(sc.times_us.values()) if sc.times_us else time_call_us(self._call(sc, sc.impl), reps)
                 effective = {k: v + (0.0 if k.startswith("triton-sc") else sc_us) for k, v in effective.items()}
                 why += f" (unfused + {sc.name} {sc_us:.1f} us)"
-            gn = self.epilogue_norms.get(op.name)
-            if gn is not None:  # without the norm in its epilogue, the norm launches on its own, at its best
+            gn = self.epilogue_stats.get(op.name)
+            if gn is not None and any("-st" in k or "-gn" in k for k in effective):
+                # apart, the norm launches on its own at its best; after a -st conv, as its one-pass form
                 gn_us = min(self._candidate_times(gn, self._candidates(gn), reps).values())
-                effective = {k: v + (0.0 if "-gn" in k else gn_us) for k, v in effective.items()}
-                why += f" (apart + {gn.name} {gn_us:.1f} us)"
+                apply_us = math.inf
+                st = [k for k in effective if "-st" in k and effective[k] < math.inf]
+                if st:
+                    self._call(op, st[0])()  # the partials exist before the norm's one-pass form is timed
+                    apply_us = self._candidate_times(gn, ("apply",), reps)["apply"]
+                added = {k: 0.0 if "-gn" in k else apply_us if "-st" in k else gn_us for k in effective}
+                effective = {k: v + added[k] for k, v in effective.items()}
+                why += f" (apart + {gn.name} {gn_us:.1f} us; after -st {apply_us:.1f} us)"
             op.impl = min(effective, key=effective.get)
             op.why = f"{why}: " + ", ".join(f"{k} {v:.1f} us" for k, v in op.times_us.items())
         if self.ops_timed:
@@ -797,6 +825,8 @@ class FusedModel:
             gn = self.epilogue_norms[op.name]
             affine = self._device_weights.get(gn.name, {}).get("weight") is not None
             params["norm_out"] = (gn.params["groups"], gn.params["eps"], gn.params["act"], affine)
+        if op.name in self.epilogue_stats:  # its -st candidates also write this norm's statistics
+            params["stats_out"] = self.epilogue_stats[op.name].params["groups"]
         values = [(v.shape, v.concat is not None) for v in (*op.inputs, op.output)]
         gpu = torch.cuda.get_device_name(self.device)
         return repr((op.kind, values, sorted(params.items()), str(self.dtype), gpu, torch.__version__,

@@ -30,7 +30,9 @@ the standalone norm pass)::
 * Finalize (producer, same launch): each tile counts itself in on its images' arrival counters; the last tile of
   an image to arrive merges that image's partials of every group (Chan, in slot order: the result does not depend
   on which tile came last) into ``mean_rstd`` [N, G, 2] fp32 and resets the counter. The consumer reads
-  ``mean_rstd`` as it is: a fold costs no launch of its own.
+  ``mean_rstd`` as it is: a fold costs no launch of its own. With ``FoldedGroupNorm(finish=False)`` there is no
+  finalize: the partials are left for ``group_norm_act(y, ..., stats=fold)``, a standalone norm that merges them
+  per program and makes one pass over y (the engine's ``-st`` convs, ``engine/epilogue_norm.py``).
 * Prologue (consumer): each A element is ``act((x - mean[n, g]) * rstd[n, g] * gamma[c] + beta[c])`` in fp32,
   rounded to the input dtype for the dot; padding taps stay exactly 0 (the reference pads the normalised tensor);
   with ``upsample`` the low-resolution pixel is normalised (nearest upsampling keeps the group statistics).
@@ -119,6 +121,11 @@ class FoldedGroupNorm:
     partials: torch.Tensor | None = field(default=None, init=False, repr=False)
     mean_rstd: torch.Tensor | None = field(default=None, init=False, repr=False)
     arrivals: torch.Tensor | None = field(default=None, init=False, repr=False)
+    finish: bool = True
+    """Whether the producing conv also merges its partials into ``mean_rstd`` (for a ``norm=fold`` consumer). False:
+    it only writes ``partials``, which :func:`fastdiff.kernels.group_norm_act.group_norm_act` (``stats=fold``)
+    merges per program while it normalises (the GroupNorm then costs its output pass only, and the conv no serial
+    finish on its last tile)."""
     tiles: tuple[int, int, int, int] | None = field(default=None, init=False, repr=False)
     """(BLOCK_M, BLOCK_N, Ho*Wo, Cout) of the conv that wrote ``partials``."""
 
@@ -503,6 +510,7 @@ def _conv2d_kernel(
     STATS_GPT: tl.constexpr,
     STATS_GP2: tl.constexpr,
     STATS_CHUNK: tl.constexpr,
+    STATS_FINISH: tl.constexpr,
     HAS_NORM_OUT: tl.constexpr,
     NORM_OUT_IPT: tl.constexpr,
     NORM_OUT_HW: tl.constexpr,
@@ -599,7 +607,7 @@ def _conv2d_kernel(
             m_mask, n_mask, pid_m, pid_n, num_pid_n, M, Ho, Wo, stride_tn, stride_tc, stride_rn, stride_rc, stride_rh,
             stride_rw, stride_on, stride_oc, stride_oh, stride_ow, out_scale, STATS_G, STATS_S, STATS_P, stats_eps,
             HAS_BIAS, HAS_TEMB, HAS_RES, ACT, HAS_SCALE, HAS_STATS, STATS_CG, STATS_GPT, STATS_GP2, STATS_CHUNK,
-            BLOCK_M, BLOCK_N,
+            STATS_FINISH, BLOCK_M, BLOCK_N,
         )  # fmt: skip
         if HAS_NORM_OUT:  # the tile holds whole images and groups (the wrapper sized it so)
             on_ptrs = (on_ptr + n_idx.to(tl.int64)[:, None] * stride_onn + (oh * stride_onh + ow * stride_onw)[:, None]
@@ -639,10 +647,12 @@ def _conv_epilogue(
     stride_on, stride_oc, stride_oh, stride_ow, out_scale, STATS_G, STATS_S, STATS_P, stats_eps,
     HAS_BIAS: tl.constexpr, HAS_TEMB: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_STATS: tl.constexpr, STATS_CG: tl.constexpr, STATS_GPT: tl.constexpr,
-    STATS_GP2: tl.constexpr, STATS_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    STATS_GP2: tl.constexpr, STATS_CHUNK: tl.constexpr, STATS_FINISH: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """The fused epilogue of a finished accumulator tile, its store and (``HAS_STATS``) its GroupNorm partials,
-    merged into the statistics by the last tile of each image; returns the tile as stored (in the output dtype)."""
+    (``STATS_FINISH``) merged into the statistics by the last tile of each image; returns the tile as stored (in the
+    output dtype)."""
     res_rows = res_ptr + n_idx.to(tl.int64) * stride_rn + oh * stride_rh + ow * stride_rw
     acc = fused_epilogue(
         acc, n_idx, offs_n, m_mask, n_mask, bias_ptr, temb_ptr, stride_tn, stride_tc, res_rows, stride_rc,
@@ -657,10 +667,11 @@ def _conv_epilogue(
             y.to(tl.float32), n_idx, offs_n, m_mask, n_mask, pid_m, pid_n, M, Ho * Wo, part_ptr, STATS_G, STATS_S,
             STATS_P, STATS_CG, STATS_GPT, BLOCK_M, BLOCK_N,
         )  # fmt: skip
-        _finish_group_stats(
-            part_ptr, stats_mr_ptr, arrive_ptr, pid_m, num_pid_n, M, Ho * Wo, STATS_G, STATS_S, STATS_P, stats_eps,
-            STATS_CG, BLOCK_M, BLOCK_N, STATS_GP2, STATS_CHUNK,
-        )  # fmt: skip
+        if STATS_FINISH:
+            _finish_group_stats(
+                part_ptr, stats_mr_ptr, arrive_ptr, pid_m, num_pid_n, M, Ho * Wo, STATS_G, STATS_S, STATS_P,
+                stats_eps, STATS_CG, BLOCK_M, BLOCK_N, STATS_GP2, STATS_CHUNK,
+            )  # fmt: skip
     return y
 
 
@@ -775,8 +786,10 @@ def _check_norm_input(
     _check_fold(norm, "norm", cin, device)
     if norm is stats:
         raise FastdiffError("norm and stats must be different FoldedGroupNorms (the input's and the output's)")
-    if norm.mean_rstd is None:
-        raise FastdiffError("norm= needs its input's statistics: run the conv producing it with stats= first")
+    if norm.mean_rstd is None or not norm.finish:
+        raise FastdiffError(
+            "norm= needs its input's finished statistics (finish=True): run the conv producing it with stats= first"
+        )
     if tuple(norm.mean_rstd.shape[:2]) != (n, norm.groups) or (norm.tiles is not None and norm.tiles[3] != cin):
         channels = norm.tiles[3] if norm.tiles is not None else "?"
         raise FastdiffError(
@@ -918,7 +931,8 @@ def conv2d(
 
     GroupNorm folding (module docstring): ``norm=fold`` convolves ``act(group_norm(x))`` instead of ``x``, with
     the statistics a ``stats=fold`` conv wrote for ``x``; ``stats=fold`` writes the statistics of this conv's
-    output (as stored) for the ``norm=fold`` conv that consumes it, finished in the same launch. ``norm_out``
+    output (as stored) for the ``norm=fold`` conv that consumes it, finished in the same launch (or, with
+    ``stats.finish`` False, left as partials for ``group_norm_act(..., stats=stats)``). ``norm_out``
     (:class:`OutputGroupNorm`; where :func:`norm_out_unsupported` is None) also writes the output's GroupNorm and
     activation to ``norm_out.out``, from the tile in registers (module docstring).
 
@@ -1018,6 +1032,7 @@ def conv2d(
         HAS_STATS=stats is not None, STATS_CG=cout // stats.groups if stats is not None else 1,
         STATS_GPT=stats_layout[2], STATS_GP2=triton.next_power_of_2(stats.groups) if stats is not None else 1,
         STATS_CHUNK=_stats_chunk(stats.groups, stats_layout[0] * stats_layout[1]) if stats is not None else 1,
+        STATS_FINISH=stats is not None and stats.finish,
         HAS_NORM_OUT=norm_out is not None, NORM_OUT_IPT=block_m // (ho * wo) if norm_out is not None else 1,
         NORM_OUT_HW=ho * wo if norm_out is not None else 1, NORM_OUT_GPT=block_n // on_width, NORM_OUT_CG=on_width,
         NORM_OUT_ACT=ACTIVATIONS[norm_out.activation] if norm_out is not None else 0, NORM_OUT_AFFINE=on_affine,

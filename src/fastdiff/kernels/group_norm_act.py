@@ -25,8 +25,9 @@ Two designs, chosen by size:
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,9 @@ from fastdiff.kernels.common import (
 )
 from fastdiff.kernels.fp8 import FP8_DTYPE, quantize_e4m3_ref, to_e4m3
 from fastdiff.kernels.registry import KernelOp
+
+if TYPE_CHECKING:  # conv2d imports this module's merge_stats
+    from fastdiff.kernels.conv2d import FoldedGroupNorm
 
 log = logging.getLogger(__name__)
 
@@ -324,17 +328,26 @@ def _gn_apply_kernel(
     HW_PER_PROGRAM,
     eps,
     fp8_inv_scale,
+    TILE_M,
+    TILE_N,
+    PARTS,
     CG: tl.constexpr,
     BLOCK_HW: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    CONV_TILES: tl.constexpr,
     ACT: tl.constexpr,
     HAS_RES: tl.constexpr,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Phase 2: merge the partials of each channel's group, then normalise rows x BLOCK_C channels."""
+    """Phase 2: merge the partials of each channel's group, then normalise rows x BLOCK_C channels.
+
+    The partials are ``[N, G, SPLIT, (count, mean, M2)]``: SPLIT row splits of :func:`_gn_partial_stats_kernel`,
+    or (``CONV_TILES``) the ``[slots, PARTS]`` entries a conv's epilogue wrote for its TILE_M x TILE_N output tiles
+    (``conv2d(..., stats=)``; SPLIT = slots * PARTS), of which an image uses the row tiles its pixels span and a
+    group the channel tiles its channels span (the other entries are never written)."""
     grid_dependency_sync(PDL)
     n = tl.program_id(0)
     hw_start = tl.program_id(1) * HW_PER_PROGRAM
@@ -344,6 +357,10 @@ def _gn_apply_kernel(
     grp = tl.where(c_mask, offs_c // CG, 0)
     offs_s = tl.arange(0, BLOCK_S)
     p_mask = c_mask[:, None] & (offs_s < SPLIT)[None, :]
+    if CONV_TILES:
+        slots = ((n + 1) * HW - 1) // TILE_M - (n * HW) // TILE_M + 1
+        parts = ((grp + 1) * CG - 1) // TILE_N - (grp * CG) // TILE_N + 1
+        p_mask &= ((offs_s // PARTS) < slots)[None, :] & ((offs_s % PARTS)[None, :] < parts[:, None])
     slot = part_ptr + ((n * G + grp)[:, None] * SPLIT + offs_s[None, :]) * 3
     cnt = tl.load(slot, mask=p_mask, other=0.0)
     means = tl.load(slot + 1, mask=p_mask, other=0.0)
@@ -472,6 +489,22 @@ def _check_inputs(
         )
 
 
+def _check_conv_stats(stats: Any, x: torch.Tensor, num_groups: int, design: str, lanes: int | None) -> None:
+    n, channels, h, w = x.shape
+    if design != "auto" or lanes is not None:
+        raise FastdiffError("stats= takes the conv's statistics: design and lanes do not apply")
+    if stats.partials is None or stats.tiles is None or stats.finish:
+        raise FastdiffError("stats= needs the partials of a conv run with stats=FoldedGroupNorm(..., finish=False)")
+    if stats.groups != num_groups or stats.partials.device != x.device:
+        raise FastdiffError(f"stats: {stats.groups} groups on {stats.partials.device}, the norm has {num_groups} on "
+                            f"{x.device}")  # fmt: skip
+    if stats.tiles[2:] != (h * w, channels) or stats.partials.shape[0] != n:
+        raise FastdiffError(
+            f"stats are of {stats.partials.shape[0]} samples x {stats.tiles[3]} channels x {stats.tiles[2]} pixels, "
+            f"x is {n} x {channels} x {h * w}"
+        )
+
+
 def group_norm_act(
     x: torch.Tensor,
     num_groups: int,
@@ -485,6 +518,7 @@ def group_norm_act(
     design: Design = "auto",
     fp8_scale: float | None = None,
     lanes: int | None = None,
+    stats: FoldedGroupNorm | None = None,
 ) -> torch.Tensor:
     """``activation(group_norm(x) * weight + bias) + residual`` in one (or two) launches, fp32 statistics.
     With ``fp8_scale`` the output is e4m3 ``y / fp8_scale`` (round to nearest even, saturating at 448): the
@@ -496,8 +530,15 @@ def group_norm_act(
     (optional) is a channels-last tensor like ``x``. ``design`` forces a design ("auto" picks by size; tests
     use the others). ``lanes`` (one of ``LANE_CHOICES``, at least a group wide) forces the channels one program
     covers, whole groups at a time; None: the size-based plan.
+
+    ``stats`` (a :class:`fastdiff.kernels.conv2d.FoldedGroupNorm` with ``finish=False``) takes the statistics
+    from the partials that the conv producing ``x`` wrote in its epilogue (``conv2d(..., out=x, stats=stats)``):
+    one launch that merges them per program and makes one pass over x, at the size-independent cost of an
+    elementwise op. ``design`` and ``lanes`` do not apply then.
     """
     _check_inputs(x, num_groups, weight, bias, activation, residual, out, design, fp8_scale, lanes)
+    if stats is not None:
+        _check_conv_stats(stats, x, num_groups, design, lanes)
     n, channels, h, w = x.shape
     hw = h * w
     if not _is_nhwc_rows(x):
@@ -520,6 +561,9 @@ def group_norm_act(
     w_arg = weight if weight is not None else x
     b_arg = bias if bias is not None else x
     r_arg = residual if residual is not None else x
+    if stats is not None:
+        _apply(x, out, (w_arg, b_arg, r_arg), stats.partials, num_groups, eps, fp8_inv_scale, flags, stats.tiles[:2])
+        return out
     blocks = triton.cdiv(num_groups, plan.groups_per_block)
     if plan.design == "single_pass":
         tile = plan.block_hw * plan.block_c
@@ -540,18 +584,38 @@ def group_norm_act(
         CG=group_size, GPB=plan.groups_per_block, BLOCK_HW=plan.block_hw, BLOCK_C=plan.block_c, num_warps=4,
         **pdl_launch(x.device),
     )  # fmt: skip
+    _apply(x, out, (w_arg, b_arg, r_arg), partials, num_groups, eps, fp8_inv_scale, flags)
+    return out
+
+
+def _apply(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    operands: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    partials: torch.Tensor,
+    num_groups: int,
+    eps: float,
+    fp8_inv_scale: float,
+    flags: dict[str, Any],
+    conv_tiles: tuple[int, int] | None = None,
+) -> None:
+    """Launches :func:`_gn_apply_kernel` over ``x`` (about four programs per SM) with ``partials`` [N, G, SPLIT,
+    3] (``conv_tiles``: the (BLOCK_M, BLOCK_N) of the conv that wrote them as [N, G, slots, parts, 3])."""
+    n, channels, h, w = x.shape
+    hw = h * w
+    split = math.prod(partials.shape[2:-1])
     apply_c = min(64, triton.next_power_of_2(channels))
     apply_hw = max(1, min(triton.next_power_of_2(hw), STREAM_TILE // apply_c))
     c_blocks = triton.cdiv(channels, apply_c)
     programs_hw = max(1, min(triton.cdiv(hw, apply_hw), triton.cdiv(4 * num_sms(x.device), n * c_blocks)))
     hw_per_program = triton.cdiv(triton.cdiv(hw, programs_hw), apply_hw) * apply_hw
+    tile_m, tile_n = conv_tiles if conv_tiles is not None else (1, 1)
     _gn_apply_kernel[(n, triton.cdiv(hw, hw_per_program), c_blocks)](
-        x, out, w_arg, b_arg, r_arg, partials, hw, channels, stride_xn, stride_xp, num_groups, split, hw_per_program,
-        eps, fp8_inv_scale,
-        CG=group_size, BLOCK_HW=apply_hw, BLOCK_C=apply_c, BLOCK_S=triton.next_power_of_2(split),
-        num_warps=4, **flags, **pdl_launch(x.device),
+        x, out, *operands, partials, hw, channels, x.stride(0), x.stride(3), num_groups, split, hw_per_program,
+        eps, fp8_inv_scale, tile_m, tile_n, partials.shape[-2] if conv_tiles is not None else 1,
+        CG=channels // num_groups, BLOCK_HW=apply_hw, BLOCK_C=apply_c, BLOCK_S=triton.next_power_of_2(split),
+        CONV_TILES=conv_tiles is not None, num_warps=4, **flags, **pdl_launch(x.device),
     )  # fmt: skip
-    return out
 
 
 GN_SHAPES: dict[str, tuple[int, int, int, int, int]] = {
