@@ -99,6 +99,10 @@ CASES = [
         id="k3s2_shortcut_c3_silu_res",
     ),
     pytest.param(
+        dict(n=1, cin=130, cout=24, h=5, w=7, k=3, padding=1, bias=True, temb=True, res=True),
+        id="cin130_latency_tiles_128_deep_steps_masked_second_chunk",
+    ),
+    pytest.param(
         dict(n=2, cin=320, cout=320, h=16, w=16, k=3, padding=1, bias=True, temb=True),
         id="c320_k3_16x16",
         marks=needs_cuda,
@@ -189,10 +193,11 @@ def test_split_k_matches_ref_and_reuses_its_workspace(case: dict, split_k: int, 
 @pytest.mark.parametrize(
     "shape, expected",
     [
-        pytest.param((1, 256, 256, 4, 3), (2, 4, 8, 16), id="b1_4x4_256ch_36_steps"),
-        pytest.param((1, 128, 128, 32, 3), (2, 4, 8), id="b1_32x32_grid_of_256"),
+        pytest.param((1, 256, 256, 4, 3), (2, 4, 8), id="b1_4x4_256ch_18_steps"),
+        pytest.param((1, 128, 128, 32, 3), (2, 4), id="b1_32x32_grid_of_128_9_steps"),
         pytest.param((1, 3, 128, 32, 3), (2, 4), id="b1_conv_in_9_steps"),
-        pytest.param((1, 256, 256, 4, 1), (2,), id="b1_1x1_4_steps"),
+        pytest.param((1, 512, 256, 4, 1), (2,), id="b1_1x1_4_steps"),
+        pytest.param((1, 256, 256, 4, 1), (), id="b1_1x1_2_steps"),
         pytest.param((1, 64, 256, 4, 1), (), id="b1_1x1_one_step"),
         pytest.param((256, 128, 128, 32, 3), (), id="b256_grid_fills_the_gpu"),
     ],
@@ -204,6 +209,41 @@ def test_split_k_choices_on_an_h100_sized_gpu(monkeypatch, shape: tuple, expecte
     monkeypatch.setattr(conv_module, "num_sms", lambda device: 132)
     n, cin, cout, hw, k = shape
     assert split_k_choices(n, cin, cout, (hw, hw), k, torch.float16, torch.device("cpu")) == expected
+
+
+@pytest.mark.parametrize(
+    "shape, split_k, expected",
+    [
+        pytest.param((1024, 128, 1152), 1, (32, 32, 128, 4, 3), id="b1_32x32_c128_k3_128_programs"),
+        pytest.param((1024, 128, 384), 2, (64, 32, 128, 4, 3), id="b1_32x32_c384_split2_tall_tiles"),
+        pytest.param((256, 256, 512), 4, (64, 32, 128, 4, 3), id="b1_16x16_c512_split4"),
+        pytest.param((256, 256, 256), 1, (16, 32, 128, 4, 3), id="b1_16x16_c256_128_programs"),
+        pytest.param((64, 256, 256), 1, (16, 32, 128, 4, 3), id="b1_8x8_fewer_tiles_than_sms"),
+        pytest.param((1024, 128, 3), 1, (32, 32, 16, 4, 3), id="b1_conv_in_cin3_keeps_its_step"),
+        pytest.param((262144, 128, 128), 1, (128, 128, 64, 8, 3), id="b256_throughput_tiles"),
+    ],
+)
+def test_gemm_blocks_on_an_h100_sized_gpu(monkeypatch, shape: tuple, split_k: int, expected: tuple) -> None:
+    """The tile plan's two regimes (132 SMs, fp16): the largest tiles where they fill the GPU; otherwise 32-channel
+    tiles with 128-deep steps and row blocks sized to about half a program per SM, split programs included."""
+    import fastdiff.kernels.conv2d as conv_module
+
+    monkeypatch.setattr(conv_module, "num_sms", lambda device: 132)
+    assert conv_module._gemm_blocks(*shape, torch.float16, torch.device("cpu"), split_k) == expected
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_latency_tiles_match_ref(monkeypatch, split_k: int) -> None:
+    """The latency-regime tiles as on an H100 (132 SMs: 16-row blocks, 32 channels, 128-deep steps over Cin = 200, the
+    second step masked), split or not, with the shortcut summed in: equal to the reference."""
+    import fastdiff.kernels.conv2d as conv_module
+
+    monkeypatch.setattr(conv_module, "num_sms", lambda device: 132)
+    case = dict(n=1, cin=200, cout=40, h=5, w=6, k=3, padding=1, bias=True, temb=True, res=True, shortcut=130)
+    args, kwargs = make_inputs(case, torch.float32, seed=21 + split_k)
+    assert conv_module._gemm_blocks(30, 40, 200, torch.float32, torch.device(DEVICE), split_k)[:3] == (16, 32, 128)
+    out = conv2d(*args, **kwargs, split_k=split_k)
+    assert rel_err(out, reference(args, kwargs)) < TOLERANCE[torch.float32]
 
 
 def test_split_k_with_folded_group_norm() -> None:

@@ -573,8 +573,8 @@ class FusedModel:
                 gather = [impl for impl in ours if _is_gather(impl)]
                 if op.name in self.epilogue_norms:  # + each gather variant with the GroupNorm in its epilogue
                     ours = (*ours, *(_with_epilogue(impl, "gn") for impl in gather))
-                if op.name in self.epilogue_stats:  # + each with the GroupNorm's statistics in its epilogue
-                    ours = (*ours, *(_with_epilogue(impl, "st") for impl in gather))
+                if op.name in self.epilogue_stats and op.name not in self.epilogue_norms:  # + each with the
+                    ours = (*ours, *(_with_epilogue(impl, "st") for impl in gather))  # GroupNorm's statistics
             return {"auto": (*ours, library), "triton": ours, "cudnn": (library,)}[self.conv_impl]
         if op.kind == "attention":
             ours = ("triton",)
