@@ -197,6 +197,24 @@ def test_stats_left_to_the_standalone_norm(case: dict, dtype: torch.dtype, split
     assert fold.mean_rstd.isnan().all() and not fold.arrivals.any()
 
 
+def test_standalone_norm_merges_more_partials_than_one_step() -> None:
+    """A 91x91 image spans 65 row tiles of 128: more partials per (image, group) than the norm merges in one step
+    (64), so the running merge over steps is what normalises (the unwritten entries poisoned with NaN)."""
+    gen = torch.Generator().manual_seed(11)
+    case = dict(n=1, h=91, w=91, padding=1, bias=True, offset=20.0)
+    weights, kwargs = conv_inputs(case, 3, 8, torch.float32, gen)
+    fold = FoldedGroupNorm(2, eps=EPS, finish=False)
+    x = channels_last(torch.randn((1, 3, 91, 91), generator=gen).to(DEVICE))
+    conv2d(x, *weights, **kwargs, stats=fold)
+    fold.partials.fill_(float("nan"))
+    y = conv2d(x, *weights, **kwargs, stats=fold)
+    if not CUDA:
+        assert fold.partials.shape[2] * fold.partials.shape[3] > 64
+    got = group_norm_act(y, 2, None, None, EPS, activation="gelu", stats=fold)
+    ref = group_norm_act_ref(y.double(), 2, None, None, EPS, activation="gelu")
+    assert rel_err(got, ref) < TOLERANCE[torch.float32]
+
+
 def test_standalone_norm_rejects_statistics_it_cannot_use() -> None:
     gen = torch.Generator().manual_seed(5)
     x = channels_last(torch.randn((2, 6, 5, 5), generator=gen).to(DEVICE))

@@ -6,26 +6,34 @@ the norm at its best (see ``FusedModel.autotune``):
 * the whole norm in the epilogue (``epilogue_norms``; impls ``triton[-sc]-gn[-k<N>]``): where the conv's output
   tiles can hold whole images and whole groups (:func:`fastdiff.kernels.conv2d.norm_out_unsupported`: the 4x4 to
   16x16 levels of the DDPM U-Net), the conv stores its output and the norm's; the norm launches nothing;
-* the norm's statistics in the epilogue (``epilogue_stats``; impls ``triton[-sc]-st[-k<N>]``), at any size: the
-  conv writes per-tile partial (count, mean, M2) of its output (``FoldedGroupNorm(finish=False)``), and the norm
-  runs as one elementwise pass that merges them (``group_norm_act(..., stats=)``, impl ``apply``) instead of
-  reading its input for the statistics first. The norm's readers read a plain tensor in both (unlike the folded
-  norm of :mod:`fastdiff.engine.fold`, whose consumers normalise on load).
+* the norm's statistics in the epilogue (``epilogue_stats``; impls ``triton[-sc]-st[-k<N>]``), for images of at
+  most :data:`STATS_MAX_PIXELS`: the conv writes per-tile partial (count, mean, M2) of its output
+  (``FoldedGroupNorm(finish=False)``), and the norm runs as one elementwise pass that merges them
+  (``group_norm_act(..., stats=)``, impl ``apply``) instead of reading its input for the statistics first. The
+  norm's readers read a plain tensor in both (unlike the folded norm of :mod:`fastdiff.engine.fold`, whose consumers
+  normalise on load). The engine offers the second only where the first does not apply.
 
 Left alone: norms writing a concat part, norms of the step cache's kept feature, producers with a folded norm or
-fp8 input, and every norm but the first of a conv output several norms read; the whole norm in the epilogue also
-leaves norms writing fp8 (an fp8 conv reads them).
+fp8 input, and every norm but the first qualifying one of a conv output several norms read; the whole norm in the
+epilogue also leaves norms writing fp8 (an fp8 conv reads them).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastdiff.engine.ir import Op
 from fastdiff.kernels.conv2d import norm_out_unsupported
 
+STATS_MAX_PIXELS = 1024
+"""The largest image (Ho*Wo) whose GroupNorm statistics a conv's epilogue is offered to write: each program of the
+norm merges one partial per row tile of the image, a number that grows with it (a VAE decoder's 512x512 level would
+be thousands), and the statistics cost the conv about as much as they save the norm already at 32x32."""
 
-def epilogue_stats(ops: list[Op]) -> dict[str, Op]:
-    """``{name of the producing conv: its GroupNorm op}`` for every pair whose statistics the conv's epilogue can
-    write."""
+
+def _pairs(ops: list[Op], accept: Callable[[Op], bool]) -> dict[str, Op]:
+    """``{name of the producing conv: the first GroupNorm of its output that ``accept``s}`` over the pairs either
+    fusion may take."""
     producer = {id(op.output): op for op in ops}
     pairs: dict[str, Op] = {}
     for norm in ops:
@@ -39,15 +47,22 @@ def epilogue_stats(ops: list[Op]) -> dict[str, Op]:
             continue
         if y.concat is not None or x.persistent or (x.concat is not None and x.concat.persistent):
             continue
-        pairs[conv.name] = norm
+        if accept(norm):
+            pairs[conv.name] = norm
     return pairs
+
+
+def _whole_norm_fits(norm: Op) -> bool:
+    n, channels, h, w = norm.inputs[0].shape
+    return "fp8_scale" not in norm.params and norm_out_unsupported(n, channels, (h, w), norm.params["groups"]) is None
 
 
 def epilogue_norms(ops: list[Op]) -> dict[str, Op]:
     """``{name of the producing conv: its GroupNorm op}`` for every pair the conv's epilogue can take whole."""
-    pairs = {}
-    for name, norm in epilogue_stats(ops).items():
-        n, channels, h, w = norm.inputs[0].shape
-        if "fp8_scale" not in norm.params and norm_out_unsupported(n, channels, (h, w), norm.params["groups"]) is None:
-            pairs[name] = norm
-    return pairs
+    return _pairs(ops, _whole_norm_fits)
+
+
+def epilogue_stats(ops: list[Op]) -> dict[str, Op]:
+    """``{name of the producing conv: its GroupNorm op}`` for every pair whose statistics the conv's epilogue may
+    write (images of at most :data:`STATS_MAX_PIXELS`)."""
+    return _pairs(ops, lambda norm: norm.inputs[0].shape[2] * norm.inputs[0].shape[3] <= STATS_MAX_PIXELS)

@@ -635,14 +635,15 @@ class FusedModel:
                 sc.impl, sc.why = "fused", f"summed in {name} (the reduction runs on over this conv's input)"
             elif sc.impl == "fused":  # back to its own fastest (or default) implementation
                 sc.impl, sc.why = (min(sc.times_us, key=sc.times_us.get) if sc.times_us else None), None
-        for name, gn in self.epilogue_stats.items():  # a GroupNorm in its producer's epilogue runs no launch; one
-            conv_impl = self._op_by_name[name].impl or ""  # whose statistics it writes runs one elementwise pass
-            if "-gn" in conv_impl:
-                gn.impl, gn.why = "fused", f"in {name}'s epilogue (its output tiles hold whole images and groups)"
-            elif "-st" in conv_impl:
-                gn.impl, gn.why = "apply", f"one pass, with the statistics {name} writes in its epilogue"
-            elif gn.impl in ("fused", "apply"):
-                gn.impl, gn.why = (min(gn.times_us, key=gn.times_us.get) if gn.times_us else None), None
+        for pairs, tag, marker, why in (  # a GroupNorm in its producer's epilogue runs no launch; one whose
+            (self.epilogue_norms, "-gn", "fused", "in {}'s epilogue (its output tiles hold whole images and groups)"),
+            (self.epilogue_stats, "-st", "apply", "one pass, with the statistics {} writes in its epilogue"),
+        ):  # statistics the producer writes runs one elementwise pass; each back to its own when not chosen
+            for name, gn in pairs.items():
+                if tag in (self._op_by_name[name].impl or ""):
+                    gn.impl, gn.why = marker, why.format(name)
+                elif gn.impl == marker:
+                    gn.impl, gn.why = (min(gn.times_us, key=gn.times_us.get) if gn.times_us else None), None
         for op in self.ops:
             op.impl = op.impl or self._candidates(op)[0]
             op.why = op.why or self._default_why(op)
@@ -768,18 +769,24 @@ class FusedModel:
                 sc_us = min(sc.times_us.values()) if sc.times_us else time_call_us(self._call(sc, sc.impl), reps)
                 effective = {k: v + (0.0 if k.startswith("triton-sc") else sc_us) for k, v in effective.items()}
                 why += f" (unfused + {sc.name} {sc_us:.1f} us)"
-            gn = self.epilogue_stats.get(op.name)
-            if gn is not None and any("-st" in k or "-gn" in k for k in effective):
-                # apart, the norm launches on its own at its best; after a -st conv, as its one-pass form
-                gn_us = min(self._candidate_times(gn, self._candidates(gn), reps).values())
-                apply_us = math.inf
-                st = [k for k in effective if "-st" in k and effective[k] < math.inf]
-                if st:
-                    self._call(op, st[0])()  # the partials exist before the norm's one-pass form is timed
-                    apply_us = self._candidate_times(gn, ("apply",), reps)["apply"]
-                added = {k: 0.0 if "-gn" in k else apply_us if "-st" in k else gn_us for k in effective}
+            norms = {id(n): n for n in (self.epilogue_norms.get(op.name), self.epilogue_stats.get(op.name)) if n}
+            if norms and any("-st" in k or "-gn" in k for k in effective):
+                # apart, each norm launches on its own at its best; a -gn conv runs its whole norm, after a -st
+                # conv its norm runs as the one-pass form
+                added = dict.fromkeys(effective, 0.0)
+                for gn in norms.values():
+                    gn_us = min(self._candidate_times(gn, self._candidates(gn), reps).values())
+                    apply_us = math.inf
+                    st = [k for k in effective if "-st" in k and effective[k] < math.inf]
+                    if st and gn is self.epilogue_stats.get(op.name):
+                        self._call(op, st[0])()  # the partials exist before the norm's one-pass form is timed
+                        apply_us = self._candidate_times(gn, ("apply",), reps)["apply"]
+                    for k in effective:
+                        if "-gn" in k and gn is self.epilogue_norms.get(op.name):
+                            continue
+                        added[k] += apply_us if "-st" in k and gn is self.epilogue_stats.get(op.name) else gn_us
+                    why += f" (apart + {gn.name} {gn_us:.1f} us; after -st {apply_us:.1f} us)"
                 effective = {k: v + added[k] for k, v in effective.items()}
-                why += f" (apart + {gn.name} {gn_us:.1f} us; after -st {apply_us:.1f} us)"
             op.impl = min(effective, key=effective.get)
             op.why = f"{why}: " + ", ".join(f"{k} {v:.1f} us" for k, v in op.times_us.items())
         if self.ops_timed:

@@ -347,7 +347,8 @@ def _gn_apply_kernel(
     The partials are ``[N, G, SPLIT, (count, mean, M2)]``: SPLIT row splits of :func:`_gn_partial_stats_kernel`,
     or (``CONV_TILES``) the ``[slots, PARTS]`` entries a conv's epilogue wrote for its TILE_M x TILE_N output tiles
     (``conv2d(..., stats=)``; SPLIT = slots * PARTS), of which an image uses the row tiles its pixels span and a
-    group the channel tiles its channels span (the other entries are never written)."""
+    group the channel tiles its channels span (the other entries are never written). They are merged BLOCK_S (at
+    most 64) at a time, so a large image's many row tiles cost a loop, not registers."""
     grid_dependency_sync(PDL)
     n = tl.program_id(0)
     hw_start = tl.program_id(1) * HW_PER_PROGRAM
@@ -355,21 +356,31 @@ def _gn_apply_kernel(
     offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_mask = offs_c < C
     grp = tl.where(c_mask, offs_c // CG, 0)
-    offs_s = tl.arange(0, BLOCK_S)
-    p_mask = c_mask[:, None] & (offs_s < SPLIT)[None, :]
-    if CONV_TILES:
-        slots = ((n + 1) * HW - 1) // TILE_M - (n * HW) // TILE_M + 1
-        parts = ((grp + 1) * CG - 1) // TILE_N - (grp * CG) // TILE_N + 1
-        p_mask &= ((offs_s // PARTS) < slots)[None, :] & ((offs_s % PARTS)[None, :] < parts[:, None])
-    slot = part_ptr + ((n * G + grp)[:, None] * SPLIT + offs_s[None, :]) * 3
-    cnt = tl.load(slot, mask=p_mask, other=0.0)
-    means = tl.load(slot + 1, mask=p_mask, other=0.0)
-    m2s = tl.load(slot + 2, mask=p_mask, other=0.0)
-    total = tl.maximum(tl.sum(cnt, axis=1), 1.0)
-    mean = tl.sum(cnt * means, axis=1) / total
-    dev = means - mean[:, None]
-    m2 = tl.sum(m2s + cnt * dev * dev, axis=1)
-    rstd = tl.math.rsqrt(m2 / total + eps)
+    slots = ((n + 1) * HW - 1) // TILE_M - (n * HW) // TILE_M + 1
+    parts = ((grp + 1) * CG - 1) // TILE_N - (grp * CG) // TILE_N + 1
+    total = tl.zeros([BLOCK_C], dtype=tl.float32)
+    mean = tl.zeros([BLOCK_C], dtype=tl.float32)
+    m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for s0 in range(0, SPLIT, BLOCK_S):  # BLOCK_S entries a step, merged into the running summary (Chan)
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        p_mask = c_mask[:, None] & (offs_s < SPLIT)[None, :]
+        if CONV_TILES:
+            p_mask &= ((offs_s // PARTS) < slots)[None, :] & ((offs_s % PARTS)[None, :] < parts[:, None])
+        slot = part_ptr + ((n * G + grp)[:, None] * SPLIT + offs_s[None, :]) * 3
+        cnt = tl.load(slot, mask=p_mask, other=0.0)
+        means = tl.load(slot + 1, mask=p_mask, other=0.0)
+        m2s = tl.load(slot + 2, mask=p_mask, other=0.0)
+        c_n = tl.sum(cnt, axis=1)
+        c_mean = tl.sum(cnt * means, axis=1) / tl.maximum(c_n, 1.0)
+        dev = means - c_mean[:, None]
+        c_m2 = tl.sum(m2s + cnt * dev * dev, axis=1)
+        both = total + c_n
+        delta = c_mean - mean
+        frac = c_n / tl.maximum(both, 1.0)  # 0 for a step without entries (and for masked lanes)
+        m2 = m2 + c_m2 + delta * delta * total * frac
+        mean = mean + delta * frac
+        total = both
+    rstd = tl.math.rsqrt(m2 / tl.maximum(total, 1.0) + eps)
     scale, shift = _scale_shift(w_ptr, b_ptr, offs_c, c_mask, mean, rstd, HAS_W, HAS_B)
     base = n.to(tl.int64) * HW * C
     x_base = n.to(tl.int64) * stride_xn
@@ -533,8 +544,9 @@ def group_norm_act(
 
     ``stats`` (a :class:`fastdiff.kernels.conv2d.FoldedGroupNorm` with ``finish=False``) takes the statistics
     from the partials that the conv producing ``x`` wrote in its epilogue (``conv2d(..., out=x, stats=stats)``):
-    one launch that merges them per program and makes one pass over x, at the size-independent cost of an
-    elementwise op. ``design`` and ``lanes`` do not apply then.
+    one launch that makes one pass over x, each program first merging its channels' partials (one per row tile of
+    the image and channel tile of the group: their number grows with the image). ``design`` and ``lanes`` do not
+    apply then.
     """
     _check_inputs(x, num_groups, weight, bias, activation, residual, out, design, fp8_scale, lanes)
     if stats is not None:
@@ -627,7 +639,7 @@ def _apply(
     _gn_apply_kernel[(n, triton.cdiv(hw, hw_per_program), c_blocks)](
         x, out, *operands, partials, hw, channels, x.stride(0), x.stride(3), num_groups, split, hw_per_program,
         eps, fp8_inv_scale, tile_m, tile_n, partials.shape[-2] if conv_tiles is not None else 1,
-        CG=channels // num_groups, BLOCK_HW=apply_hw, BLOCK_C=apply_c, BLOCK_S=triton.next_power_of_2(split),
+        CG=channels // num_groups, BLOCK_HW=apply_hw, BLOCK_C=apply_c, BLOCK_S=min(triton.next_power_of_2(split), 64),
         CONV_TILES=conv_tiles is not None, num_warps=4, **flags, **pdl_launch(x.device),
     )  # fmt: skip
 
