@@ -46,6 +46,7 @@ import json
 import logging
 import math
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -814,7 +815,7 @@ class FusedModel:
 
     def time_ops(self, reps: int = 20) -> list[float]:
         """Microseconds of each op of ``step_ops`` (in order) with its chosen implementation, timed like
-        ``autotune`` (a CUDA graph of ``reps`` launches, median of 3 replays; launch overhead excluded; 0 for a
+        ``autotune`` (a CUDA graph of ``reps`` launches, :func:`time_call_us`; launch overhead excluded; 0 for a
         shortcut summed in its conv2 or a GroupNorm in its producer's epilogue). Needs
         CUDA and a bound forward (any ``forward`` call); the ops overwrite the arena's activations."""
         if self.device.type != "cuda":
@@ -867,9 +868,17 @@ def _root(v: Value) -> Value:
     return v
 
 
+TIMING_WARMUP_S = 0.005
+"""How long :func:`time_call_us` replays its graph before timing: the GPU's clocks drop during an idle gap (a
+kernel compile between two candidates) and take milliseconds to come back."""
+TIMED_REPLAYS = 5
+"""Replays :func:`time_call_us` takes the median of."""
+
+
 def time_call_us(call: Callable[[], None], reps: int) -> float:
-    """Median microseconds per ``call()`` from replays of a CUDA graph of up to ``reps`` calls (fewer for slow
-    ops: the graph holds about 2 ms of work), so launch overhead does not count."""
+    """Median microseconds per ``call()`` from :data:`TIMED_REPLAYS` replays of a CUDA graph of up to ``reps``
+    calls (fewer for slow ops: the graph holds about 2 ms of work), so launch overhead does not count, after
+    replaying it for :data:`TIMING_WARMUP_S` (clocks up again after an idle gap)."""
     call()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -881,9 +890,14 @@ def time_call_us(call: Callable[[], None], reps: int) -> float:
     with torch.cuda.graph(graph):
         for _ in range(reps):
             call()
-    graph.replay()
+    warm_until = time.perf_counter() + TIMING_WARMUP_S
+    while True:
+        graph.replay()
+        torch.cuda.synchronize()
+        if time.perf_counter() >= warm_until:
+            break
     times = []
-    for _ in range(3):
+    for _ in range(TIMED_REPLAYS):
         start.record()
         graph.replay()
         end.record()
