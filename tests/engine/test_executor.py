@@ -233,6 +233,24 @@ def test_tuning_cache_round_trip(tmp_path, monkeypatch):
     assert executor.TUNING_CACHE == {}
 
 
+def test_tuning_keys_change_with_the_kernels_source(tmp_path):
+    """The tuning cache's keys carry a digest of the kernel modules' source: editing a kernel file (or adding
+    one) changes it, so timings of other kernel code are not reused; the installed kernels have one."""
+    from fastdiff.engine.executor import kernels_revision, source_digest
+
+    (tmp_path / "conv.py").write_text("BLOCK_K = 64\n")
+    (tmp_path / "notes.txt").write_text("not a module")
+    first = source_digest(tmp_path)
+    assert source_digest(tmp_path) == first
+    (tmp_path / "notes.txt").write_text("still not a module")
+    assert source_digest(tmp_path) == first
+    (tmp_path / "conv.py").write_text("BLOCK_K = 128\n")
+    second = source_digest(tmp_path)
+    (tmp_path / "norm.py").write_text("")
+    assert len({first, second, source_digest(tmp_path)}) == 3
+    assert len(kernels_revision()) == 12 and kernels_revision() == kernels_revision()
+
+
 def test_step_model_outside_no_grad(tiny_model):
     """The engine runs on a model whose parameters require grad, called outside ``torch.no_grad`` (as a CUDA-graph
     capture does): its time table must not carry autograd history into the ``out=`` row copy."""

@@ -42,6 +42,8 @@ and column; attention's q/k/v projections as one GEMM; GEGLU in the feed-forward
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
 import math
@@ -85,6 +87,22 @@ ATTENTION_IMPLS = ("auto", "triton", "sdpa")
 TUNING_CACHE: dict[str, dict[str, float]] = {}
 """Per-op timings of the implementations (``FusedModel.autotune``), reused by later builds; mirrored on disk in
 ``tuning_cache_path()`` so a new process on the same GPU / torch / triton skips the timing too."""
+
+
+def source_digest(root: Path) -> str:
+    """A short digest of the ``*.py`` files in ``root`` (names and bytes, in name order)."""
+    digest = hashlib.sha1()
+    for path in sorted(root.glob("*.py")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+@functools.cache
+def kernels_revision() -> str:
+    """:func:`source_digest` of the kernel modules (``fastdiff/kernels``): part of every tuning-cache key, so the
+    timings of other kernel code (another fastdiff version, a changed launch plan) are not reused."""
+    return source_digest(Path(__file__).resolve().parent.parent / "kernels")
 
 
 def tuning_cache_path() -> Path:
@@ -826,8 +844,8 @@ class FusedModel:
         return [0.0 if op.impl == "fused" else time_call_us(call, reps) for op, call in pairs]  # fused: no launch
 
     def _tuning_key(self, op: Op) -> str:
-        """What an op's timing depends on: kind, shapes, strided (concat slice) or not, flags, dtype, GPU and
-        library versions (a string: it is a JSON key on disk)."""
+        """What an op's timing depends on: kind, shapes, strided (concat slice) or not, flags, dtype, GPU, library
+        versions and the kernels' source (:func:`kernels_revision`) (a string: it is a JSON key on disk)."""
         params = {k: (v is not None if k == "temb" else v) for k, v in op.params.items()}
         if op.name in self.epilogue_norms:  # its -gn candidates also run this norm
             gn = self.epilogue_norms[op.name]
@@ -838,7 +856,7 @@ class FusedModel:
         values = [(v.shape, v.concat is not None) for v in (*op.inputs, op.output)]
         gpu = torch.cuda.get_device_name(self.device)
         return repr((op.kind, values, sorted(params.items()), str(self.dtype), gpu, torch.__version__,
-                     triton.__version__))  # fmt: skip
+                     triton.__version__, kernels_revision()))  # fmt: skip
 
     def drop_unused_weights(self) -> None:
         """Free the weight layouts the chosen implementation does not read."""
