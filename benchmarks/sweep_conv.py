@@ -1,9 +1,12 @@
 """One-call GPU sweep of the conv implementations at a model's own conv shapes: the gather kernel
 (``kernels.conv2d``; where its grid leaves SMs idle also split-K, ``triton-k<split>``), the TMA kernel
 (``kernels.conv2d_tma``) in each tile config and its default, and cuDNN; with ``--fp8`` also the TMA kernel on
-e4m3 operands (its ``rel_err`` is then e4m3's own, a few percent).
+e4m3 operands (its ``rel_err`` is then e4m3's own, a few percent); with ``--gather-tiles`` also the gather kernel in
+each of ``GATHER_TILES`` (``conv2d(..., tiles=)``), unsplit and at each split, where its own plan is the latency one
+(the grid of 128x128 tiles leaves SMs idle): the sweep behind that plan.
 
     PYTHONPATH=src python benchmarks/sweep_conv.py --model ddpm-cifar10 --batch 1,256 --out sweep.json
+    PYTHONPATH=src python benchmarks/sweep_conv.py --batch 1 --gather-tiles --only up_blocks.2 --out tiles.json
 
 For every distinct conv of the engine's lowering (shape, kernel, stride, padding, upsampling, epilogue flags; a
 channel slice of a concat buffer when the engine's input is one), each implementation is timed as CUDA-graph
@@ -31,6 +34,7 @@ from fastdiff.bench.env import environment
 from fastdiff.engine.executor import FusedModel, time_call_us
 from fastdiff.kernels.common import SplitWorkspace, activation_ref
 from fastdiff.kernels.conv2d import (
+    GemmTiles,
     conv2d,
     conv2d_cost,
     conv2d_ref,
@@ -71,6 +75,12 @@ FP8_CONFIGS = [
     TmaConfig(64, 128, 128, 4, 4),
 ]
 """Tile configs of the fp8 TMA conv (``--fp8``), on every stride-1 conv without upsampling."""
+
+
+GATHER_TILES = [
+    GemmTiles(m, n, k, 4, st) for m in (16, 32, 64) for n in (32, 64, 128) for k in (64, 128) for st in (3, 4)
+]
+"""Tile plans of the gather kernel tried with ``--gather-tiles``."""
 
 
 def conv_cases(model: str, batch: int) -> list[dict]:
@@ -156,7 +166,26 @@ def fp8_impls(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, kwargs:
     return impls
 
 
-def sweep_case(case: dict, dtype: torch.dtype, ceiling: float, fp8: bool = False) -> dict:
+def gather_tile_impls(args: tuple, kwargs: dict, splits: tuple[int, ...]) -> dict[str, Callable]:
+    """The gather kernel in each of ``GATHER_TILES`` that fits the conv, unsplit and at each of ``splits``."""
+    x = args[0]
+    cout = kwargs["out"].shape[1]
+    workspace = SplitWorkspace()
+    impls: dict[str, Callable] = {}
+    for tiles in GATHER_TILES:
+        if tiles.block_n > max(32, 2 * cout) or tiles.block_k > max(64, 2 * x.shape[1]):
+            continue
+        for split in (1, *splits):
+            name = f"gather-{tiles.block_m}x{tiles.block_n}x{tiles.block_k}-s{tiles.num_stages}" + (
+                f"-k{split}" if split > 1 else ""
+            )
+            impls[name] = lambda tiles=tiles, split=split: conv2d(
+                *args, **kwargs, split_k=split, workspace=workspace, tiles=tiles
+            )
+    return impls
+
+
+def sweep_case(case: dict, dtype: torch.dtype, ceiling: float, fp8: bool = False, gather_tiles: bool = False) -> dict:
     args, kwargs = operands(case, dtype)
     x, packed, bias = args
     ref = conv2d_ref(*[a.double() for a in args], **{k: (v.double() if isinstance(v, torch.Tensor) else v)
@@ -169,10 +198,13 @@ def sweep_case(case: dict, dtype: torch.dtype, ceiling: float, fp8: bool = False
     cout, k = case["cout"], case["ksize"]
     n, _, ho, wo = kwargs["out"].shape
     workspace = SplitWorkspace()
-    for split in split_k_choices(n, x.shape[1], cout, (ho, wo), k, dtype, x.device):
+    splits = split_k_choices(n, x.shape[1], cout, (ho, wo), k, dtype, x.device)
+    for split in splits:
         impls[f"triton-k{split}"] = lambda split=split: conv2d(*args, **kwargs, split_k=split, workspace=workspace)
     rows = n * ho * wo
     big = (rows // 128) * max(1, cout // 128) >= 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    if gather_tiles and not big:
+        impls.update(gather_tile_impls(args, kwargs, splits))
     tma_weight = packed
     if case["upsample"] == 2:
         tma_weight = pack_upsample2_weight(unpack_conv_weight(packed, x.shape[1]))
@@ -224,6 +256,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     parser.add_argument("--only", default="", help="sweep only the convs whose op name contains this")
     parser.add_argument("--fp8", action="store_true", help="also the fp8 (e4m3) TMA conv, in each of FP8_CONFIGS")
+    parser.add_argument("--gather-tiles", action="store_true",
+                        help="also the gather kernel in each of GATHER_TILES, split or not, on the convs that do not "
+                             "fill the GPU with 128x128 tiles")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=400.0, help="stop starting new cases after this long")
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
     args = parser.parse_args()
@@ -240,7 +275,7 @@ def main() -> None:
             if time.perf_counter() - start > args.budget_s:
                 result["stopped_early"] = True
                 break
-            result["rows"].append({"batch": batch, **sweep_case(case, dtype, ceiling, args.fp8)})
+            result["rows"].append({"batch": batch, **sweep_case(case, dtype, ceiling, args.fp8, args.gather_tiles)})
             write_text_atomic(args.out, json.dumps(result, indent=1))
     write_text_atomic(args.out, json.dumps(result, indent=1))
 

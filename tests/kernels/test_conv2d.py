@@ -12,6 +12,7 @@ from fastdiff.kernels.common import SplitWorkspace
 from fastdiff.kernels.conv2d import (
     OP,
     FoldedGroupNorm,
+    GemmTiles,
     conv2d,
     conv2d_ref,
     group_stats_ref,
@@ -244,6 +245,24 @@ def test_latency_tiles_match_ref(monkeypatch, split_k: int) -> None:
     assert conv_module._gemm_blocks(30, 40, 200, torch.float32, torch.device(DEVICE), split_k)[:3] == (16, 32, 128)
     out = conv2d(*args, **kwargs, split_k=split_k)
     assert rel_err(out, reference(args, kwargs)) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize(
+    "tiles, split_k",
+    [
+        pytest.param(GemmTiles(16, 16, 128, 2, 2), 1, id="m16_n16_k128_more_channel_tiles_than_the_plan"),
+        pytest.param(GemmTiles(32, 64, 16, 4, 1), 3, id="m32_n64_k16_split3"),
+    ],
+)
+def test_forced_tiles_match_ref(tiles: GemmTiles, split_k: int) -> None:
+    """``tiles=`` replaces the plan (the sweep's knob): any valid plan computes the same conv."""
+    case = dict(n=2, cin=130, cout=40, h=5, w=6, k=3, padding=1, bias=True, temb=True, res=True, act="silu")
+    args, kwargs = make_inputs(case, torch.float32, seed=31 + split_k)
+    out = conv2d(*args, **kwargs, split_k=split_k, tiles=tiles)
+    assert rel_err(out, reference(args, kwargs)) < TOLERANCE[torch.float32]
+    for bad in (dict(block_m=24), dict(block_k=8), dict(num_warps=3), dict(num_stages=0)):
+        with pytest.raises(FastdiffError, match="bad conv tiles"):
+            GemmTiles(**{"block_m": 16, "block_n": 32, "block_k": 64, **bad})
 
 
 def test_split_k_with_folded_group_norm() -> None:

@@ -679,6 +679,23 @@ def _pow2_at_least(value: int, low: int, high: int) -> int:
     return max(low, min(high, triton.next_power_of_2(max(value, 1))))
 
 
+@dataclass(frozen=True)
+class GemmTiles:
+    """A tile plan for :func:`conv2d` (``tiles=``) in place of its own (:func:`_gemm_blocks`): powers of two, each
+    block at least 16 (the tl.dot minimum). For sweeps (``benchmarks/sweep_conv.py --gather-tiles``)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        blocks = (self.block_m, self.block_n, self.block_k)
+        if any(b < 16 or b & (b - 1) for b in blocks) or self.num_warps not in (1, 2, 4, 8) or self.num_stages < 1:
+            raise FastdiffError(f"bad conv tiles {self}: blocks powers of two >= 16, 1-8 warps, >= 1 stage")
+
+
 LATENCY_BLOCK_K = 128
 """The reduction step of a latency-bound conv (:func:`_gemm_blocks`) whose Cin is at least this wide."""
 
@@ -931,6 +948,7 @@ def conv2d(
     shortcut: torch.Tensor | None = None,
     shortcut_weight: torch.Tensor | None = None,
     norm_out: OutputGroupNorm | None = None,
+    tiles: GemmTiles | None = None,
 ) -> torch.Tensor:
     """Fused conv2d: ``((act(conv(x, w) + bias + time_emb[:, :, None, None]) + residual) * out_scale``.
 
@@ -958,6 +976,9 @@ def conv2d(
     8x8 levels) still fills the GPU; the last program of a tile to finish sums the fp32 partials in ``workspace``
     (:class:`fastdiff.kernels.common.SplitWorkspace`; a new one per call when None) and runs the epilogue, in the
     same launch.
+
+    ``tiles`` (:class:`GemmTiles`) replaces the tile plan (the epilogue GroupNorm still grows the tile to whole
+    images and groups).
     """
     if isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1:
         raise FastdiffError(f"split_k must be a positive int, got {split_k!r}")
@@ -1000,6 +1021,10 @@ def conv2d(
         out = torch.empty((n, cout, ho, wo), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
     rows = n * ho * wo
     block_m, block_n, block_k, num_warps, num_stages = _gemm_blocks(rows, cout, cin, x.dtype, x.device, split_k)
+    if tiles is not None:
+        block_m, block_n, block_k, num_warps, num_stages = (
+            tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps, tiles.num_stages
+        )  # fmt: skip
     if norm_out is not None:  # whole images per row tile, whole groups per channel tile
         block_m, block_n = max(block_m, ho * wo), max(block_n, cout // norm_out.groups)
         num_warps = 8 if block_m * block_n >= 128 * 128 else 4
