@@ -75,6 +75,14 @@ def test_shortcut_summed_in_conv2_matches_eager(tiny_model, split):
     assert all(sc.impl == "fused" for sc in fused.shortcuts.values())
 
 
+def force_pair_impl(fused: FusedModel, convs, impl: str) -> None:
+    """Every conv of ``convs`` on ``impl`` (a ``triton-<tag>[-k<N>]`` gather variant), as ``triton-sc-<tag>...``
+    where the conv also sums its shortcut in."""
+    for name in convs:
+        sc = "-sc" if name in fused.shortcuts else ""
+        fused._op_by_name[name].impl = impl.replace("triton", f"triton{sc}", 1)
+
+
 @pytest.mark.parametrize("impl", ["triton-gn", "triton-gn-k3"])
 def test_group_norm_in_conv_epilogue_matches_eager(tiny_model, impl):
     """Every conv whose output a GroupNorm reads (8x8 and 4x4 images) with that norm in its epilogue, split-K or not,
@@ -84,9 +92,7 @@ def test_group_norm_in_conv_epilogue_matches_eager(tiny_model, impl):
     fused = FusedModel(model, 2, torch.float32, DEVICE, "triton", "triton")
     norms = [op for op in fused.ops if op.kind == "group_norm"]
     assert len(fused.epilogue_norms) >= len(norms) // 2  # the up path's concat norms stay
-    for name in fused.epilogue_norms:
-        sc = "-sc" if name in fused.shortcuts else ""
-        fused._op_by_name[name].impl = impl.replace("triton", f"triton{sc}", 1)
+    force_pair_impl(fused, fused.epilogue_norms, impl)
     shape = fused.x_in_value.shape  # the streamed first forward runs the norms on their own: get it out of the way
     fused.forward(channels_last_empty(shape, torch.float32, DEVICE).normal_(), torch.tensor([5], device=DEVICE))
     fused.arena.view(torch.float32).fill_(float("nan"))
@@ -107,9 +113,7 @@ def test_group_norm_statistics_in_conv_epilogue_match_eager(tiny_model, name, im
     fused = FusedModel(model, 3, torch.float32, DEVICE, "triton", "triton")
     norms = [op for op in fused.ops if op.kind == "group_norm"]
     assert len(fused.epilogue_stats) >= len(norms) // 2  # the up path's concat norms stay
-    for conv in fused.epilogue_stats:
-        sc = "-sc" if conv in fused.shortcuts else ""
-        fused._op_by_name[conv].impl = impl.replace("triton", f"triton{sc}", 1)
+    force_pair_impl(fused, fused.epilogue_stats, impl)
     fused.arena.view(torch.float32).fill_(float("nan"))
     assert_two_forwards_match_eager(fused, model, seed=14)
     assert all(norm.impl == "apply" for norm in fused.epilogue_stats.values())
@@ -125,8 +129,7 @@ def test_epilogue_norms_in_the_shallow_forward(tiny_model):
     assert fused.cached_value is not None and fused.epilogue_norms
     shallow = {op.name for op in fused.shallow_ops}
     assert any(name in shallow for name in fused.epilogue_norms)  # some pairs run in the shallow forward too
-    for name in fused.epilogue_norms:
-        fused._op_by_name[name].impl = "triton-sc-gn" if name in fused.shortcuts else "triton-gn"
+    force_pair_impl(fused, fused.epilogue_norms, "triton-gn")
     gen = torch.Generator().manual_seed(3)
     xs = [torch.randn(fused.x_in_value.shape, generator=gen) for _ in range(3)]
     outs = {}
