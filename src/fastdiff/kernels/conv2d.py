@@ -713,9 +713,8 @@ def _gemm_blocks(
     * latency (fewer tiles than that: batch 1, the 8x8 to 32x32 levels): a program's time is its serial chain of
       reduction steps, so the tiles are 32 channels wide, each step :data:`LATENCY_BLOCK_K` deep where Cin allows
       (half the steps), and the row block the largest of 64, 32, 16 that still gives half a program per SM, split
-      programs included. In a development probe on the H100 (ddpm-cifar10's 3x3 convs at batch 1, 8x8 to 32x32, 128
-      to 512 input channels, every split of 1, 2 and 4) this was within 10 % of the fastest of 108 tile configs
-      at every point, and 9-35 % faster than the 16 x 32 x 64 tiles at two programs per SM used before.
+      programs included (read off a tile sweep of ddpm-cifar10's batch-1 3x3 convs on the H100:
+      ``benchmarks/sweep_conv.py --gather-tiles``).
     """
     block_n = _pow2_at_least(cols, 16, 128)
     block_k = 64 if red >= 64 else 32 if red >= 32 else 16

@@ -616,9 +616,8 @@ def _apply(
 
     After the two-phase statistics: tiles of 64 channels, about four programs per SM, each looping over its rows.
     After a conv's: one tile per program, of 1/64 of the tensor (512 to ``STREAM_TILE`` elements), 32 channels
-    wide up to 128 channels (64 above), 128 for the largest tiles. In a development probe on the H100 this took
-    3.1 us against 4.5 for the first plan on a 128-channel 32x32 image (2.1 against 2.7 for 256 channels at 16x16,
-    49 against 58 us at batch 256, 32x32)."""
+    wide up to 128 channels (64 above), 128 for the largest tiles (fewer, larger programs were slower on the
+    H100 at batch 1)."""
     n, channels, h, w = x.shape
     hw = h * w
     split = math.prod(partials.shape[2:-1])
