@@ -95,14 +95,48 @@ def fd_table() -> str:
     return "\n\n".join(parts)
 
 
+def roofline_floor_ms(op_table: dict) -> dict[str, float]:
+    """Per op class, the ms per step its ops would take each at the ceiling that bounds it on the roofline (the op
+    table's own ``us * pct_of_ceiling / 100``): the floor of the op graph, launch gaps and all other overheads
+    aside. An op already past its ceiling (an Upsample2D conv: counted as the conv of the upsampled image, run as
+    4/9 of it) counts its own time; ops without a time (fused into another) count 0."""
+    floor: dict[str, float] = {}
+    for op in op_table["ops"]:
+        us, pct = op.get("us"), op.get("pct_of_ceiling")
+        ms = us * min(pct, 100.0) / 100 / 1e3 if us and pct is not None else 0.0
+        floor[op["class"]] = floor.get(op["class"], 0.0) + ms
+    return floor
+
+
+def roofline_floor_lines(result: dict) -> list[str]:
+    """One line per engine row of a bench result with an op table and no fp8 ops (their % of ceiling is of the
+    bf16 matmul ceiling, so a floor from it would be wrong): its step, the floor of its op graph by class, and
+    half of the fastest torch.compile step of the run."""
+    compiled = [r["ms_per_step"] for r in result["results"] if r["system"] == "compile" and r.get("ms_per_step")]
+    lines = []
+    for r in result["results"]:
+        table = (r.get("extra") or {}).get("op_table")
+        if r["system"] != "engine" or not table or any(op.get("fp8") for op in table["ops"]):
+            continue
+        floor = roofline_floor_ms(table)
+        by_class = ", ".join(f"{name} {ms:.3f}" for name, ms in floor.items())
+        half = f"; half of torch.compile's step in this run: {min(compiled) / 2:.3f} ms" if compiled else ""
+        lines.append(
+            f"Engine {r['dtype']}: {r['ms_per_step']:.3f} ms per step; every op at the ceiling that bounds it on the "
+            f"roofline (the floor of this op graph): {sum(floor.values()):.3f} ms ({by_class}){half}."
+        )
+    return lines
+
+
 def bench_tables() -> str:
     from fastdiff.bench.report import markdown_table
 
     parts = []
     for path in sorted(RESULTS.glob("bench-*.json")):
         d = json.loads(path.read_text())
+        floors = "".join(f"\n\n{line}" for line in roofline_floor_lines(d))
         parts.append(
-            f"From `{path.relative_to(ROOT)}`: {markdown_table(d)}\n\n{freshness(d['env']['git_sha'], 'bench')}"
+            f"From `{path.relative_to(ROOT)}`: {markdown_table(d)}{floors}\n\n{freshness(d['env']['git_sha'], 'bench')}"
         )
     return "\n\n".join(parts) or "_No `fastdiff bench` result committed yet._"
 

@@ -1,5 +1,6 @@
 """The README's result tables are generated from benchmarks/results/*.json and must be up to date."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -38,3 +39,37 @@ def test_every_result_names_a_commit_of_this_history(path):
         return
     assert sha, f"{path} names no commit"
     assert _git("merge-base", "--is-ancestor", sha, "HEAD").returncode == 0, f"{sha} is not an ancestor of HEAD"
+
+
+def _readme_tables():
+    spec = importlib.util.spec_from_file_location("readme_tables", ROOT / "benchmarks" / "readme_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _op(cls: str, us: float | None, pct: float | None, fp8: bool = False) -> dict:
+    return {"class": cls, "us": us, "pct_of_ceiling": pct, "fp8": fp8}
+
+
+def test_roofline_floor_counts_each_op_at_its_bounding_ceiling():
+    """A compute-bound conv at 50 % of the ceiling (100 us -> 50), one past it (an Upsample2D conv counted as the
+    upsampled conv: its own 30 us), a memory-bound norm at 25 % (40 us -> 10) and a fused op (no time: 0)."""
+    ops = [_op("convolution", 100.0, 50.0), _op("convolution", 30.0, 146.0), _op("normalisation", 40.0, 25.0),
+           _op("normalisation", 0.0, None)]  # fmt: skip
+    floor = _readme_tables().roofline_floor_ms({"ops": ops})
+    assert floor == pytest.approx({"convolution": 0.080, "normalisation": 0.010})
+
+
+def test_roofline_floor_lines_skip_fp8_engines_and_name_half_the_compile_step():
+    table = {"ops": [_op("convolution", 100.0, 50.0)]}
+    result = {"results": [
+        {"system": "compile", "dtype": "fp16", "ms_per_step": 1.0},
+        {"system": "engine", "dtype": "fp16", "ms_per_step": 0.6, "extra": {"op_table": table}},
+        {"system": "engine", "dtype": "fp8", "ms_per_step": 0.7,
+         "extra": {"op_table": {"ops": [_op("convolution", 100.0, 135.0, fp8=True)]}}},
+    ]}  # fmt: skip
+    lines = _readme_tables().roofline_floor_lines(result)
+    assert len(lines) == 1
+    assert lines[0].startswith("Engine fp16: 0.600 ms per step")
+    assert "0.050 ms (convolution 0.050)" in lines[0] and "0.500 ms" in lines[0]
