@@ -20,7 +20,6 @@ call's time limit.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import time
@@ -46,7 +45,6 @@ from fastdiff.kernels.conv2d import (
 from fastdiff.kernels.conv2d_tma import (
     TmaConfig,
     conv2d_tma,
-    default_config,
     pack_conv_weight_fp8,
     pack_upsample2_weight,
     tma_conv_unsupported,
@@ -64,10 +62,6 @@ TMA_CONFIGS = [
     TmaConfig(64, 128, 64, 4, 4),
     TmaConfig(64, 64, 64, 4, 4),
     TmaConfig(256, 128, 64, 8, 3),
-    TmaConfig(128, 128, 64, 4, 4, persistent=True),
-    TmaConfig(128, 128, 64, 8, 4, persistent=True),
-    TmaConfig(128, 128, 64, 4, 3, persistent=True),
-    TmaConfig(64, 128, 64, 4, 4, persistent=True),
 ]
 """Tile configs tried on the convs with enough 128x128 tiles to fill the GPU twice over."""
 SMALL_CONFIGS = [TmaConfig(64, 64, 64, 4, 4), TmaConfig(64, 128, 64, 4, 4)]
@@ -79,8 +73,6 @@ FP8_CONFIGS = [
     TmaConfig(128, 256, 128, 8, 3),
     TmaConfig(128, 128, 64, 4, 4),
     TmaConfig(64, 128, 128, 4, 4),
-    TmaConfig(128, 128, 128, 4, 4, persistent=True),
-    TmaConfig(128, 128, 128, 4, 3, persistent=True),
 ]
 """Tile configs of the fp8 TMA conv (``--fp8``), on every stride-1 conv without upsampling."""
 
@@ -158,12 +150,6 @@ def cudnn_call(args: tuple, kwargs: dict) -> Callable[[], None]:
     return call
 
 
-def config_name(prefix: str, cfg: TmaConfig) -> str:
-    """``<prefix>-<BLOCK_M>x<BLOCK_N>x<BLOCK_K>-w<warps>s<stages>``, ``-p`` for the persistent grid."""
-    name = f"{prefix}-{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-w{cfg.num_warps}s{cfg.num_stages}"
-    return name + ("-p" if cfg.persistent else "")
-
-
 def fp8_impls(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, kwargs: dict) -> dict[str, Callable]:
     """The fp8 TMA conv in each of ``FP8_CONFIGS`` and its default: the input as e4m3 at its own max (a dense
     copy, as the engine's GroupNorm writes it), the weight per output channel."""
@@ -174,7 +160,7 @@ def fp8_impls(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, kwargs:
     kw = {k: v for k, v in kwargs.items() if k not in ("stride", "upsample")}
     impls: dict[str, Callable] = {}
     for cfg in FP8_CONFIGS:
-        name = config_name("fp8", cfg)
+        name = f"fp8-{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-w{cfg.num_warps}s{cfg.num_stages}"
         impls[name] = lambda cfg=cfg: conv2d_tma(x8, w8, bias, weight_scale=w_scale, config=cfg, **kw)
     impls["fp8-default"] = lambda: conv2d_tma(x8, w8, bias, weight_scale=w_scale, **kw)
     return impls
@@ -228,16 +214,12 @@ def sweep_case(case: dict, dtype: torch.dtype, ceiling: float, fp8: bool = False
         why = tma_conv_unsupported(x, cout, k, stride=case["stride"], padding=case["padding"],
                                    upsample=case["upsample"])  # fmt: skip
         if why is None:
-            name = config_name("tma", cfg)
+            name = f"tma-{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-w{cfg.num_warps}s{cfg.num_stages}"
             kw = {k2: v for k2, v in kwargs.items() if k2 != "stride"}
             impls[name] = lambda cfg=cfg, kw=kw: conv2d_tma(x, tma_weight, bias, config=cfg, **kw)
     if "tma-" in " ".join(impls):
         kw = {k2: v for k2, v in kwargs.items() if k2 != "stride"}
         impls["tma-default"] = lambda kw=kw: conv2d_tma(x, tma_weight, bias, **kw)
-        up = case["upsample"]
-        default = default_config(n * up * up, ho // up, wo // up, x.shape[1], cout, dtype, x.device)
-        persistent = dataclasses.replace(default, persistent=True)
-        impls["tma-default-p"] = lambda kw=kw: conv2d_tma(x, tma_weight, bias, config=persistent, **kw)
     if fp8 and case["stride"] == 1 and case["upsample"] == 1 and x.shape[1] % 16 == 0:
         impls.update(fp8_impls(x, packed, bias, kwargs))
     row = {**case, "flops": flops, "bytes": moved, "impls": {}}

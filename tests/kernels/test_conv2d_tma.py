@@ -3,21 +3,18 @@ the default tile configs at the U-Nets' own shapes."""
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 
 import pytest
 import torch
 
 from fastdiff.errors import FastdiffError
-from fastdiff.kernels import conv2d_tma as conv2d_tma_module
 from fastdiff.kernels.conv2d import unpack_conv_weight
 from fastdiff.kernels.conv2d_tma import (
     OP,
     TmaConfig,
     box_tile,
     conv2d_tma,
-    default_config,
     pack_upsample2_weight,
     tma_conv_unsupported,
 )
@@ -60,25 +57,6 @@ def test_conv2d_tma_matches_ref(case: dict, dtype: torch.dtype) -> None:
     assert rel_err(out, ref) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("programs", [1, 3], ids=["one_program", "three_programs"])
-@pytest.mark.parametrize("case", CASES[:3])
-def test_persistent_programs_cover_every_tile(
-    case: dict, dtype: torch.dtype, programs: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The persistent grid (one program per SM, looping over the tiles ``programs`` apart) writes every tile: on
-    the CPU the SM count is patched so three programs stride over tiles and channel tiles of uneven counts."""
-    if not CUDA:
-        monkeypatch.setattr(conv2d_tma_module, "num_sms", lambda device: programs)
-    args, kwargs = make_inputs(case, dtype, seed=zlib.crc32(str(case).encode()))
-    ref = reference(args, kwargs)
-    out = torch.full(ref.shape, float("nan"), dtype=dtype, device=DEVICE).contiguous(memory_format=torch.channels_last)
-    config = dataclasses.replace(CONFIG or default_config(case["n"], *ref.shape[2:], case["cin"], case["cout"], dtype,
-                                                          ref.device), persistent=True)  # fmt: skip
-    conv2d_tma(*args, **kwargs, out=out, config=config)
-    assert rel_err(out, ref) < TOLERANCE[dtype]
-
-
 MODEL_SHAPES = [
     pytest.param(dict(n=256, cin=128, cout=128, h=32, w=32, k=3, padding=1, bias=True, res=True), id="b256_c128_32"),
     pytest.param(dict(n=256, cin=256, cout=768, h=16, w=16, k=1, bias=True), id="b256_qkv_1x1_16"),
@@ -90,17 +68,12 @@ MODEL_SHAPES = [
 
 
 @needs_cuda
-@pytest.mark.parametrize("persistent", [False, True], ids=["per_tile", "persistent"])
 @pytest.mark.parametrize("case", MODEL_SHAPES)
-def test_default_configs_at_model_shapes(case: dict, persistent: bool) -> None:
+def test_default_configs_at_model_shapes(case: dict) -> None:
     """Each default tile config (128x128, 64x128, 64x64) on a shape that picks it, with the 1x1 convs whose short
-    loops gave wrong results with 8 warps (``default_config``), and the small levels of batch 256; per tile and
-    persistent (the engine's ``triton-tma-p``)."""
+    loops gave wrong results with 8 warps (``default_config``), and the small levels of batch 256."""
     args, kwargs = make_inputs(case, torch.float16, seed=zlib.crc32(str(case).encode()))
-    ref = reference(args, kwargs)
-    config = default_config(case["n"], *ref.shape[2:], case["cin"], case["cout"], torch.float16, ref.device)
-    config = dataclasses.replace(config, persistent=persistent)
-    assert rel_err(conv2d_tma(*args, **kwargs, config=config), ref) < TOLERANCE[torch.float16]
+    assert rel_err(conv2d_tma(*args, **kwargs), reference(args, kwargs)) < TOLERANCE[torch.float16]
 
 
 def test_channel_slice_of_a_concat_buffer() -> None:
@@ -139,9 +112,6 @@ def test_upsample2_conv_as_four_phase_convs(case: dict, dtype: torch.dtype) -> N
     phases = pack_upsample2_weight(raw)
     assert phases.shape == (16 * case["cin"], cout)
     assert rel_err(conv2d_tma(x, phases, bias, **kwargs, config=CONFIG), ref) < TOLERANCE[dtype]
-    persistent = dataclasses.replace(CONFIG or default_config(n * 4, h, w, case["cin"], cout, dtype, x.device),
-                                     persistent=True)  # fmt: skip
-    assert rel_err(conv2d_tma(x, phases, bias, **kwargs, config=persistent), ref) < TOLERANCE[dtype]
     with pytest.raises(FastdiffError, match="pack_upsample2_weight"):
         conv2d_tma(x, packed, bias, **kwargs, config=CONFIG)
 

@@ -11,17 +11,15 @@ the forward as a list of ops of :mod:`fastdiff.engine.ir`, then:
   forward (``engine.weights.WeightStreamer``: module k runs while module k+1 uploads);
 * binds each op to a kernel; where there are several implementations (conv: ``kernels.conv2d``, on Hopper also
   ``kernels.conv2d_tma`` for stride-1 convs, or cuDNN + a torch epilogue; token GEMM: ``kernels.linear`` or
-  cuBLAS + a torch epilogue; the TMA conv also on a persistent grid where it has more tiles than SMs,
-  ``triton-tma-p`` (``triton-tma-fp8-p`` on e4m3 operands); the gather conv also with its reduction split over
-  2-16 programs where its grid leaves SMs idle, ``triton-k<split>``; a ResnetBlock2D's conv2 also with its 1x1
-  conv_shortcut summed in, ``triton-sc[-k<split>]``, timed against the pair unfused
-  (:mod:`fastdiff.engine.shortcut`); a conv whose output a GroupNorm reads also with that norm in its epilogue,
-  ``triton[-sc]-gn[-k<split>]``, or with the norm's statistics in its epilogue, ``triton[-sc]-st[-k<split>]``
-  (the norm then one elementwise pass, ``apply``), timed against the conv and the norm apart
-  (:mod:`fastdiff.engine.epilogue_norm`); attention: ``kernels.attention`` (also with its keys split over 2-8
-  programs per query block where those leave SMs idle, ``triton-kv<split>``, and for at most 512 keys its
-  whole-rows schedule, ``triton-rows``) or torch SDPA; GroupNorm: the kernel's own launch plan or whole groups
-  at 16, 32 or 64 channel lanes per program)
+  cuBLAS + a torch epilogue; the gather conv also with its reduction split over 2-16 programs where its grid
+  leaves SMs idle, ``triton-k<split>``; a ResnetBlock2D's conv2 also with its 1x1 conv_shortcut summed in,
+  ``triton-sc[-k<split>]``, timed against the pair unfused (:mod:`fastdiff.engine.shortcut`); a conv whose output
+  a GroupNorm reads also with that norm in its epilogue, ``triton[-sc]-gn[-k<split>]``, or with the norm's
+  statistics in its epilogue, ``triton[-sc]-st[-k<split>]`` (the norm then one elementwise pass, ``apply``), timed
+  against the conv and the norm apart (:mod:`fastdiff.engine.epilogue_norm`); attention:
+  ``kernels.attention`` (also with its keys split over 2-8 programs per query block where those leave SMs idle,
+  ``triton-kv<split>``, and for at most 512 keys its whole-rows schedule, ``triton-rows``) or torch SDPA;
+  GroupNorm: the kernel's own launch plan or whole groups at 16, 32 or 64 channel lanes per program)
   ``autotune`` times them on the GPU
   and keeps the fastest (``conv_impl`` / ``attention_impl`` narrow the choice; ``conv_impl`` covers both convs and
   GEMMs: "triton", our kernels, or the vendor library);
@@ -44,7 +42,6 @@ and column; attention's q/k/v projections as one GEMM; GEGLU in the feed-forward
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import json
@@ -74,17 +71,9 @@ from fastdiff.engine.weights import WeightStreamer
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.attention import ROWS_MAX_KEYS, attention, split_kv_choices
 from fastdiff.kernels.attention_gate import attention_gate
-from fastdiff.kernels.common import SplitWorkspace, activation_ref, num_sms
+from fastdiff.kernels.common import SplitWorkspace, activation_ref
 from fastdiff.kernels.conv2d import FoldedGroupNorm, OutputGroupNorm, conv2d, pack_conv_weight, split_k_choices
-from fastdiff.kernels.conv2d_tma import (
-    TmaConfig,
-    conv2d_tma,
-    default_config,
-    output_tiles,
-    pack_conv_weight_fp8,
-    pack_upsample2_weight,
-    tma_conv_unsupported,
-)
+from fastdiff.kernels.conv2d_tma import conv2d_tma, pack_conv_weight_fp8, pack_upsample2_weight, tma_conv_unsupported
 from fastdiff.kernels.depthwise_conv2d import depthwise_conv2d, pack_depthwise_weight
 from fastdiff.kernels.fp8 import FP8_DTYPE
 from fastdiff.kernels.group_norm_act import LANE_CHOICES, group_norm_act
@@ -440,18 +429,17 @@ class FusedModel:
             channels = op.output.shape[1]
             temb = self.temb_row[:, p["temb"] : p["temb"] + channels].expand(self.batch, channels)
         stride, padding, act, scale, up = p["stride"], p["padding"], p["act"], p["scale"], p["upsample"]
-        if impl.startswith("triton-tma"):  # -fp8: e4m3 operands; -p: the persistent grid
-            config = self._tma_config(op, persistent=impl.endswith("-p"))
-            if impl.startswith("triton-tma-fp8"):
-                packed, weight_scale = w["packed_fp8"], w["weight_scale"]
-                return lambda: conv2d_tma(
-                    x, packed, bias, padding=padding, time_emb=temb, residual=residual, activation=act,
-                    out_scale=scale, out=out, weight_scale=weight_scale, config=config,
-                )  # fmt: skip
+        if impl == "triton-tma-fp8":
+            packed, weight_scale = w["packed_fp8"], w["weight_scale"]
+            return lambda: conv2d_tma(
+                x, packed, bias, padding=padding, time_emb=temb, residual=residual, activation=act,
+                out_scale=scale, out=out, weight_scale=weight_scale,
+            )  # fmt: skip
+        if impl == "triton-tma":
             packed = w["packed_up2"] if up == 2 else w["packed"]
             return lambda: conv2d_tma(
                 x, packed, bias, padding=padding, time_emb=temb, residual=residual, activation=act,
-                out_scale=scale, out=out, upsample=up, config=config,
+                out_scale=scale, out=out, upsample=up,
             )  # fmt: skip
         if impl.startswith("triton"):  # the gather kernel; -sc: + the 1x1 shortcut; -gn: + the GroupNorm of the
             shortcut = shortcut_weight = norm_out = None  # output in the epilogue; -k<N>: reduction split N ways
@@ -593,12 +581,10 @@ class FusedModel:
             fused = ("", "-sc") if op.name in self.shortcuts and self.device.type == "cuda" else ("",)
             return tuple(f"triton{sc}{k}" for sc in fused for k in ("", *(f"-k{split}" for split in splits)))
         if op.kind == "conv" and "fp8_scale" in op.params:
-            return ("triton-tma-fp8", "triton-tma-fp8-p") if self._persistent_helps(op) else ("triton-tma-fp8",)
+            return ("triton-tma-fp8",)
         if op.kind in ("conv", "depthwise", "linear"):
             library = "cublas" if op.kind == "linear" else "cudnn"
-            ours = ("triton",)
-            if op.kind == "conv" and self._tma_fits(op):  # + the TMA kernel, and its persistent grid
-                ours = ("triton", "triton-tma", *(("triton-tma-p",) if self._persistent_helps(op) else ()))
+            ours = ("triton", "triton-tma") if op.kind == "conv" and self._tma_fits(op) else ("triton",)
             if op.kind == "conv" and self.device.type == "cuda":
                 ours = (*ours, *(f"triton-k{split}" for split in self._split_k_choices(op)))
                 if op.name in self.shortcuts:  # + the gather kernel with the shortcut summed in (engine/shortcut.py)
@@ -636,23 +622,6 @@ class FusedModel:
         reason = tma_conv_unsupported(self._tensor(op.inputs[0]), op.output.shape[1], p["ksize"], stride=p["stride"],
                                       padding=p["padding"], upsample=p["upsample"])  # fmt: skip
         return reason is None
-
-    def _tma_config(self, op: Op, persistent: bool) -> TmaConfig:
-        """The TMA conv's default tiles for ``op`` (:func:`default_config`), per tile or persistent."""
-        (n, cin, *_), (_, cout, ho, wo) = op.inputs[0].shape, op.output.shape
-        up = op.params["upsample"]
-        dtype = FP8_DTYPE if "fp8_scale" in op.params else self.dtype
-        config = default_config(n * up * up, ho // up, wo // up, cin, cout, dtype, self.device)
-        return dataclasses.replace(config, persistent=persistent)
-
-    def _persistent_helps(self, op: Op) -> bool:
-        """Whether the persistent grid of the TMA conv differs from its per-tile grid for ``op`` (CUDA only): more
-        output tiles than SMs."""
-        if self.device.type != "cuda":
-            return False
-        (n, _, ho, wo), up = op.output.shape, op.params["upsample"]
-        tiles = output_tiles(self._tma_config(op, True), n, ho // up, wo // up, op.output.shape[1], up)
-        return tiles > num_sms(self.device)
 
     def _default_why(self, op: Op) -> str:
         if op.kind == "conv" and ("stats" in op.params or "norm" in op.params):
@@ -893,7 +862,7 @@ class FusedModel:
         """Free the weight layouts the chosen implementation does not read."""
         for op in self.ops:
             gather = op.kind == "conv" and _is_gather(op.impl)  # every gather variant reads the plain kernel's
-            impl = "triton" if gather else op.impl.removesuffix("-p")  # weights; a persistent grid its per-tile one's
+            impl = "triton" if gather else op.impl
             reads = WEIGHT_ROLES.get((op.kind, impl))
             if reads is not None:
                 w = self._device_weights[op.name]

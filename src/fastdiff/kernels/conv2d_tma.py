@@ -21,12 +21,6 @@ weights ``w[0]`` and ``w[1] + w[2]``) or ``i, i + 1`` (``py = 1``: ``w[0] + w[1]
 for columns (:func:`pack_upsample2_weight`). That is 4/9 of the upsampled conv's multiply-adds and no
 upsampled tensor; each phase is a program column of the grid, storing every other output row and column.
 
-The grid is one program per output tile, or (``TmaConfig.persistent``) one per SM, each looping over the tiles
-an SM count apart with the tile loop flattened into the reduction loop (``tl.range(..., flatten=True)``): the
-software pipeline then issues the next tile's first loads before this tile's epilogue, where the per-tile grid
-leaves the tensor cores idle for every tile's epilogue and launch. The engine times both (``triton-tma`` and
-``triton-tma-p``) where there are more tiles than SMs.
-
 Measured on the H100 (``benchmarks/sweep_conv.py``, ddpm-cifar10 at batch 256, fp16): the 3x3 convs run at
 57-80% of the bf16 matmul ceiling against 35-60% for the gather kernel, 1.2-1.8x faster than it or cuDNN. At
 batch 1 the gather kernel's small tiles stay faster, and the engine's autotune keeps it. A second layout
@@ -68,8 +62,6 @@ class TmaConfig:
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 4
-    persistent: bool = False
-    """One program per SM looping over the output tiles (:func:`_conv2d_tma_kernel`) instead of one per tile."""
 
 
 def pack_upsample2_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -107,8 +99,8 @@ def unpack_conv_weight_fp8(packed: torch.Tensor, scale: torch.Tensor, cin: int) 
 
 
 @triton.jit
-def _conv2d_tma_tile(
-    t, x_desc, w_desc, scale_ptr, bias_ptr, temb_ptr, res_ptr, out_ptr,
+def _conv2d_tma_kernel(
+    x_desc, w_desc, scale_ptr, bias_ptr, temb_ptr, res_ptr, out_ptr,
     N, Cin, Ho, Wo, Cout,
     stride_tn, stride_tc, stride_rn, stride_rc, stride_rh, stride_rw, stride_on, stride_oc, stride_oh, stride_ow,
     out_scale,
@@ -116,20 +108,17 @@ def _conv2d_tma_tile(
     HAS_BIAS: tl.constexpr, HAS_TEMB: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     TN: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Output tile ``t`` (phase-major, then pixel box, output-channel tile fastest): its reduction, epilogue and
-    store."""
+    grid_dependency_sync(PDL)
     BLOCK_M: tl.constexpr = TN * TH * TW
     # Output-channel tiles vary fastest: the programs that share an input tile run together (L2 reuse).
+    pid = tl.program_id(0)
     num_pid_n = tl.cdiv(Cout, BLOCK_N)
-    tiles_w = tl.cdiv(Wo, TW)
-    tiles_h = tl.cdiv(Ho, TH)
-    per_phase = tl.cdiv(N, TN) * tiles_h * tiles_w * num_pid_n
-    phase = t // per_phase  # 0 without UP2
-    pid = t - phase * per_phase
     pid_n = pid % num_pid_n
     tile = pid // num_pid_n
+    tiles_w = tl.cdiv(Wo, TW)
+    tiles_h = tl.cdiv(Ho, TH)
     n0 = (tile // (tiles_w * tiles_h)) * TN
     h0 = ((tile // tiles_w) % tiles_h) * TH
     w0 = (tile % tiles_w) * TW
@@ -138,6 +127,7 @@ def _conv2d_tma_tile(
     oh = h0 + (r // TW) % TH  # with UP2: the low-resolution pixel (i, j) of output (2i + py, 2j + px)
     ow = w0 + r % TW
     m_mask = (n_idx < N) & (oh < Ho) & (ow < Wo)
+    phase = tl.program_id(1)  # 0 without UP2
     py = phase // 2
     px = phase % 2
 
@@ -175,39 +165,6 @@ def _conv2d_tma_tile(
              mask=m_mask[:, None] & n_mask[None, :])  # fmt: skip
 
 
-@triton.jit
-def _conv2d_tma_kernel(
-    x_desc, w_desc, scale_ptr, bias_ptr, temb_ptr, res_ptr, out_ptr,
-    N, Cin, Ho, Wo, Cout,
-    stride_tn, stride_tc, stride_rn, stride_rc, stride_rh, stride_rw, stride_on, stride_oc, stride_oh, stride_ow,
-    out_scale, num_tiles,
-    PAD: tl.constexpr, KSIZE: tl.constexpr, UP2: tl.constexpr, FP8: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_TEMB: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    TN: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """One program per output tile, or (``PERSISTENT``) one per SM looping over the tiles ``num_programs`` apart,
-    the tile loop flattened into the reduction loop so the next tile's first loads are in flight during this
-    tile's epilogue."""
-    grid_dependency_sync(PDL)
-    if PERSISTENT:
-        for t in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
-            _conv2d_tma_tile(
-                t, x_desc, w_desc, scale_ptr, bias_ptr, temb_ptr, res_ptr, out_ptr, N, Cin, Ho, Wo, Cout,
-                stride_tn, stride_tc, stride_rn, stride_rc, stride_rh, stride_rw, stride_on, stride_oc, stride_oh,
-                stride_ow, out_scale, PAD, KSIZE, UP2, FP8, HAS_BIAS, HAS_TEMB, HAS_RES, ACT, HAS_SCALE, TN, TH, TW,
-                BLOCK_N, BLOCK_K,
-            )  # fmt: skip
-    else:
-        _conv2d_tma_tile(
-            tl.program_id(0), x_desc, w_desc, scale_ptr, bias_ptr, temb_ptr, res_ptr, out_ptr, N, Cin, Ho, Wo, Cout,
-            stride_tn, stride_tc, stride_rn, stride_rc, stride_rh, stride_rw, stride_on, stride_oc, stride_oh,
-            stride_ow, out_scale, PAD, KSIZE, UP2, FP8, HAS_BIAS, HAS_TEMB, HAS_RES, ACT, HAS_SCALE, TN, TH, TW,
-            BLOCK_N, BLOCK_K,
-        )  # fmt: skip
-
-
 def _pow2_at_most(value: int, high: int) -> int:
     return min(high, triton.next_power_of_2(max(value, 1)))
 
@@ -217,15 +174,6 @@ def box_tile(block_m: int, n: int, ho: int, wo: int) -> tuple[int, int, int]:
     tw = _pow2_at_most(wo, block_m)
     th = _pow2_at_most(ho, block_m // tw)
     return block_m // (tw * th), th, tw
-
-
-def output_tiles(config: TmaConfig, n: int, ho: int, wo: int, cout: int, upsample: int = 1) -> int:
-    """Output tiles of a conv to [n, cout, ho, wo] (with ``upsample=2``: the low resolution, four phases each) in
-    ``config``'s tiles: the programs of the per-tile grid, the work items of the persistent one."""
-    tn, th, tw = box_tile(config.block_m, n, ho, wo)
-    return triton.cdiv(n, tn) * triton.cdiv(ho, th) * triton.cdiv(wo, tw) * triton.cdiv(cout, config.block_n) * (
-        upsample * upsample
-    )  # fmt: skip
 
 
 def _aligned(t: torch.Tensor, strides: tuple[int, ...]) -> bool:
@@ -305,7 +253,7 @@ def conv2d_tma(
 
     ``weight`` is packed ``[K*K*Cin, Cout]`` or raw ``[Cout, Cin, K, K]``; with ``upsample=2`` (a 3x3 conv,
     padding 1) packed means :func:`pack_upsample2_weight`'s ``[16*Cin, Cout]``. ``config`` (default
-    :func:`default_config`) picks the tile shape and the grid (per tile or persistent). A conv outside the TMA domain raises FastdiffError with
+    :func:`default_config`) picks the tile shape. A conv outside the TMA domain raises FastdiffError with
     :func:`tma_conv_unsupported`'s reason.
 
     fp8: an e4m3 ``x`` takes :func:`pack_conv_weight_fp8`'s e4m3 ``[Cout, K*K*Cin]`` and
@@ -350,21 +298,21 @@ def conv2d_tma(
     x_desc = TensorDescriptor(
         x, [n, h, w, cin], [x.stride(0), x.stride(2), x.stride(3), 1], [tn, th, tw, config.block_k]
     )
+    tiles = triton.cdiv(n, tn) * triton.cdiv(ho, th) * triton.cdiv(wo, tw)
     w_block = [config.block_n, config.block_k] if fp8 else [config.block_k, config.block_n]
     w_desc = TensorDescriptor(weight, list(weight.shape), [weight.shape[1], 1], w_block)
     temb = time_emb if time_emb is not None else out
     res = residual if residual is not None else out
     temb_strides = time_emb.stride() if time_emb is not None else (0, 0)
-    num_tiles = output_tiles(config, n, ho, wo, cout, upsample)
-    grid = (min(num_tiles, num_sms(x.device)) if config.persistent else num_tiles,)
+    grid = (tiles * triton.cdiv(cout, config.block_n), 4 if up2 else 1)
     _conv2d_tma_kernel[grid](
         x_desc, w_desc, weight_scale if fp8 else out, bias if bias is not None else out, temb, res, out,
         n, cin, ho, wo, cout, *temb_strides, *res.stride(), *out.stride(),
-        1.0 if out_scale is None else float(out_scale), num_tiles,
+        1.0 if out_scale is None else float(out_scale),
         PAD=padding, KSIZE=2 if up2 else ksize, UP2=up2, FP8=fp8,
         HAS_BIAS=bias is not None, HAS_TEMB=time_emb is not None, HAS_RES=residual is not None,
         ACT=ACTIVATIONS[activation], HAS_SCALE=out_scale is not None,
-        TN=tn, TH=th, TW=tw, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PERSISTENT=config.persistent,
+        TN=tn, TH=th, TW=tw, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
     return out
