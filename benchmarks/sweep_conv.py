@@ -68,9 +68,9 @@ TMA_CONFIGS = [
     TmaConfig(128, 128, 128, 8, 3),
 ]
 """Tile configs tried on the convs with enough 128x128 tiles to fill the GPU twice over. The 4-warp 128x128 tiles
-at 4 stages take 115 KB of shared memory and 255 registers a thread (Triton 3.9 for sm_90a): at 3 and 2 stages
-(82 and 49 KB) two programs fit an SM with room to spare, so one's epilogue can overlap the other's loads. The
-128-deep steps halve the steps per tile (as the fp8 kernel's do)."""
+take 115, 82 and 49 KB of shared memory at 4, 3 and 2 stages (255 registers a thread; Triton 3.9 for sm_90a), and
+128-deep steps halve the steps per tile (as the fp8 kernel's do). On the H100 (``sweep-conv-stages-*`` results)
+3 stages tied with 4, 2 stages and 128-deep steps lost (1.4x and 1.1-1.4x the default's time)."""
 SMALL_CONFIGS = [TmaConfig(64, 64, 64, 4, 4), TmaConfig(64, 128, 64, 4, 4)]
 """Tile configs tried on the others (batch 1, the 4x4 level)."""
 FP8_CONFIGS = [
