@@ -3,14 +3,10 @@
 (``kernels.conv2d_tma``) in each tile config and its default, and cuDNN; with ``--fp8`` also the TMA kernel on
 e4m3 operands (its ``rel_err`` is then e4m3's own, a few percent); with ``--gather-tiles`` also the gather kernel in
 each of ``GATHER_TILES`` (``conv2d(..., tiles=)``), unsplit and at each split, where its own plan is the latency one
-(the grid of 128x128 tiles leaves SMs idle): the sweep behind that plan. ``--norm-on-load`` sweeps instead the
-convs that may apply their input's GroupNorm as they load it (:mod:`fastdiff.engine.load_norm`): the norm at each
-of its plans (``gn``, ``gn-c<lanes>``) then the TMA conv (``tma``), against the statistics-only pass (``stats``)
-then the TMA conv normalising on load (``tma-ln``).
+(the grid of 128x128 tiles leaves SMs idle): the sweep behind that plan.
 
     PYTHONPATH=src python benchmarks/sweep_conv.py --model ddpm-cifar10 --batch 1,256 --out sweep.json
     PYTHONPATH=src python benchmarks/sweep_conv.py --batch 1 --gather-tiles --only up_blocks.2 --out tiles.json
-    PYTHONPATH=src python benchmarks/sweep_conv.py --batch 256 --norm-on-load --out norm-on-load.json
 
 For every distinct conv of the engine's lowering (shape, kernel, stride, padding, upsampling, epilogue flags; a
 channel slice of a concat buffer when the engine's input is one), each implementation is timed as CUDA-graph
@@ -36,10 +32,8 @@ import torch.nn.functional as F
 from fastdiff.atomic import write_text_atomic
 from fastdiff.bench.env import environment
 from fastdiff.engine.executor import FusedModel, time_call_us
-from fastdiff.engine.load_norm import load_norms
 from fastdiff.kernels.common import SplitWorkspace, activation_ref
 from fastdiff.kernels.conv2d import (
-    FoldedGroupNorm,
     GemmTiles,
     conv2d,
     conv2d_cost,
@@ -56,7 +50,6 @@ from fastdiff.kernels.conv2d_tma import (
     tma_conv_unsupported,
 )
 from fastdiff.kernels.fp8 import E4M3_MAX, quantize_e4m3_ref
-from fastdiff.kernels.group_norm_act import LANE_CHOICES, group_norm_act, group_norm_stats
 from fastdiff.models import load_unet
 
 log = logging.getLogger("benchmarks.sweep_conv")
@@ -102,21 +95,16 @@ def conv_cases(model: str, batch: int) -> list[dict]:
     torch.manual_seed(0)
     fused = FusedModel(load_unet(model, device="cpu", dtype=torch.float32), batch, torch.float16, "meta")
     cases: dict[str, dict] = {}
-    norms = load_norms(fused.ops)
     for op in fused.step_ops:
         if op.kind != "conv":
             continue
         x = op.inputs[0]
-        norm = None
-        if op.name in norms:  # --norm-on-load: the conv then reads the norm's input (maybe a concat part)
-            gn = norms[op.name]
-            x, norm = gn.inputs[0], dict(groups=gn.params["groups"], eps=gn.params["eps"], act=gn.params["act"])
         parent = x.concat.shape[1] if x.concat is not None else x.shape[1]
         p = op.params
         case = dict(
             x=list(x.shape), parent_channels=parent, channel_offset=x.channel_offset, cout=op.output.shape[1],
             ksize=p["ksize"], stride=p["stride"], padding=p["padding"], upsample=p["upsample"],
-            temb=p["temb"] is not None, act=p["act"], scale=p["scale"], residual=len(op.inputs) > 1, norm=norm,
+            temb=p["temb"] is not None, act=p["act"], scale=p["scale"], residual=len(op.inputs) > 1,
         )  # fmt: skip
         key = json.dumps(case, sort_keys=True)
         cases.setdefault(key, {**case, "ops": []})["ops"].append(op.name)
@@ -260,61 +248,6 @@ def sweep_case(case: dict, dtype: torch.dtype, ceiling: float, fp8: bool = False
     return row
 
 
-def norm_on_load_row(case: dict, dtype: torch.dtype) -> dict | None:
-    """The GroupNorm -> conv pair of one ``--norm-on-load`` case, apart and with the norm applied on load (None
-    where the TMA conv cannot run it)."""
-    args, kwargs = operands(case, dtype)
-    x, packed, bias = args
-    n, cin = x.shape[:2]
-    if tma_conv_unsupported(x, case["cout"], case["ksize"], padding=case["padding"], upsample=case["upsample"]):
-        return None
-    spec = case["norm"]
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    gamma = (1.0 + 0.2 * torch.randn(cin, device="cuda", generator=gen)).to(dtype)
-    beta = (0.2 * torch.randn(cin, device="cuda", generator=gen)).to(dtype)
-    fold = FoldedGroupNorm(spec["groups"], gamma, beta, spec["eps"], spec["act"])
-    fold.mean_rstd = torch.empty((n, spec["groups"], 2), device="cuda", dtype=torch.float32)
-    y = torch.empty_like(x, memory_format=torch.channels_last)
-    kw = {k: v for k, v in kwargs.items() if k != "stride"}
-    tma_weight = packed
-    if case["upsample"] == 2:
-        tma_weight = pack_upsample2_weight(unpack_conv_weight(packed, cin))
-    group = cin // spec["groups"]
-    impls: dict[str, Callable[[], object]] = {
-        "gn": lambda: group_norm_act(x, spec["groups"], gamma, beta, spec["eps"], activation=spec["act"], out=y),
-        **{
-            f"gn-c{lanes}": lambda lanes=lanes: group_norm_act(
-                x, spec["groups"], gamma, beta, spec["eps"], activation=spec["act"], out=y, lanes=lanes
-            )
-            for lanes in LANE_CHOICES
-            if lanes >= group
-        },
-        "stats": lambda: group_norm_stats(x, spec["groups"], spec["eps"], out=fold.mean_rstd),
-        "tma": lambda: conv2d_tma(y, tma_weight, bias, **kw),
-        "tma-ln": lambda: conv2d_tma(x, tma_weight, bias, norm=fold, **kw),
-    }
-    f64 = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items() if k != "out"}
-    norm64 = FoldedGroupNorm(spec["groups"], gamma.double(), beta.double(), spec["eps"], spec["act"])
-    ref = conv2d_ref(x.double(), packed.double(), bias.double(), norm=norm64, **f64)
-    row = {**case, "impls": {}}
-    for name, call in impls.items():
-        row["impls"][name] = {"us": time_call_us(call, 20)}
-    impls["gn"]()
-    impls["tma"]()
-    row["rel_err_apart"] = ((kwargs["out"].double() - ref).norm() / ref.norm()).item()
-    impls["stats"]()
-    impls["tma-ln"]()
-    row["rel_err_on_load"] = ((kwargs["out"].double() - ref).norm() / ref.norm()).item()
-    us = {k: v["us"] for k, v in row["impls"].items()}
-    best_gn = min((k for k in us if k.startswith("gn")), key=us.get)
-    row["apart_us"] = us[best_gn] + us["tma"]
-    row["on_load_us"] = us["stats"] + us["tma-ln"]
-    log.info("%-40s %s: %s %.1f + tma %.1f = %.1f | stats %.1f + tma-ln %.1f = %.1f (err %.1e)", case["ops"][0],
-             case["x"], best_gn, us[best_gn], us["tma"], row["apart_us"], us["stats"], us["tma-ln"],
-             row["on_load_us"], row["rel_err_on_load"])  # fmt: skip
-    return row
-
-
 def matmul_ceiling_tflops() -> float:
     a = torch.randn((8192, 8192), device="cuda", dtype=torch.bfloat16)
     b = torch.randn((8192, 8192), device="cuda", dtype=torch.bfloat16)
@@ -333,9 +266,6 @@ def main() -> None:
     parser.add_argument("--gather-tiles", action="store_true",
                         help="also the gather kernel in each of GATHER_TILES, split or not, on the convs that do not "
                              "fill the GPU with 128x128 tiles")  # fmt: skip
-    parser.add_argument(
-        "--norm-on-load", action="store_true", help="the GroupNorm -> conv pairs instead: apart, and applied on load"
-    )
     parser.add_argument("--budget-s", type=float, default=400.0, help="stop starting new cases after this long")
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
     args = parser.parse_args()
@@ -352,13 +282,7 @@ def main() -> None:
             if time.perf_counter() - start > args.budget_s:
                 result["stopped_early"] = True
                 break
-            if args.norm_on_load:
-                row = norm_on_load_row(case, dtype) if case["norm"] is not None and case["stride"] == 1 else None
-                if row is not None:
-                    result["rows"].append({"batch": batch, **row})
-            else:
-                row = sweep_case(case, dtype, ceiling, args.fp8, args.gather_tiles)
-                result["rows"].append({"batch": batch, **row})
+            result["rows"].append({"batch": batch, **sweep_case(case, dtype, ceiling, args.fp8, args.gather_tiles)})
             write_text_atomic(args.out, json.dumps(result, indent=1))
     write_text_atomic(args.out, json.dumps(result, indent=1))
 

@@ -15,11 +15,11 @@ from fastdiff.kernels.conv2d import (
     GemmTiles,
     conv2d,
     conv2d_ref,
+    group_stats_ref,
     pack_conv_weight,
     split_k_choices,
     unpack_conv_weight,
 )
-from fastdiff.kernels.group_norm_act import group_norm_stats_ref
 
 from .conftest import CUDA, DEVICE, DTYPES, float64, needs_cuda, rel_err
 
@@ -273,7 +273,7 @@ def test_split_k_with_folded_group_norm() -> None:
     gen = torch.Generator().manual_seed(6)
     gamma, beta = ((1.0 + 0.3 * torch.randn(12, generator=gen)).to(DEVICE) for _ in range(2))
     norm, ref_norm = (FoldedGroupNorm(4, t(gamma), t(beta), 1e-5, "silu") for t in (lambda v: v, float64))
-    norm.mean_rstd = group_norm_stats_ref(args[0], 4, 1e-5).float()  # the input's statistics, as a producer would give
+    norm.mean_rstd = group_stats_ref(args[0], 4, 1e-5).float()  # the input's statistics, as a producer would give
     stats, ref_stats = FoldedGroupNorm(8), FoldedGroupNorm(8)
     ref = conv2d_ref(*[float64(a) for a in args], **{k: float64(v) for k, v in kwargs.items()}, norm=ref_norm,
                      stats=ref_stats)  # fmt: skip
@@ -281,7 +281,7 @@ def test_split_k_with_folded_group_norm() -> None:
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
     assert stats.arrivals.tolist() == [0, 0]  # the finishing tiles reset their images' counters
     got = stats.mean_rstd.double()  # the statistics of the tensor it stored, finished in the same launch
-    want = group_norm_stats_ref(out.double(), 8, 1e-5)
+    want = group_stats_ref(out.double(), 8, 1e-5)
     assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
 
 

@@ -1,5 +1,5 @@
 """conv2d with a GroupNorm folded in (``FoldedGroupNorm``): the statistics epilogue (``stats=``), the normalising
-prologue (``norm=``) and the two chained, against ``conv2d_ref`` / ``group_norm_stats_ref`` in float64.
+prologue (``norm=``) and the two chained, against ``conv2d_ref`` / ``group_stats_ref`` in float64.
 
 The shapes are picked for the tiling corners (in the interpreter, one SM: 128-row tiles, channel tiles of up to
 128): row tiles that straddle samples or hold several, groups of 3 channels (not a power of two), groups split
@@ -20,11 +20,10 @@ from fastdiff.kernels.conv2d import (
     FoldedGroupNorm,
     conv2d,
     conv2d_ref,
+    group_stats_ref,
     pack_conv_weight,
-    unpack_conv_weight,
 )
-from fastdiff.kernels.conv2d_tma import TmaConfig, conv2d_tma
-from fastdiff.kernels.group_norm_act import group_norm_act, group_norm_act_ref, group_norm_stats, group_norm_stats_ref
+from fastdiff.kernels.group_norm_act import group_norm_act, group_norm_act_ref
 
 from .conftest import CUDA, DEVICE, float64, needs_cuda, rel_err
 
@@ -166,7 +165,7 @@ def test_stats_epilogue_matches_ref(case: dict, dtype: torch.dtype) -> None:
     assert_corner(case, fold)
     assert rel_err(out, ref) < TOLERANCE[dtype]
     assert mean_rstd.shape == (case["n"], case["groups"], 2) and mean_rstd.dtype == torch.float32
-    assert stats_err(mean_rstd, group_norm_stats_ref(out.double(), case["groups"], EPS)) < STATS_TOLERANCE
+    assert stats_err(mean_rstd, group_stats_ref(out.double(), case["groups"], EPS)) < STATS_TOLERANCE
     if dtype == torch.float32:  # the reference's own statistics (before rounding) agree too
         assert stats_err(mean_rstd, ref_fold.mean_rstd) < 10 * TOLERANCE[dtype]
 
@@ -275,7 +274,7 @@ def test_norm_prologue_matches_ref(case: dict, dtype: torch.dtype) -> None:
     x = channels_last(x.to(DEVICE, dtype))
     weights, kwargs = conv_inputs({**case, "offset": 0.0}, cin, case["cout"], dtype, gen)
     fold = group_norm(case, cin, dtype, gen)
-    fold.mean_rstd = group_norm_stats_ref(x.double(), case["groups"], EPS)
+    fold.mean_rstd = group_stats_ref(x.double(), case["groups"], EPS)
     ref = reference(x, weights, kwargs, norm=as_float64(fold))
     out = nan_like(ref, dtype)
     conv2d(x, *weights, **kwargs, out=out, norm=fold)
@@ -330,7 +329,7 @@ def test_chain_with_mean50_normalises_the_stored_tensor(dtype: torch.dtype) -> N
     mid = conv2d(x, *w1, **kw1, stats=fold)
     assert rel_err(mid, reference(x, w1, kw1)) < TOLERANCE[dtype]
     out = conv2d(mid, *w2, **kw2, norm=fold)
-    assert stats_err(fold.mean_rstd, group_norm_stats_ref(mid.double(), 16, EPS)) < STATS_TOLERANCE
+    assert stats_err(fold.mean_rstd, group_stats_ref(mid.double(), 16, EPS)) < STATS_TOLERANCE
     assert rel_err(out, reference(mid, w2, kw2, norm=as_float64(fold))) < TOLERANCE[dtype]
 
 
@@ -374,52 +373,3 @@ def test_bad_arguments_raise() -> None:
         conv2d(x, packed, norm=fold)
     with pytest.raises(FastdiffError, match="different"):
         conv2d(x, pack_conv_weight(torch.randn(6, 6, 3, 3, device=DEVICE)), norm=fold, stats=fold)
-
-
-# ------------------------------------------------------------------------------ the TMA conv's normalising prologue
-TMA_SMALL = TmaConfig(block_m=32, block_n=16, block_k=16, num_warps=4, num_stages=2)
-"""Interpreter-sized tiles: several channel chunks per tap, groups of 3 crossing chunk boundaries."""
-
-TMA_NORM_CASES = [
-    pytest.param(
-        dict(n=3, cin=48, groups=16, cout=8, h=11, w=13, padding=1, offset=-50.0, bias=True, temb=True),
-        id="c48_g16_cg3_k3p1_mean-50_box_past_the_right_edge",
-    ),
-    pytest.param(
-        dict(n=3, cin=24, groups=8, cout=16, h=2, w=3, padding=1, norm_act="gelu", res=True, scale=0.5),
-        id="c24_g8_2x3_k3p1_boxes_of_4_images_past_n_channels_past_cin_gelu",
-    ),
-    pytest.param(dict(n=2, cin=96, groups=32, cout=8, h=3, w=5, k=1, bias=True), id="c96_g32_k1"),
-    pytest.param(
-        dict(n=2, cin=48, groups=16, cout=8, h=5, w=7, padding=1, upsample=2, offset=-50.0, bias=True),
-        id="c48_g16_upsample2_mean-50",
-    ),
-    pytest.param(
-        dict(n=2, cin=40, groups=8, cout=16, h=6, w=7, padding=1, norm_act=None, affine=False, bias=True),
-        id="c40_g8_no_affine_no_act",
-    ),
-    pytest.param(
-        dict(n=8, cin=128, groups=32, cout=128, h=32, w=32, padding=1, bias=True, res=True),
-        id="b8_c128_32x32_default_tiles",
-        marks=needs_cuda,
-    ),
-]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", TMA_NORM_CASES)
-def test_tma_norm_prologue_matches_ref(case: dict, dtype: torch.dtype) -> None:
-    """conv2d_tma(x, norm=) with the statistics of :func:`group_norm_stats` == conv2d_ref of act(group_norm(x))."""
-    gen = torch.Generator().manual_seed(seed_of(case, dtype))
-    n, cin = case["n"], case["cin"]
-    spread = 0.5 + torch.rand((1, cin, 1, 1), generator=gen)
-    x = torch.randn((n, cin, case["h"], case["w"]), generator=gen) * spread + case.get("offset", 0.0)
-    x = channels_last(x.to(DEVICE, dtype))
-    weights, kwargs = conv_inputs({**case, "offset": 0.0}, cin, case["cout"], dtype, gen)
-    fold = group_norm(case, cin, dtype, gen)
-    fold.mean_rstd = group_norm_stats(x, case["groups"], EPS)
-    ref = reference(x, weights, kwargs, norm=as_float64(fold))
-    out = nan_like(ref, dtype)
-    tma_weights = (unpack_conv_weight(weights[0], cin), weights[1]) if case.get("upsample") else weights  # raw: the
-    conv2d_tma(x, *tma_weights, **kwargs, out=out, norm=fold, config=None if CUDA else TMA_SMALL)  # phase form
-    assert rel_err(out, ref) < TOLERANCE[dtype]

@@ -9,13 +9,7 @@ import torch
 
 import fastdiff.kernels.group_norm_act as gn_module
 from fastdiff.errors import FastdiffError
-from fastdiff.kernels.group_norm_act import (
-    OP,
-    group_norm_act,
-    group_norm_act_ref,
-    group_norm_stats,
-    group_norm_stats_ref,
-)
+from fastdiff.kernels.group_norm_act import OP, group_norm_act, group_norm_act_ref
 
 from .conftest import DEVICE, DTYPES, needs_cuda, rel_err
 
@@ -152,42 +146,3 @@ def test_plan_wide_rows_only_when_the_gpu_is_full() -> None:
     assert gn_module._plan(256, 384, 32 * 32, 32, cpu, "two_phase").design == "two_phase"
     big = gn_module._plan(1, 320, 64 * 64, 32, cpu, "auto")  # 4096 x 32 lanes > the wide register tile
     assert not (big.in_registers and big.block_c == 32)
-
-
-# -------------------------------------------------------------------------------------------- statistics alone
-STATS_CASES = [
-    pytest.param(dict(n=2, c=33, groups=3, h=7, w=9, offset=50.0), id="c33_g3_cg11_7x9_mean50"),
-    pytest.param(dict(n=3, c=272, groups=2, h=5, w=3), id="c272_g2_cg136_group_wider_than_the_block"),
-    pytest.param(dict(n=2, c=48, groups=16, h=9, w=11, offset=-50.0, lanes=64), id="c48_g16_cg3_lanes64_mean-50"),
-    pytest.param(dict(n=1, c=64, groups=32, h=33, w=35), id="c64_g32_33x35_rows_past_one_stream_tile"),
-]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("case", STATS_CASES)
-def test_group_norm_stats_matches_ref(case: dict, dtype: torch.dtype) -> None:
-    """Mean and 1/sqrt(var + eps) of every (image, group) against float64, read from a channel slice of a wider
-    buffer (a concat part, strided pixel rows); the mean's error is measured in standard deviations."""
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{case}{dtype}".encode()))
-    n, c, h, w = case["n"], case["c"], case["h"], case["w"]
-    spread = 0.5 + torch.rand((1, c, 1, 1), generator=gen)
-    wide = torch.randn((n, c + 8, h, w), generator=gen) * torch.cat([spread, torch.ones(1, 8, 1, 1)], 1)
-    wide = (wide + case.get("offset", 0.0)).to(DEVICE, dtype).contiguous(memory_format=torch.channels_last)
-    x = wide[:, 3 : 3 + c]
-    out = torch.full((n, case["groups"], 2), float("nan"), device=DEVICE)
-    assert group_norm_stats(x, case["groups"], 1e-5, out=out, lanes=case.get("lanes")) is out
-    ref = group_norm_stats_ref(x.double(), case["groups"], 1e-5)
-    assert not out.isnan().any()
-    mean_err = (out[..., 0].double() - ref[..., 0]).abs() * ref[..., 1]
-    rstd_err = (out[..., 1].double() - ref[..., 1]).abs() / ref[..., 1]
-    assert max(mean_err.max().item(), rstd_err.max().item()) < 1e-5
-
-
-def test_group_norm_stats_rejects_bad_arguments() -> None:
-    x = torch.randn((2, 12, 3, 3), device=DEVICE)
-    with pytest.raises(FastdiffError, match="divide the 12 channels"):
-        group_norm_stats(x, 5)
-    with pytest.raises(FastdiffError, match="fp32"):
-        group_norm_stats(x, 4, out=torch.empty((2, 4, 2), device=DEVICE, dtype=torch.float16))
-    with pytest.raises(FastdiffError, match="lanes"):
-        group_norm_stats(x, 1, lanes=4)

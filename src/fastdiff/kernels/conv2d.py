@@ -70,7 +70,7 @@ from fastdiff.kernels.common import (
     pdl_launch,
     reset_arrivals,
 )
-from fastdiff.kernels.group_norm_act import group_norm_stats_ref, merge_stats
+from fastdiff.kernels.group_norm_act import merge_stats
 from fastdiff.kernels.registry import KernelOp
 
 
@@ -180,6 +180,14 @@ def norm_out_unsupported(n: int, cout: int, out_hw: tuple[int, int], groups: int
     return None
 
 
+def group_stats_ref(y: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
+    """``[N, G, 2]``: each (image, group)'s mean and ``1/sqrt(var + eps)`` (biased variance) of ``y`` [N, C, H, W],
+    in ``y``'s dtype: what ``F.group_norm`` normalises with."""
+    yg = y.reshape(y.shape[0], groups, -1)
+    var, mean = torch.var_mean(yg, dim=-1, unbiased=False)
+    return torch.stack([mean, torch.rsqrt(var + eps)], dim=-1)
+
+
 def epilogue_ref(
     y: torch.Tensor,
     bias: torch.Tensor | None,
@@ -222,7 +230,7 @@ def conv2d_ref(
 ) -> torch.Tensor:
     """Plain torch definition of :func:`conv2d`: (``F.group_norm`` + activation of the input,) (nearest
     upsampling,) ``F.conv2d`` (+ the 1x1 ``F.conv2d`` of ``shortcut``), then the epilogue; raw or packed weights.
-    With ``stats``, sets ``stats.mean_rstd`` to :func:`group_norm_stats_ref` of the result as stored (in ``out``'s dtype
+    With ``stats``, sets ``stats.mean_rstd`` to :func:`group_stats_ref` of the result as stored (in ``out``'s dtype
     when given); with ``norm_out``, writes ``F.group_norm`` + activation of the result as stored to
     ``norm_out.out``."""
     if weight.dim() == 2:
@@ -249,7 +257,7 @@ def conv2d_ref(
         y = out.copy_(y)
     if stats is not None:
         stats.partials, stats.tiles = None, None
-        stats.mean_rstd = group_norm_stats_ref(y, stats.groups, stats.eps)
+        stats.mean_rstd = group_stats_ref(y, stats.groups, stats.eps)
     if norm_out is not None:
         stored = y.to(norm_out.out.dtype)
         affine = [None if t is None else t.to(stored.dtype) for t in (norm_out.weight, norm_out.bias)]
@@ -799,7 +807,7 @@ def _check_fold(fold: Any, role: str, channels: int, device: torch.device) -> No
         raise FastdiffError(f"{role}: GroupNorm weight and bias must be contiguous")
 
 
-def check_norm_input(
+def _check_norm_input(
     norm: FoldedGroupNorm, stats: FoldedGroupNorm | None, n: int, cin: int, device: torch.device
 ) -> None:
     """FastdiffError unless ``norm`` fits the input and holds statistics of an [n, cin, ...] tensor."""
@@ -999,7 +1007,7 @@ def conv2d(
     if shortcut is not None or shortcut_weight is not None:
         shortcut_weight = _check_shortcut(shortcut, shortcut_weight, x, n, cout, (ho, wo))
     if norm is not None:
-        check_norm_input(norm, stats, n, cin, x.device)
+        _check_norm_input(norm, stats, n, cin, x.device)
     if stats is not None:
         _check_fold(stats, "stats", cout, x.device)
     if norm_out is not None:

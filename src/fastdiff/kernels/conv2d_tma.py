@@ -3,7 +3,7 @@ A and B tiles brought in by bulk tensor copies instead of per-thread gathers.
 
 Same op, same definition (:func:`fastdiff.kernels.conv2d.conv2d_ref`), same packed weights ``[K*K*Cin, Cout]``
 and the same fused epilogue (bias, time embedding, activation, residual, scale) as :func:`conv2d`; a narrower
-domain: stride 1, no upsampling except the U-Net's Upsample2D (below), no statistics epilogue, and the layout
+domain: stride 1, no upsampling except the U-Net's Upsample2D (below), no folded GroupNorm, and the layout
 constraints of a TMA descriptor (16-byte aligned base and strides, unit channel stride).
 :func:`tma_conv_unsupported` says why a call is out of it, and the engine then keeps the gather kernel or cuDNN.
 
@@ -14,15 +14,6 @@ buffer works); an output tile is a box of ``TN`` images x ``TH`` rows x ``TW`` c
 conv's zero padding, so the tile goes to the tensor cores untouched. Channels past ``Cin`` in the last chunk of
 a tap are outside the descriptor too, so they load as zeros and the weight rows they meet (the next tap's) add
 nothing. Accumulation is fp32.
-
-A GroupNorm (+ activation) of the input folds in as a prologue (``norm=``, a
-:class:`fastdiff.kernels.conv2d.FoldedGroupNorm` holding the input's statistics): each box is normalised in
-registers after its bulk copy lands, ``act(x * scale + shift)`` with per-(image, channel) ``scale = rstd * gamma``
-and ``shift = beta - mean * scale`` in fp32, and the positions outside the input (padding, channels past ``Cin``)
-are zeroed again, since the reference pads the normalised tensor. The tensor cores then read A from registers
-instead of shared memory. The statistics come from a read-only pass over the input
-(:func:`fastdiff.kernels.group_norm_act.group_norm_stats`), so the GroupNorm writes no output and the conv reads
-its raw input; a 3x3 conv normalises each input element once per tap (nine times).
 
 Upsample2D (nearest x2, then a 3x3 conv with padding 1) runs as four 2x2 convs on the low-resolution input, one
 per output phase ``(py, px)``: output pixel ``(2i + py, 2j + px)`` reads input rows ``i - 1, i`` (``py = 0``,
@@ -47,12 +38,10 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fastdiff.errors import FastdiffError
-from fastdiff.kernels.common import ACTIVATIONS, apply_activation, grid_dependency_sync, num_sms, pdl_launch
+from fastdiff.kernels.common import ACTIVATIONS, grid_dependency_sync, num_sms, pdl_launch
 from fastdiff.kernels.conv2d import (
-    FoldedGroupNorm,
     _packed_kernel_size,
     check_epilogue_args,
-    check_norm_input,
     conv2d_cost,
     conv2d_example_inputs,
     conv2d_ref,
@@ -110,46 +99,14 @@ def unpack_conv_weight_fp8(packed: torch.Tensor, scale: torch.Tensor, cin: int) 
 
 
 @triton.jit
-def _normalize_box(
-    a, mr_ptr, nw_ptr, nb_ptr, n0, ih, iw, c0, N, H, W, Cin, G,
-    CG: tl.constexpr, ACT: tl.constexpr, AFFINE: tl.constexpr,
-    TN: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """A-box prologue of a folded GroupNorm: the input box ``a`` [TN, TH, TW, BLOCK_K] at (``n0``, ``ih``, ``iw``,
-    ``c0``) -> ``act(a * scale + shift)`` in ``a``'s dtype, ``scale = rstd[n, g] * gamma[c]`` and ``shift = beta[c] -
-    mean[n, g] * scale`` in fp32; the box's positions outside the input (the conv's zero padding, images past N,
-    channels past Cin) are 0, as in the reference, which pads the normalised tensor."""
-    offs_k = c0 + tl.arange(0, BLOCK_K)
-    k_ok = offs_k < Cin
-    n_i = n0 + tl.arange(0, TN)
-    ok = (n_i < N)[:, None] & k_ok[None, :]  # [TN, BLOCK_K]
-    stat = mr_ptr + (n_i[:, None] * G + (offs_k // CG)[None, :]) * 2
-    mean = tl.load(stat, mask=ok, other=0.0)
-    scale = tl.load(stat + 1, mask=ok, other=0.0)
-    if AFFINE:
-        scale = scale * tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        shift = tl.load(nb_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :] - mean * scale
-    else:
-        shift = -mean * scale
-    hh = ih + tl.arange(0, TH)
-    ww = iw + tl.arange(0, TW)
-    inside = (
-        ok[:, None, None, :] & ((hh >= 0) & (hh < H))[None, :, None, None] & ((ww >= 0) & (ww < W))[None, None, :, None]
-    )  # fmt: skip
-    y = apply_activation(a.to(tl.float32) * scale[:, None, None, :] + shift[:, None, None, :], ACT)
-    return tl.where(inside, y, 0.0).to(a.dtype)
-
-
-@triton.jit
 def _conv2d_tma_kernel(
-    x_desc, w_desc, scale_ptr, bias_ptr, temb_ptr, res_ptr, out_ptr, mr_ptr, nw_ptr, nb_ptr,
-    N, H, W, Cin, Ho, Wo, Cout, G,
+    x_desc, w_desc, scale_ptr, bias_ptr, temb_ptr, res_ptr, out_ptr,
+    N, Cin, Ho, Wo, Cout,
     stride_tn, stride_tc, stride_rn, stride_rc, stride_rh, stride_rw, stride_on, stride_oc, stride_oh, stride_ow,
     out_scale,
     PAD: tl.constexpr, KSIZE: tl.constexpr, UP2: tl.constexpr, FP8: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_TEMB: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
     HAS_SCALE: tl.constexpr,
-    NORM: tl.constexpr, NORM_CG: tl.constexpr, NORM_ACT: tl.constexpr, NORM_AFFINE: tl.constexpr,
     TN: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -182,11 +139,7 @@ def _conv2d_tma_kernel(
         c0 = (step - tap * k_chunks) * BLOCK_K
         ih = h0 + tap // KSIZE + py - PAD
         iw = w0 + tap % KSIZE + px - PAD
-        a = x_desc.load([n0, ih, iw, c0])
-        if NORM:
-            a = _normalize_box(a, mr_ptr, nw_ptr, nb_ptr, n0, ih, iw, c0, N, H, W, Cin, G,
-                               NORM_CG, NORM_ACT, NORM_AFFINE, TN, TH, TW, BLOCK_K)  # fmt: skip
-        a = a.reshape(BLOCK_M, BLOCK_K)
+        a = x_desc.load([n0, ih, iw, c0]).reshape(BLOCK_M, BLOCK_K)
         if FP8:  # weights [Cout, K]: fp8 wgmma reads both operands K-contiguous
             b = w_desc.load([pid_n * BLOCK_N, w_row0 + tap * Cin + c0])
             acc = tl.dot(a, b.T, acc)
@@ -295,7 +248,6 @@ def conv2d_tma(
     upsample: int = 1,
     config: TmaConfig | None = None,
     weight_scale: torch.Tensor | None = None,
-    norm: FoldedGroupNorm | None = None,
 ) -> torch.Tensor:
     """:func:`fastdiff.kernels.conv2d.conv2d` for stride-1 convs, tiles loaded by TMA (module docstring).
 
@@ -307,10 +259,6 @@ def conv2d_tma(
     fp8: an e4m3 ``x`` takes :func:`pack_conv_weight_fp8`'s e4m3 ``[Cout, K*K*Cin]`` and
     ``weight_scale`` ``[Cout]`` fp32, the product of the input's scale and the weight's per-channel scales (the
     conv sees ``x * a_scale`` and ``W8 * w_scale``); the output (``out``, default fp16) is fp16, bf16 or fp32.
-
-    ``norm`` (a :class:`fastdiff.kernels.conv2d.FoldedGroupNorm` whose ``mean_rstd`` holds ``x``'s statistics, e.g.
-    from :func:`fastdiff.kernels.group_norm_act.group_norm_stats`): the conv of ``act(group_norm(x) * gamma +
-    beta)``, normalised in registers as each box arrives (module docstring); not with fp8.
     """
     if x.dim() != 4:
         raise FastdiffError(f"conv2d input must be 4-D [N, C, H, W], got shape {tuple(x.shape)}")
@@ -325,10 +273,6 @@ def conv2d_tma(
             raise FastdiffError("an fp8 conv writes fp16, bf16 or fp32, not fp8")
     elif weight_scale is not None:
         raise FastdiffError("weight_scale is for fp8 inputs only")
-    if norm is not None:
-        if fp8:
-            raise FastdiffError("conv2d_tma: no folded GroupNorm on an fp8 input")
-        check_norm_input(norm, None, n, cin, x.device)
     if weight.dim() == 4:
         weight = pack_upsample2_weight(weight) if up2 else pack_conv_weight(weight)
     if up2 and (weight.dim() != 2 or weight.shape[0] != 16 * cin):
@@ -361,19 +305,13 @@ def conv2d_tma(
     res = residual if residual is not None else out
     temb_strides = time_emb.stride() if time_emb is not None else (0, 0)
     grid = (tiles * triton.cdiv(cout, config.block_n), 4 if up2 else 1)
-    norm_w = norm.weight if norm is not None and norm.weight is not None else out
-    norm_b = norm.bias if norm is not None and norm.bias is not None else out
     _conv2d_tma_kernel[grid](
         x_desc, w_desc, weight_scale if fp8 else out, bias if bias is not None else out, temb, res, out,
-        norm.mean_rstd if norm is not None else out, norm_w, norm_b,
-        n, h, w, cin, ho, wo, cout, norm.groups if norm is not None else 1, *temb_strides, *res.stride(),
-        *out.stride(), 1.0 if out_scale is None else float(out_scale),
+        n, cin, ho, wo, cout, *temb_strides, *res.stride(), *out.stride(),
+        1.0 if out_scale is None else float(out_scale),
         PAD=padding, KSIZE=2 if up2 else ksize, UP2=up2, FP8=fp8,
         HAS_BIAS=bias is not None, HAS_TEMB=time_emb is not None, HAS_RES=residual is not None,
         ACT=ACTIVATIONS[activation], HAS_SCALE=out_scale is not None,
-        NORM=norm is not None, NORM_CG=cin // norm.groups if norm is not None else 1,
-        NORM_ACT=ACTIVATIONS[norm.activation if norm is not None else None],
-        NORM_AFFINE=norm is not None and norm.weight is not None,
         TN=tn, TH=th, TW=tw, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device),
     )  # fmt: skip

@@ -107,14 +107,6 @@ def group_norm_act_ref(
     return y
 
 
-def group_norm_stats_ref(x: torch.Tensor, num_groups: int, eps: float = 1e-5) -> torch.Tensor:
-    """``[N, G, 2]``: each (image, group)'s mean and ``1/sqrt(var + eps)`` (biased variance) of ``x`` [N, C, H, W],
-    in ``x``'s dtype: what ``F.group_norm`` normalises with."""
-    xg = x.reshape(x.shape[0], num_groups, -1)
-    var, mean = torch.var_mean(xg, dim=-1, unbiased=False)
-    return torch.stack([mean, torch.rsqrt(var + eps)], dim=-1)
-
-
 @triton.jit
 def merge_stats(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
     """Chan's merge of two (count, mean, M2) summaries; ``n_a + n_b`` > 0. Also merges conv2d's GroupNorm partials."""
@@ -317,37 +309,6 @@ def _gn_partial_stats_kernel(
     tl.store(slot, g_n, mask=first_of_group)
     tl.store(slot + 1, g_mean, mask=first_of_group)
     tl.store(slot + 2, g_m2, mask=first_of_group)
-
-
-@triton.jit
-def _gn_stats_kernel(
-    x_ptr,
-    mr_ptr,
-    HW,
-    C,
-    stride_xn,
-    stride_xp,
-    G,
-    eps,
-    CG: tl.constexpr,
-    GPB: tl.constexpr,
-    BLOCK_HW: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Statistics only: (mean, 1/sqrt(var + eps)) of each group of a (sample, group block) into ``mr_ptr[n, g]``."""
-    grid_dependency_sync(PDL)
-    n = tl.program_id(0)
-    block = tl.program_id(1)
-    c_begin = block * (GPB * CG)
-    g_n, g_mean, g_m2 = _block_group_stats(
-        x_ptr, n.to(tl.int64) * stride_xn, stride_xp, 0, HW, c_begin, C, CG, GPB, BLOCK_HW, BLOCK_C
-    )
-    lane = tl.arange(0, BLOCK_C)
-    first_of_group = (lane % CG == 0) & (lane < GPB * CG) & (c_begin + lane < C)
-    out = mr_ptr + (n * G + block * GPB + lane // CG) * 2
-    tl.store(out, g_mean, mask=first_of_group)
-    tl.store(out + 1, tl.math.rsqrt(g_m2 / g_n + eps), mask=first_of_group)
 
 
 @triton.jit
@@ -639,42 +600,6 @@ def group_norm_act(
     return out
 
 
-def group_norm_stats(
-    x: torch.Tensor,
-    num_groups: int,
-    eps: float = 1e-5,
-    *,
-    out: torch.Tensor | None = None,
-    lanes: int | None = None,
-) -> torch.Tensor:
-    """The statistics of ``group_norm_act`` alone: fp32 ``[N, G, 2]`` of each (image, group)'s mean and
-    ``1/sqrt(var + eps)``, one read of ``x`` and nothing else written. For a conv that normalises while it loads
-    its input (``conv2d_tma(..., norm=)``, :class:`fastdiff.kernels.conv2d.FoldedGroupNorm`'s ``mean_rstd``).
-
-    ``x`` as for :func:`group_norm_act` (channels-last, or a channel slice of a wider channels-last tensor; other
-    layouts are copied). One program per (image, block of whole groups), streaming the block's rows; ``lanes``
-    (one of ``LANE_CHOICES``, at least a group wide) forces the block's channel width, else 32-lane rows."""
-    _check_inputs(x, num_groups, None, None, None, None, None, "auto", None, lanes)
-    n, channels, h, w = x.shape
-    if out is not None and (out.shape != (n, num_groups, 2) or out.dtype != torch.float32 or not out.is_contiguous()
-                            or out.device != x.device):  # fmt: skip
-        raise FastdiffError(f"out must be a contiguous fp32 [{n}, {num_groups}, 2] tensor on {x.device}")
-    if not _is_nhwc_rows(x):
-        x = _as_channels_last(x)
-    if out is None:
-        out = torch.empty((n, num_groups, 2), device=x.device, dtype=torch.float32)
-    group_size = channels // num_groups
-    block_c = lanes if lanes is not None else _channel_block(group_size, channels, WIDE_LANES)
-    groups_per_block = max(1, min(num_groups, block_c // group_size))
-    block_hw = min(triton.next_power_of_2(h * w), max(1, STREAM_TILE // block_c))
-    _gn_stats_kernel[(n, triton.cdiv(num_groups, groups_per_block))](
-        x, out, h * w, channels, x.stride(0), x.stride(3), num_groups, eps,
-        CG=group_size, GPB=groups_per_block, BLOCK_HW=block_hw, BLOCK_C=block_c, num_warps=4,
-        **pdl_launch(x.device),
-    )  # fmt: skip
-    return out
-
-
 def _apply(
     x: torch.Tensor,
     out: torch.Tensor,
@@ -761,4 +686,4 @@ OP = KernelOp(
     cost=group_norm_act_cost,
 )
 
-__all__ = ["GN_SHAPES", "OP", "group_norm_act", "group_norm_act_ref", "group_norm_stats", "group_norm_stats_ref"]
+__all__ = ["GN_SHAPES", "OP", "group_norm_act", "group_norm_act_ref"]
