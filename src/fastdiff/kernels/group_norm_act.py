@@ -232,12 +232,13 @@ def _gn_single_pass_kernel(
     HAS_RES: tl.constexpr,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
+    BLOCKS_FIRST: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program per (sample, block of GPB whole groups); x rows are ``stride_xp`` apart (y rows: C)."""
     grid_dependency_sync(PDL)
-    n = tl.program_id(0)
-    c_begin = tl.program_id(1) * (GPB * CG)
+    n = tl.program_id(1 if BLOCKS_FIRST else 0)
+    c_begin = tl.program_id(0 if BLOCKS_FIRST else 1) * (GPB * CG)
     base = n.to(tl.int64) * HW * C
     x_base = n.to(tl.int64) * stride_xn
     lane = tl.arange(0, BLOCK_C)
@@ -404,6 +405,9 @@ class _Plan:
     block_hw: int
     in_registers: bool
     num_warps: int = 0
+    blocks_first: bool = False
+    """Launch order of the single-pass grid: the channel blocks of one image next to each other (True) or the
+    images of one channel block (False)."""
 
 
 def _channel_block(group_size: int, channels: int, min_lanes: int = 16) -> int:
@@ -579,11 +583,11 @@ def group_norm_act(
     blocks = triton.cdiv(num_groups, plan.groups_per_block)
     if plan.design == "single_pass":
         tile = plan.block_hw * plan.block_c
-        _gn_single_pass_kernel[(n, blocks)](
+        _gn_single_pass_kernel[(blocks, n) if plan.blocks_first else (n, blocks)](
             x, out, w_arg, b_arg, r_arg, hw, channels, stride_xn, stride_xp, eps, fp8_inv_scale,
             CG=group_size, GPB=plan.groups_per_block, BLOCK_HW=plan.block_hw, BLOCK_C=plan.block_c,
             IN_REGISTERS=plan.in_registers, num_warps=plan.num_warps or max(1, min(8, tile // 512)), **flags,
-            **pdl_launch(x.device),
+            BLOCKS_FIRST=plan.blocks_first, **pdl_launch(x.device),
         )  # fmt: skip
         return out
     target = 2 * num_sms(x.device)
