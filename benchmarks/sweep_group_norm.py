@@ -8,7 +8,6 @@ against ``group_norm_act_ref``; GB/s and % of the device-copy bandwidth measured
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -41,10 +40,10 @@ def norm_cases(model: str, batch: int) -> list[dict]:
     return list(cases.values())
 
 
-def plans(n: int, c: int, hw: int, groups: int, blocks_first: bool = False) -> dict[str, gn._Plan]:
+def plans(n: int, c: int, hw: int, groups: int) -> dict[str, gn._Plan]:
     """The auto plan and the alternatives: for each power-of-two lane width that holds a group, as many whole
     groups as fit, kept in registers (when the tile fits 64K elements; 8 or 16 warps) or streamed twice (row tiles
-    of 4K or 8K elements; 4 or 8 warps); with ``blocks_first`` each also in the other launch order (``-bf``)."""
+    of 4K or 8K elements; 4 or 8 warps)."""
     cg = c // groups
     hw_pad = triton.next_power_of_2(hw)
     out = {"auto": gn._plan(n, c, hw, groups, torch.device("cuda"), "auto")}
@@ -60,13 +59,10 @@ def plans(n: int, c: int, hw: int, groups: int, blocks_first: bool = False) -> d
                 block_hw = max(1, min(hw_pad, tile // block_c))
                 out[f"stream-c{block_c}-t{tile}-w{warps}"] = gn._Plan("single_pass", block_c, gpb, block_hw, False,
                                                                       warps)  # fmt: skip
-    if blocks_first:  # each plan again with the channel blocks of one image launched next to each other
-        out.update({f"{name}-bf": dataclasses.replace(plan, blocks_first=True) for name, plan in out.items()
-                    if plan.design == "single_pass"})  # fmt: skip
     return out
 
 
-def sweep_case(case: dict, copy_gbps: float, with_fp8: bool = True, blocks_first: bool = False) -> dict:
+def sweep_case(case: dict, copy_gbps: float, with_fp8: bool = True) -> dict:
     n, c, h, w = case["x"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     parent = torch.randn((n, h, w, case["parent_channels"]), device="cuda", generator=gen).half()
@@ -80,7 +76,7 @@ def sweep_case(case: dict, copy_gbps: float, with_fp8: bool = True, blocks_first
     for fp8 in (False, True) if with_fp8 else (False,):
         out = torch.empty((n, h, w, c), device="cuda", dtype=FP8_DTYPE if fp8 else torch.float16).permute(0, 3, 1, 2)
         moved = n * c * h * w * (2 + (1 if fp8 else 2))
-        for name, plan in plans(n, c, h * w, groups, blocks_first).items():
+        for name, plan in plans(n, c, h * w, groups).items():
             gn._plan = lambda *args, plan=plan: plan  # noqa: B023 - called only in this iteration
             try:
                 scale = 0.05 if fp8 else None
@@ -112,7 +108,6 @@ def main() -> None:
     parser.add_argument("--batch", default="256", help="comma-separated batch sizes")
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
     parser.add_argument("--no-fp8", action="store_true", help="time the fp16-output plans only")
-    parser.add_argument("--blocks-first", action="store_true", help="also each plan in the other launch order")
     parser.add_argument("--only", default="", help="comma-separated op names: sweep only the norms of these ops")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -122,7 +117,7 @@ def main() -> None:
         for case in norm_cases(args.model, batch):
             if args.only and not set(case["ops"]) & set(args.only.split(",")):
                 continue
-            result["rows"].append({"batch": batch, **sweep_case(case, copy_gbps, not args.no_fp8, args.blocks_first)})
+            result["rows"].append({"batch": batch, **sweep_case(case, copy_gbps, not args.no_fp8)})
             write_text_atomic(args.out, json.dumps(result, indent=1))
 
 

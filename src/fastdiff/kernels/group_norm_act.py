@@ -72,11 +72,16 @@ in 16-lane blocks runs on only 8 programs."""
 LANES_REGISTER_TILE = 32768
 """The register tile allowed to a forced ``lanes`` plan; a larger block is streamed at 4 warps. On the H100 at
 DDPM-CIFAR10 batch 256 the 384-channel 32x32 norm (12-channel groups) ran 447 us streamed at 64 lanes and 4 warps,
-against 618 for the size-based plan and over 570 for 64 lanes in registers (``benchmarks/sweep_group_norm.py``)."""
+against 618 for the size-based plan and over 570 for 64 lanes in registers (``benchmarks/sweep_group_norm.py``, in
+the launch order before ``_gn_single_pass_kernel``'s)."""
 STREAM_WARPS = 4
 """Warps of a forced ``lanes`` plan that streams its block (4 beat 8 on every streamed shape of that sweep)."""
 MAX_SPLIT = 64
 """Most row splits per group in the two-phase design (the apply kernel merges them all in registers)."""
+REGISTER_WARPS = 16
+"""Warps of a single-pass program whose register tile is larger than ``MAX_REGISTER_TILE`` (the 32K-element tiles
+of the wide and forced-lanes plans): 16 ran 7-10% faster than 8 on the three 32x32 norms of the launch-order sweep
+(``_gn_single_pass_kernel``)."""
 
 Design = Literal["auto", "single_pass", "two_phase"]
 
@@ -232,13 +237,19 @@ def _gn_single_pass_kernel(
     HAS_RES: tl.constexpr,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
-    BLOCKS_FIRST: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program per (sample, block of GPB whole groups); x rows are ``stride_xp`` apart (y rows: C)."""
+    """One program per (block of GPB whole groups, sample); x rows are ``stride_xp`` apart (y rows: C).
+
+    The channel blocks of one image are neighbours in the launch order, so the programs that run together read
+    whole pixel rows between them rather than one channel strip of many images. On the H100 at DDPM-CIFAR10 batch
+    256 that ran each norm 1.08-1.6x faster than the (sample, block) order, each order at its best plan (384
+    channels at 32x32: 276 against 442 us; 128 at 32x32: 65 against 81;
+    ``benchmarks/results/sweep-group-norm-order-ddpm-cifar10-b256-h100-2026-11-25.json``, git 860f761, rows
+    ``*-bf``); every plan that was within 1.5x of the best there ran faster in this order."""
     grid_dependency_sync(PDL)
-    n = tl.program_id(1 if BLOCKS_FIRST else 0)
-    c_begin = tl.program_id(0 if BLOCKS_FIRST else 1) * (GPB * CG)
+    n = tl.program_id(1)
+    c_begin = tl.program_id(0) * (GPB * CG)
     base = n.to(tl.int64) * HW * C
     x_base = n.to(tl.int64) * stride_xn
     lane = tl.arange(0, BLOCK_C)
@@ -405,9 +416,6 @@ class _Plan:
     block_hw: int
     in_registers: bool
     num_warps: int = 0
-    blocks_first: bool = False
-    """Launch order of the single-pass grid: the channel blocks of one image next to each other (True) or the
-    images of one channel block (False)."""
 
 
 def _channel_block(group_size: int, channels: int, min_lanes: int = 16) -> int:
@@ -583,11 +591,11 @@ def group_norm_act(
     blocks = triton.cdiv(num_groups, plan.groups_per_block)
     if plan.design == "single_pass":
         tile = plan.block_hw * plan.block_c
-        _gn_single_pass_kernel[(blocks, n) if plan.blocks_first else (n, blocks)](
+        warps = max(1, min(8, tile // 512)) if tile <= MAX_REGISTER_TILE else REGISTER_WARPS
+        _gn_single_pass_kernel[(blocks, n)](
             x, out, w_arg, b_arg, r_arg, hw, channels, stride_xn, stride_xp, eps, fp8_inv_scale,
             CG=group_size, GPB=plan.groups_per_block, BLOCK_HW=plan.block_hw, BLOCK_C=plan.block_c,
-            IN_REGISTERS=plan.in_registers, num_warps=plan.num_warps or max(1, min(8, tile // 512)), **flags,
-            BLOCKS_FIRST=plan.blocks_first, **pdl_launch(x.device),
+            IN_REGISTERS=plan.in_registers, num_warps=plan.num_warps or warps, **flags, **pdl_launch(x.device),
         )  # fmt: skip
         return out
     target = 2 * num_sms(x.device)
