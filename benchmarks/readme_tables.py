@@ -7,6 +7,7 @@ python benchmarks/readme_tables.py --check  # exit 1 if README.md is out of date
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import importlib.util
 import json
@@ -37,15 +38,52 @@ MEASURED_CODE = {
 """Per table, the code its numbers depend on: a table is older than the code when these paths changed since."""
 
 
+def without_docstrings(source: str) -> str:
+    """The syntax tree of Python ``source`` with every bare string statement (module, class, function and attribute
+    docstrings) removed, dumped as text: what runs, whatever the docstrings, comments and formatting say."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        for field in ("body", "orelse", "finalbody"):
+            body = getattr(node, field, None)
+            if isinstance(body, list) and body and isinstance(body[0], ast.stmt):
+                kept = [
+                    stmt for stmt in body
+                    if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)
+                            and isinstance(stmt.value.value, str))
+                ]  # fmt: skip
+                setattr(node, field, kept or [ast.Pass()])
+    return ast.dump(tree)
+
+
+def changed_code(sha: str, paths: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """(files under ``paths`` whose code changed since ``sha``, files where only docstrings, comments or formatting
+    did), against the working tree, so regenerating before a commit gives what the committed tree will give."""
+    diff = subprocess.run(["git", "diff", "--name-only", sha, "--", *paths], cwd=ROOT, capture_output=True, text=True)
+    if diff.returncode:  # a commit this clone does not have
+        return list(paths), []
+    code, docs = [], []
+    for name in diff.stdout.split():
+        old = subprocess.run(["git", "show", f"{sha}:{name}"], cwd=ROOT, capture_output=True, text=True)
+        new = ROOT / name
+        same = (
+            name.endswith(".py") and old.returncode == 0 and new.is_file()
+            and without_docstrings(old.stdout) == without_docstrings(new.read_text())
+        )  # fmt: skip
+        (docs if same else code).append(name)
+    return code, docs
+
+
 def freshness(sha: str | None, table: str) -> str:
-    """A sentence saying whether the run's commit still has the code the table measures (per ``MEASURED_CODE``)."""
+    """A sentence saying whether the run's commit still has the code the table measures (per ``MEASURED_CODE``;
+    docstrings, comments and formatting are not code)."""
     if not sha:
         return "**The commit of this run is unknown: the table is older than the code it measures.**"
     paths = MEASURED_CODE[table]
-    # against the working tree, so regenerating before a commit gives what the committed tree will give
-    changed = subprocess.run(["git", "diff", "--quiet", sha, "--", *paths], cwd=ROOT).returncode
-    if changed:
+    code, docs = changed_code(sha, paths)
+    if code:
         return f"**Older than the code it measures: {', '.join(paths)} changed since {sha}.**"
+    if docs:
+        return f"The measured code ({', '.join(paths)}) is unchanged since {sha} (docstrings and comments aside)."
     return f"The measured code ({', '.join(paths)}) is unchanged since {sha}."
 
 

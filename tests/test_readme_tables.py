@@ -73,3 +73,35 @@ def test_roofline_floor_lines_skip_fp8_engines_and_name_half_the_compile_step():
     assert len(lines) == 1
     assert lines[0].startswith("Engine fp16: 0.600 ms per step")
     assert "0.050 ms (convolution 0.050)" in lines[0] and "0.500 ms" in lines[0]
+
+
+CODE = '''"""Module docs."""
+import math
+
+SCALE = 2
+"""What SCALE is."""
+
+
+def area(r):
+    """Docs of area."""
+    # a comment
+    return math.pi * r * r * SCALE
+'''
+
+
+@pytest.mark.parametrize(
+    ("edited", "same"),
+    [
+        pytest.param(CODE.replace("Docs of area.", "Area of a disc."), True, id="function_docstring"),
+        pytest.param(CODE.replace("What SCALE is.", "The scale."), True, id="attribute_docstring"),
+        pytest.param(CODE.replace('"""Module docs."""', ""), True, id="module_docstring_removed"),
+        pytest.param(CODE.replace("# a comment", "# another comment").replace("r * r", "r*r"), True, id="format"),
+        pytest.param(CODE.replace("SCALE = 2", "SCALE = 3"), False, id="constant"),
+        pytest.param(CODE.replace("return math.pi", 'print("x")\n    return math.pi'), False, id="statement_added"),
+        pytest.param(CODE.replace("r * r * SCALE", '(r * r * SCALE, "docs")[0]'), False, id="string_in_an_expression"),
+    ],
+)
+def test_only_code_counts_as_a_change_of_the_measured_code(edited: str, same: bool) -> None:
+    """A table stays fresh across docstring, comment and formatting edits of the code it measures, not others."""
+    strip = _readme_tables().without_docstrings
+    assert (strip(edited) == strip(CODE)) is same

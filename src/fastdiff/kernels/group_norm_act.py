@@ -80,8 +80,9 @@ MAX_SPLIT = 64
 """Most row splits per group in the two-phase design (the apply kernel merges them all in registers)."""
 REGISTER_WARPS = 16
 """Warps of a single-pass program whose register tile is larger than ``MAX_REGISTER_TILE`` (the 32K-element tiles
-of the wide and forced-lanes plans): 16 ran 7-10% faster than 8 on the three 32x32 norms of the launch-order sweep
-(``_gn_single_pass_kernel``)."""
+of the wide and forced-lanes plans). In the launch-order sweep (``_gn_single_pass_kernel``) 16 ran the 32-lane tiles
+of the four 32x32 norms 1.08-1.13x as fast as 8, and the 128-lane tiles of the 16x16 norms (never the fastest plan
+there) at 0.89-1.0x."""
 
 Design = Literal["auto", "single_pass", "two_phase"]
 
@@ -243,10 +244,11 @@ def _gn_single_pass_kernel(
 
     The channel blocks of one image are neighbours in the launch order, so the programs that run together read
     whole pixel rows between them rather than one channel strip of many images. On the H100 at DDPM-CIFAR10 batch
-    256 that ran each norm 1.08-1.6x faster than the (sample, block) order, each order at its best plan (384
-    channels at 32x32: 276 against 442 us; 128 at 32x32: 65 against 81;
+    256 that ran each swept norm (the 16x16 and 32x32 shapes) 1.08-1.6x faster than the (sample, block) order,
+    each order at its best plan (384 channels at 32x32: 276 against 442 us; 128 at 32x32: 65 against 81;
     ``benchmarks/results/sweep-group-norm-order-ddpm-cifar10-b256-h100-2026-11-25.json``, git 860f761, rows
-    ``*-bf``); every plan that was within 1.5x of the best there ran faster in this order."""
+    ``*-bf``); a few plans far from the best ran slower in this order (64 lanes and 16 warps at 512 channels,
+    16x16: 73.6 against 67.7 us)."""
     grid_dependency_sync(PDL)
     n = tl.program_id(1)
     c_begin = tl.program_id(0) * (GPB * CG)
@@ -408,7 +410,7 @@ def _gn_apply_kernel(
 @dataclass(frozen=True)
 class _Plan:
     """How one call runs: design, channel block, groups per block, row tile (and warps per single-pass program:
-    0 for one warp per 512 tile elements, at most 8)."""
+    0 for one warp per 512 tile elements, at most 8, or ``REGISTER_WARPS`` above ``MAX_REGISTER_TILE``)."""
 
     design: str
     block_c: int
