@@ -14,9 +14,10 @@ sum-of-squares cancellation)::
 
 Two designs, chosen by size:
 
-* single pass: one program per (sample, block of whole groups). When the block (H*W rows x its channels) fits
-  in registers it is loaded once, reduced and normalised from registers (x read once, y written once);
-  otherwise the program streams it twice (statistics, then apply; the second read mostly hits L2).
+* single pass: one program per (block of whole groups, sample), the blocks of one sample launched together. When
+  the block (H*W rows x its channels) fits in registers it is loaded once, reduced and normalised from registers
+  (x read once, y written once); otherwise the program streams it twice (statistics, then apply; the second read
+  mostly hits L2).
 * two phase, for large groups with too few (sample, group) pairs to fill the GPU (batch 1, SD1.5 at 64x64):
   a split-reduction kernel writes per-split (count, mean, M2) partials, an apply kernel merges them and
   writes y.
