@@ -249,7 +249,8 @@ def _gn_single_pass_kernel(
     each order at its best plan (384 channels at 32x32: 276 against 442 us; 128 at 32x32: 65 against 81;
     ``benchmarks/results/sweep-group-norm-order-ddpm-cifar10-b256-h100-2026-11-25.json``, git 860f761, rows
     ``*-bf``); a few plans far from the best ran slower in this order (64 lanes and 16 warps at 512 channels,
-    16x16: 73.6 against 67.7 us)."""
+    16x16: 73.6 against 67.7 us), and at 8x8 and 4x4 the best plans ran 2-4% slower on three of four norms and 0.6%
+    faster on one (``sweep-group-norm-order-small-ddpm-cifar10-b256-h100-2026-11-25.json``: 2.5 us of a step)."""
     grid_dependency_sync(PDL)
     n = tl.program_id(1)
     c_begin = tl.program_id(0) * (GPB * CG)
