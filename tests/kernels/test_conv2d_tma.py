@@ -32,10 +32,6 @@ CASES = [
     pytest.param(dict(n=3, cin=8, cout=16, h=4, w=4, k=3, padding=1, res=True, scale=0.5), id="b3_4x4_res_scale"),
     pytest.param(dict(n=1, cin=24, cout=8, h=5, w=6, k=1, bias=True, res=True), id="k1_5x6_shortcut"),
     pytest.param(dict(n=2, cin=16, cout=8, h=6, w=5, k=3, act="gelu"), id="k3p0_valid_gelu"),
-    pytest.param(  # conv2 of a ResnetBlock2D with its 1x1 conv_shortcut summed in: a partial last shortcut chunk
-        dict(n=2, cin=24, cout=16, h=5, w=7, k=3, padding=1, bias=True, scale=0.5, shortcut=40), id="conv2_shortcut_c40"
-    ),  # fmt: skip
-    pytest.param(dict(n=3, cin=8, cout=24, h=4, w=6, k=3, padding=1, res=True, shortcut=16), id="shortcut_and_res"),
     pytest.param(
         dict(n=2, cin=256, cout=128, h=16, w=16, k=3, padding=1, bias=True, temb=True),
         id="c256_16x16",
@@ -68,12 +64,6 @@ MODEL_SHAPES = [
     pytest.param(dict(n=256, cin=256, cout=256, h=8, w=8, k=3, padding=1, bias=True, temb=True), id="b256_c256_8"),
     pytest.param(dict(n=256, cin=512, cout=256, h=4, w=4, k=3, padding=1, bias=True, temb=True), id="b256_c512_4"),
     pytest.param(dict(n=2, cin=320, cout=320, h=64, w=64, k=3, padding=1, bias=True, temb=True), id="sd15_b2_64"),
-    pytest.param(  # ddpm-cifar10's up path: conv2 + the 1x1 shortcut of the 384-channel skip concat
-        dict(n=256, cin=128, cout=128, h=32, w=32, k=3, padding=1, bias=True, shortcut=384), id="b256_conv2_sc384_32"
-    ),  # fmt: skip
-    pytest.param(
-        dict(n=256, cin=256, cout=256, h=16, w=16, k=3, padding=1, bias=True, shortcut=512), id="b256_conv2_sc512_16"
-    ),  # fmt: skip
 ]
 
 
@@ -124,19 +114,6 @@ def test_upsample2_conv_as_four_phase_convs(case: dict, dtype: torch.dtype) -> N
     assert rel_err(conv2d_tma(x, phases, bias, **kwargs, config=CONFIG), ref) < TOLERANCE[dtype]
     with pytest.raises(FastdiffError, match="pack_upsample2_weight"):
         conv2d_tma(x, packed, bias, **kwargs, config=CONFIG)
-
-
-def test_shortcut_outside_the_tma_domain_says_why() -> None:
-    case = dict(n=1, cin=8, cout=8, h=4, w=4, k=3, padding=1, shortcut=8)
-    args, kwargs = make_inputs(case, torch.float32, seed=0)
-    x, packed, bias = args
-    with pytest.raises(FastdiffError, match="without upsampling"):
-        conv2d_tma(x, unpack_conv_weight(packed, 8), bias, **kwargs, upsample=2, config=CONFIG)
-    with pytest.raises(FastdiffError, match="given together"):
-        conv2d_tma(*args, shortcut=kwargs["shortcut"], padding=1, config=CONFIG)
-    kwargs["shortcut"] = kwargs["shortcut"].contiguous()  # NCHW: channels not contiguous
-    with pytest.raises(FastdiffError, match="channels-last"):
-        conv2d_tma(*args, **kwargs, config=CONFIG)
 
 
 def test_box_tile_shapes() -> None:

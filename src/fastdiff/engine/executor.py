@@ -13,16 +13,16 @@ the forward as a list of ops of :mod:`fastdiff.engine.ir`, then:
   ``kernels.conv2d_tma`` for stride-1 convs, or cuDNN + a torch epilogue; token GEMM: ``kernels.linear`` or
   cuBLAS + a torch epilogue; the gather conv also with its reduction split over 2-16 programs where its grid
   leaves SMs idle, ``triton-k<split>``; a ResnetBlock2D's conv2 also with its 1x1 conv_shortcut summed in,
-  ``triton-sc[-k<split>]`` and on Hopper ``triton-tma-sc``, timed against the pair unfused
-  (:mod:`fastdiff.engine.shortcut`); a conv whose output a GroupNorm reads also with that norm in its epilogue,
-  ``triton[-sc]-gn[-k<split>]``, or with the norm's statistics in its epilogue, ``triton[-sc]-st[-k<split>]``
-  (the norm then one elementwise pass, ``apply``), timed against the conv and the norm apart
-  (:mod:`fastdiff.engine.epilogue_norm`); attention: ``kernels.attention`` (also with its keys split over 2-8
-  programs per query block where those leave SMs idle, ``triton-kv<split>``, and for at most 512 keys its
-  whole-rows schedule, ``triton-rows``) or torch SDPA; GroupNorm: the kernel's own launch plan or whole groups at
-  16, 32 or 64 channel lanes per program) ``autotune`` times them on the GPU and keeps the fastest
-  (``conv_impl`` / ``attention_impl`` narrow the choice; ``conv_impl`` covers both convs and GEMMs: "triton",
-  our kernels, or the vendor library);
+  ``triton-sc[-k<split>]``, timed against the pair unfused (:mod:`fastdiff.engine.shortcut`); a conv whose output
+  a GroupNorm reads also with that norm in its epilogue, ``triton[-sc]-gn[-k<split>]``, or with the norm's
+  statistics in its epilogue, ``triton[-sc]-st[-k<split>]`` (the norm then one elementwise pass, ``apply``), timed
+  against the conv and the norm apart (:mod:`fastdiff.engine.epilogue_norm`); attention:
+  ``kernels.attention`` (also with its keys split over 2-8 programs per query block where those leave SMs idle,
+  ``triton-kv<split>``, and for at most 512 keys its whole-rows schedule, ``triton-rows``) or torch SDPA;
+  GroupNorm: the kernel's own launch plan or whole groups at 16, 32 or 64 channel lanes per program)
+  ``autotune`` times them on the GPU
+  and keeps the fastest (``conv_impl`` / ``attention_impl`` narrow the choice; ``conv_impl`` covers both convs and
+  GEMMs: "triton", our kernels, or the vendor library);
 * with ``fp8=True`` (Hopper), the convs that read a GroupNorm's output run on e4m3 operands
   (:mod:`fastdiff.engine.fp8`): the norm writes e4m3 at a scale taken from its affine, the TMA conv multiplies
   e4m3 x e4m3 with per-output-channel weight scales and writes the engine dtype;
@@ -139,7 +139,6 @@ def tokens(t: torch.Tensor) -> torch.Tensor:
 WEIGHT_ROLES: dict[tuple[str, str], set[str]] = {
     ("conv", "triton"): {"packed", "bias", "norm_weight", "norm_bias"},
     ("conv", "triton-tma"): {"packed", "packed_up2", "bias"},
-    ("conv", "triton-tma-sc"): {"packed", "bias"},
     ("conv", "triton-tma-fp8"): {"packed_fp8", "weight_scale", "bias"},
     ("conv", "cudnn"): {"weight", "bias"},
     ("conv", "fused"): {"packed", "bias"},
@@ -155,11 +154,6 @@ def _is_gather(impl: str) -> bool:
     """Whether a conv implementation is the gather kernel (``kernels.conv2d``): plain, split-K, with the shortcut
     summed in, the output's GroupNorm or its statistics in the epilogue."""
     return impl == "triton" or impl.startswith(("triton-k", "triton-sc", "triton-gn", "triton-st"))
-
-
-def sums_shortcut(impl: str | None) -> bool:
-    """Whether a conv implementation sums its 1x1 shortcut conv in (``triton-sc[...]``, ``triton-tma-sc``)."""
-    return impl is not None and impl.startswith(("triton-sc", "triton-tma-sc"))
 
 
 def _with_epilogue(impl: str, tag: str) -> str:
@@ -441,16 +435,11 @@ class FusedModel:
                 x, packed, bias, padding=padding, time_emb=temb, residual=residual, activation=act,
                 out_scale=scale, out=out, weight_scale=weight_scale,
             )  # fmt: skip
-        if impl in ("triton-tma", "triton-tma-sc"):  # -sc: + the 1x1 shortcut summed in
+        if impl == "triton-tma":
             packed = w["packed_up2"] if up == 2 else w["packed"]
-            shortcut = shortcut_weight = None
-            if impl == "triton-tma-sc":
-                sc = self.shortcuts[op.name]
-                shortcut, shortcut_weight = self._tensor(sc.inputs[0]), self._device_weights[sc.name]["packed"]
-                bias, residual = self._summed_bias(op, sc), None
             return lambda: conv2d_tma(
                 x, packed, bias, padding=padding, time_emb=temb, residual=residual, activation=act,
-                out_scale=scale, out=out, upsample=up, shortcut=shortcut, shortcut_weight=shortcut_weight,
+                out_scale=scale, out=out, upsample=up,
             )  # fmt: skip
         if impl.startswith("triton"):  # the gather kernel; -sc: + the 1x1 shortcut; -gn: + the GroupNorm of the
             shortcut = shortcut_weight = norm_out = None  # output in the epilogue; -k<N>: reduction split N ways
@@ -600,8 +589,6 @@ class FusedModel:
                 ours = (*ours, *(f"triton-k{split}" for split in self._split_k_choices(op)))
                 if op.name in self.shortcuts:  # + the gather kernel with the shortcut summed in (engine/shortcut.py)
                     ours = (*ours, "triton-sc", *(f"triton-sc-k{split}" for split in self._split_k_choices(op)))
-                    if "triton-tma" in ours and self._tma_fits(self.shortcuts[op.name]):  # + the TMA kernel's
-                        ours = (*ours, "triton-tma-sc")
                 gather = [impl for impl in ours if _is_gather(impl)]
                 if op.name in self.epilogue_norms:  # + each gather variant with the GroupNorm in its epilogue
                     ours = (*ours, *(_with_epilogue(impl, "gn") for impl in gather))
@@ -663,7 +650,7 @@ class FusedModel:
         self._x_in = x_in
         self.tensors = {}
         for name, sc in self.shortcuts.items():  # a shortcut summed in its conv2 (impl triton-sc*) runs no launch
-            if sums_shortcut(self._op_by_name[name].impl):
+            if (self._op_by_name[name].impl or "").startswith("triton-sc"):
                 sc.impl, sc.why = "fused", f"summed in {name} (the reduction runs on over this conv's input)"
             elif sc.impl == "fused":  # back to its own fastest (or default) implementation
                 sc.impl, sc.why = (min(sc.times_us, key=sc.times_us.get) if sc.times_us else None), None
@@ -799,7 +786,7 @@ class FusedModel:
             sc = self.shortcuts.get(op.name)
             if sc is not None:  # unfused, the pair also pays for the shortcut conv's own launch at its best
                 sc_us = min(sc.times_us.values()) if sc.times_us else time_call_us(self._call(sc, sc.impl), reps)
-                effective = {k: v + (0.0 if sums_shortcut(k) else sc_us) for k, v in effective.items()}
+                effective = {k: v + (0.0 if k.startswith("triton-sc") else sc_us) for k, v in effective.items()}
                 why += f" (unfused + {sc.name} {sc_us:.1f} us)"
             norms = {id(n): n for n in (self.epilogue_norms.get(op.name), self.epilogue_stats.get(op.name)) if n}
             if norms and any("-st" in k or "-gn" in k for k in effective):

@@ -4,8 +4,8 @@
 no activation on ``conv2`` that is ``(conv2(h) + conv_sc(x) + b2 + b_sc) * scale``: one GEMM whose reduction runs
 over conv2's taps and then the shortcut's input channels (:func:`fastdiff.kernels.conv2d.conv2d` with
 ``shortcut=``). The shortcut's output is then never written nor read back, and one launch goes. Whether a pair runs
-fused is the autotune's choice on the GPU (the fused op runs on the gather kernel or, on Hopper, the TMA kernel;
-the pair unfused may use the TMA kernel or cuDNN for each): see ``FusedModel.autotune``.
+fused is the autotune's choice on the GPU (the fused op is the gather kernel only; the pair unfused may use the
+TMA kernel or cuDNN for each): see ``FusedModel.autotune``.
 """
 
 from __future__ import annotations

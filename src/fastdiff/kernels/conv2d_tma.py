@@ -40,7 +40,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.common import ACTIVATIONS, grid_dependency_sync, num_sms, pdl_launch
 from fastdiff.kernels.conv2d import (
-    _check_shortcut,
     _packed_kernel_size,
     check_epilogue_args,
     conv2d_cost,
@@ -101,13 +100,13 @@ def unpack_conv_weight_fp8(packed: torch.Tensor, scale: torch.Tensor, cin: int) 
 
 @triton.jit
 def _conv2d_tma_kernel(
-    x_desc, w_desc, sc_desc, sc_w_desc, scale_ptr, bias_ptr, temb_ptr, res_ptr, out_ptr,
-    N, Cin, Ho, Wo, Cout, Csc,
+    x_desc, w_desc, scale_ptr, bias_ptr, temb_ptr, res_ptr, out_ptr,
+    N, Cin, Ho, Wo, Cout,
     stride_tn, stride_tc, stride_rn, stride_rc, stride_rh, stride_rw, stride_on, stride_oc, stride_oh, stride_ow,
     out_scale,
     PAD: tl.constexpr, KSIZE: tl.constexpr, UP2: tl.constexpr, FP8: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_TEMB: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
-    HAS_SCALE: tl.constexpr, HAS_SHORTCUT: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     TN: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -147,10 +146,6 @@ def _conv2d_tma_kernel(
         else:
             b = w_desc.load([w_row0 + tap * Cin + c0, pid_n * BLOCK_N])
             acc = tl.dot(a, b, acc)
-    if HAS_SHORTCUT:  # + the 1x1 conv of the shortcut input at this tile's own pixels: the reduction runs on
-        for c0 in range(0, Csc, BLOCK_K):  # over its channels (past Csc: zeros from both descriptors)
-            a = sc_desc.load([n0, h0, w0, c0]).reshape(BLOCK_M, BLOCK_K)
-            acc = tl.dot(a, sc_w_desc.load([c0, pid_n * BLOCK_N]), acc)
     if UP2:
         oh = 2 * oh + py
         ow = 2 * ow + px
@@ -253,8 +248,6 @@ def conv2d_tma(
     upsample: int = 1,
     config: TmaConfig | None = None,
     weight_scale: torch.Tensor | None = None,
-    shortcut: torch.Tensor | None = None,
-    shortcut_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`fastdiff.kernels.conv2d.conv2d` for stride-1 convs, tiles loaded by TMA (module docstring).
 
@@ -266,11 +259,6 @@ def conv2d_tma(
     fp8: an e4m3 ``x`` takes :func:`pack_conv_weight_fp8`'s e4m3 ``[Cout, K*K*Cin]`` and
     ``weight_scale`` ``[Cout]`` fp32, the product of the input's scale and the weight's per-channel scales (the
     conv sees ``x * a_scale`` and ``W8 * w_scale``); the output (``out``, default fp16) is fp16, bf16 or fp32.
-
-    ``shortcut`` / ``shortcut_weight`` as in :func:`~fastdiff.kernels.conv2d.conv2d` (a ResnetBlock2D's
-    ``conv2(h) + conv_shortcut(x)`` in one launch; the biases summed by the caller): after the taps, the reduction
-    runs on over the shortcut's channels, loaded by TMA at the output tile's own pixels. Not with fp8 or
-    ``upsample=2``.
     """
     if x.dim() != 4:
         raise FastdiffError(f"conv2d input must be 4-D [N, C, H, W], got shape {tuple(x.shape)}")
@@ -303,14 +291,6 @@ def conv2d_tma(
     weight = weight.contiguous()
     out_hw = (ho * upsample, wo * upsample)
     check_epilogue_args(n, cout, out_hw, x.device, bias, time_emb, residual, activation, out)
-    if shortcut is not None or shortcut_weight is not None:
-        if fp8 or up2:
-            raise FastdiffError("conv2d_tma: a summed shortcut needs an fp16/bf16/fp32 conv without upsampling")
-        shortcut_weight = _check_shortcut(shortcut, shortcut_weight, x, n, cout, out_hw)
-        if shortcut.stride(1) != 1 or not _aligned(
-            shortcut, (shortcut.stride(0), shortcut.stride(2), shortcut.stride(3))
-        ):
-            raise FastdiffError("conv2d_tma: the shortcut must be channels-last with 16-byte aligned strides")
     if out is None:
         out_dtype = torch.float16 if fp8 else x.dtype
         out = torch.empty((n, cout, *out_hw), device=x.device, dtype=out_dtype, memory_format=torch.channels_last)
@@ -321,23 +301,17 @@ def conv2d_tma(
     tiles = triton.cdiv(n, tn) * triton.cdiv(ho, th) * triton.cdiv(wo, tw)
     w_block = [config.block_n, config.block_k] if fp8 else [config.block_k, config.block_n]
     w_desc = TensorDescriptor(weight, list(weight.shape), [weight.shape[1], 1], w_block)
-    sc_desc, sc_w_desc, csc = x_desc, w_desc, 0
-    if shortcut is not None:
-        csc = shortcut.shape[1]
-        strides = [shortcut.stride(0), shortcut.stride(2), shortcut.stride(3), 1]
-        sc_desc = TensorDescriptor(shortcut, [n, ho, wo, csc], strides, [tn, th, tw, config.block_k])
-        sc_w_desc = TensorDescriptor(shortcut_weight, [csc, cout], [cout, 1], w_block)
     temb = time_emb if time_emb is not None else out
     res = residual if residual is not None else out
     temb_strides = time_emb.stride() if time_emb is not None else (0, 0)
     grid = (tiles * triton.cdiv(cout, config.block_n), 4 if up2 else 1)
     _conv2d_tma_kernel[grid](
-        x_desc, w_desc, sc_desc, sc_w_desc, weight_scale if fp8 else out, bias if bias is not None else out, temb,
-        res, out, n, cin, ho, wo, cout, csc, *temb_strides, *res.stride(), *out.stride(),
+        x_desc, w_desc, weight_scale if fp8 else out, bias if bias is not None else out, temb, res, out,
+        n, cin, ho, wo, cout, *temb_strides, *res.stride(), *out.stride(),
         1.0 if out_scale is None else float(out_scale),
         PAD=padding, KSIZE=2 if up2 else ksize, UP2=up2, FP8=fp8,
         HAS_BIAS=bias is not None, HAS_TEMB=time_emb is not None, HAS_RES=residual is not None,
-        ACT=ACTIVATIONS[activation], HAS_SCALE=out_scale is not None, HAS_SHORTCUT=shortcut is not None,
+        ACT=ACTIVATIONS[activation], HAS_SCALE=out_scale is not None,
         TN=tn, TH=th, TW=tw, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
