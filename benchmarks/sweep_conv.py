@@ -71,8 +71,17 @@ TMA_CONFIGS = [
 take 115, 82 and 49 KB of shared memory at 4, 3 and 2 stages (255 registers a thread; Triton 3.9 for sm_90a), and
 128-deep steps halve the steps per tile (as the fp8 kernel's do). On the H100 (``sweep-conv-stages-*`` results)
 3 stages tied with 4, 2 stages and 128-deep steps lost (1.4x and 1.1-1.4x the default's time)."""
-SMALL_CONFIGS = [TmaConfig(64, 64, 64, 4, 4), TmaConfig(64, 128, 64, 4, 4)]
-"""Tile configs tried on the others (batch 1, the 4x4 level)."""
+SMALL_CONFIGS = [
+    TmaConfig(64, 64, 64, 4, 4),
+    TmaConfig(64, 128, 64, 4, 4),
+    TmaConfig(64, 64, 64, 4, 3),
+    TmaConfig(64, 128, 64, 4, 3),
+    TmaConfig(128, 128, 64, 4, 4),
+    TmaConfig(128, 128, 64, 4, 3),
+    TmaConfig(128, 64, 64, 4, 3),
+]
+"""Tile configs tried on the others (batch 1, the 8x8 and 4x4 levels of batch 256): also 128-row tiles, which
+give fewer programs than two per SM there."""
 FP8_CONFIGS = [
     TmaConfig(128, 128, 128, 4, 4),
     TmaConfig(128, 128, 128, 4, 3),
@@ -261,7 +270,8 @@ def main() -> None:
     parser.add_argument("--model", default="ddpm-cifar10", help="a model preset (random weights when it has none)")
     parser.add_argument("--batch", default="256,1", help="comma-separated batch sizes, swept in this order")
     parser.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
-    parser.add_argument("--only", default="", help="sweep only the convs whose op name contains this")
+    parser.add_argument("--only", default="", help="sweep only the convs whose op name contains one of these "
+                        "comma-separated strings")  # fmt: skip
     parser.add_argument("--fp8", action="store_true", help="also the fp8 (e4m3) TMA conv, in each of FP8_CONFIGS")
     parser.add_argument("--gather-tiles", action="store_true",
                         help="also the gather kernel in each of GATHER_TILES, split or not, on the convs that do not "
@@ -277,7 +287,7 @@ def main() -> None:
               "ceiling_tflops_bf16": ceiling, "rows": []}  # fmt: skip
     for batch in (int(b) for b in args.batch.split(",")):
         for case in conv_cases(args.model, batch):
-            if not any(args.only in name for name in case["ops"]):
+            if not any(part in name for part in args.only.split(",") for name in case["ops"]):
                 continue
             if time.perf_counter() - start > args.budget_s:
                 result["stopped_early"] = True
