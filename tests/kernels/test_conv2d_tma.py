@@ -8,6 +8,7 @@ import zlib
 import pytest
 import torch
 
+import fastdiff.kernels.conv2d_tma as conv2d_tma_module
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.conv2d import unpack_conv_weight
 from fastdiff.kernels.conv2d_tma import (
@@ -15,6 +16,7 @@ from fastdiff.kernels.conv2d_tma import (
     TmaConfig,
     box_tile,
     conv2d_tma,
+    default_config,
     pack_upsample2_weight,
     tma_conv_unsupported,
 )
@@ -74,6 +76,23 @@ def test_default_configs_at_model_shapes(case: dict) -> None:
     loops gave wrong results with 8 warps (``default_config``), and the small levels of batch 256."""
     args, kwargs = make_inputs(case, torch.float16, seed=zlib.crc32(str(case).encode()))
     assert rel_err(conv2d_tma(*args, **kwargs), reference(args, kwargs)) < TOLERANCE[torch.float16]
+
+
+@pytest.mark.parametrize(
+    ("n", "hw", "cout", "tile"),
+    [
+        (256, 32, 128, (128, 128)),  # 2048 programs
+        (256, 8, 256, (128, 128)),  # 256 programs of 128x128: 1.9 per SM
+        (1024, 4, 256, (128, 128)),  # the 4x4 level's Upsample2D (four phases of 256 images): the same grid
+        (256, 4, 256, (64, 64)),  # 64 programs of 128x128: too few
+        (2, 64, 320, (64, 128)),  # SD-1.5 at 64x64, two rows of guidance: 192 programs of 128x128
+    ],
+)
+def test_default_config_tiles_by_grid(monkeypatch, n: int, hw: int, cout: int, tile: tuple[int, int]) -> None:
+    """128-row tiles while they give 1.5 programs per SM (on the H100's 132 SMs), then 64-row ones."""
+    monkeypatch.setattr(conv2d_tma_module, "num_sms", lambda device: 132)
+    cfg = default_config(n, hw, hw, cout, cout, torch.float16, torch.device("cpu"))
+    assert (cfg.block_m, cfg.block_n) == tile
 
 
 def test_channel_slice_of_a_concat_buffer() -> None:

@@ -214,7 +214,12 @@ def tma_conv_unsupported(
 def default_config(n: int, ho: int, wo: int, cin: int, cout: int, dtype: torch.dtype,
                    device: torch.device) -> TmaConfig:  # fmt: skip
     """The tile shape for a conv of this size, from ``benchmarks/sweep_conv.py`` on the H100 (ddpm-cifar10, batch
-    256): 128x128 tiles while they fill every SM twice, then 64x128, then 64x64 (batch 256 at 8x8 and 4x4).
+    256): 128x128 tiles while they give at least 1.5 programs per SM, then 64x128, then 64x64 (batch 256 at 4x4).
+
+    The 8x8 level of batch 256 sits between (256 programs of 128x128 for 132 SMs): there 128-row tiles ran its 3x3
+    convs in 35.6 against 40.8 us (64x128), the 512-channel conv1 in 64.5 against 74.5, and the Upsample2D of the
+    4x4 level (the same grid) in 18.1 against 21.3; at 4x4 (64 programs) 64x64 stays best (16.9 against 28.3 us)
+    (``benchmarks/results/sweep-conv-small-tiles-ddpm-cifar10-b256-h100-2026-11-26.json``).
 
     Always 4 warps. With 8 warps (two consumer warpgroups) the 3x3 convs ran 5-9% faster, but Triton 3.6's
     pipelined TMA loop then returned wrong results on the H100 (0.2-0.9% relative error against exact 4-warp
@@ -226,7 +231,7 @@ def default_config(n: int, ho: int, wo: int, cin: int, cout: int, dtype: torch.d
     if dtype == FP8_DTYPE:  # 128-byte rows, as for fp16; fp8 wgmma steps K by 32
         block_k = 128 if cin >= 128 else max(32, triton.next_power_of_2(cin))
     stages = 4 if dtype.itemsize <= 2 else 2  # fp32 tiles take twice the shared memory per stage
-    if triton.cdiv(rows, 128) * triton.cdiv(cout, block_n) >= 2 * num_sms(device):
+    if 2 * triton.cdiv(rows, 128) * triton.cdiv(cout, block_n) >= 3 * num_sms(device):
         return TmaConfig(128, block_n, block_k, 4, stages)
     if triton.cdiv(rows, 64) * triton.cdiv(cout, block_n) >= num_sms(device):
         return TmaConfig(64, block_n, block_k, 4, stages)
