@@ -103,6 +103,13 @@ CASES = [
         dict(n=1, cin=130, cout=24, h=5, w=7, k=3, padding=1, bias=True, temb=True, res=True),
         id="cin130_latency_tiles_128_deep_steps_masked_second_chunk",
     ),
+    pytest.param(dict(n=2, cin=1, cout=24, h=6, w=7, k=3, padding=1, bias=True), id="flat_k_cin1_one_step"),
+    pytest.param(  # 135 (tap, channel) rows: three 64-deep steps, the last one masked past row 135
+        dict(n=2, cin=15, cout=20, h=5, w=9, k=3, padding=1, bias=True, act="silu"), id="flat_k_cin15_three_steps"
+    ),  # fmt: skip
+    pytest.param(
+        dict(n=256, cin=3, cout=128, h=32, w=32, k=3, padding=1, bias=True), id="ddpm_conv_in_b256", marks=needs_cuda
+    ),  # fmt: skip
     pytest.param(
         dict(n=2, cin=320, cout=320, h=16, w=16, k=3, padding=1, bias=True, temb=True),
         id="c320_k3_16x16",
@@ -196,7 +203,7 @@ def test_split_k_matches_ref_and_reuses_its_workspace(case: dict, split_k: int, 
     [
         pytest.param((1, 256, 256, 4, 3), (2, 4, 8), id="b1_4x4_256ch_18_steps"),
         pytest.param((1, 128, 128, 32, 3), (2, 4), id="b1_32x32_grid_of_128_9_steps"),
-        pytest.param((1, 3, 128, 32, 3), (2, 4), id="b1_conv_in_9_steps"),
+        pytest.param((1, 3, 128, 32, 3), (), id="b1_conv_in_one_flat_step"),  # 27 weight rows: one 32-deep step
         pytest.param((1, 512, 256, 4, 1), (2,), id="b1_1x1_4_steps"),
         pytest.param((1, 256, 256, 4, 1), (), id="b1_1x1_2_steps"),
         pytest.param((1, 64, 256, 4, 1), (), id="b1_1x1_one_step"),

@@ -7,7 +7,9 @@ channels-last.
 
 GEMM view: rows ``M = N*Ho*Wo`` (one per output pixel), columns ``Cout``, reduction ``K = KH*KW*Cin``
 ordered ``(kh, kw, cin)``. Weights are packed once into ``[KH*KW*Cin, Cout]`` (:func:`pack_conv_weight`); the
-A operand is gathered straight from the activation (no im2col buffer), padding taps load zeros.
+A operand is gathered straight from the activation (no im2col buffer), padding taps load zeros. A reduction step
+is one tap's chunk of input channels; below :data:`FLAT_K_MAX_CIN` channels (a U-Net's first conv) a step is a
+chunk of the ``K`` rows themselves, each row its own (tap, channel), so 3 channels x 9 taps take one 32-deep step.
 
 Epilogue order, in fp32, per output element ``(n, c, h, w)``::
 
@@ -500,6 +502,7 @@ def _conv2d_kernel(
     ACT: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     HAS_SHORTCUT: tl.constexpr,
+    FLAT_K: tl.constexpr,
     HAS_NORM: tl.constexpr,
     NORM_CG: tl.constexpr,
     NORM_NPT: tl.constexpr,
@@ -556,6 +559,8 @@ def _conv2d_kernel(
     # (HAS_SHORTCUT) the 1x1 shortcut's cin chunks; with SPLIT_K > 1 this program runs its share of all those steps
     # (program_id(1) of SPLIT_K contiguous ranges).
     steps = KSIZE * KSIZE * k_chunks
+    if FLAT_K:  # few input channels: the reduction runs over the packed weight's rows, (tap, channel) flattened
+        steps = tl.cdiv(KSIZE * KSIZE * Cin, BLOCK_K)
     all_steps = steps
     if HAS_SHORTCUT:
         all_steps += tl.cdiv(Cin_sc, BLOCK_K)
@@ -566,23 +571,35 @@ def _conv2d_kernel(
         step_lo = tl.program_id(1) * per_split
         step_hi = tl.minimum(step_lo + per_split, all_steps)
     for step in range(step_lo, tl.minimum(step_hi, steps)):
-        tap = step // k_chunks
-        c0 = (step - tap * k_chunks) * BLOCK_K
-        ih = ih0 + tap // KSIZE
-        iw = iw0 + tap % KSIZE
-        row_ok = m_mask & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        offs_k = c0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < Cin
-        # H, W are the (virtually) upsampled sizes: pixel (ih, iw) is stored at (ih // UP, iw // UP).
-        a_ptrs = (x_rows + (ih // UP) * stride_xh + (iw // UP) * stride_xw)[:, None] + offs_k[None, :] * stride_xc
-        a_mask = row_ok[:, None] & k_mask[None, :]
-        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        if HAS_NORM:
-            a = _group_norm_tile(
-                a, a_mask, n_idx, n_first, n_last, offs_k, k_mask, mr_ptr, nw_ptr, nb_ptr, NORM_G,
-                NORM_CG, NORM_NPT, NORM_ACT, NORM_AFFINE,
-            )  # fmt: skip
-        b_ptrs = w_ptr + (tap * Cin + offs_k)[:, None] * Cout + offs_n[None, :]
+        if FLAT_K:  # this step's BLOCK_K weight rows, each its own (tap, channel); no folded norm here
+            offs_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < KSIZE * KSIZE * Cin
+            tap_k = offs_k // Cin
+            ih = ih0[:, None] + (tap_k // KSIZE)[None, :]
+            iw = iw0[:, None] + (tap_k % KSIZE)[None, :]
+            a_mask = m_mask[:, None] & k_mask[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            a_ptrs = (x_rows[:, None] + (ih // UP) * stride_xh + (iw // UP) * stride_xw
+                      + (offs_k - tap_k * Cin)[None, :] * stride_xc)  # fmt: skip
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            b_ptrs = w_ptr + offs_k[:, None] * Cout + offs_n[None, :]
+        else:
+            tap = step // k_chunks
+            c0 = (step - tap * k_chunks) * BLOCK_K
+            ih = ih0 + tap // KSIZE
+            iw = iw0 + tap % KSIZE
+            row_ok = m_mask & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            offs_k = c0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < Cin
+            # H, W are the (virtually) upsampled sizes: pixel (ih, iw) is stored at (ih // UP, iw // UP).
+            a_ptrs = (x_rows + (ih // UP) * stride_xh + (iw // UP) * stride_xw)[:, None] + offs_k[None, :] * stride_xc
+            a_mask = row_ok[:, None] & k_mask[None, :]
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            if HAS_NORM:
+                a = _group_norm_tile(
+                    a, a_mask, n_idx, n_first, n_last, offs_k, k_mask, mr_ptr, nw_ptr, nb_ptr, NORM_G,
+                    NORM_CG, NORM_NPT, NORM_ACT, NORM_AFFINE,
+                )  # fmt: skip
+            b_ptrs = w_ptr + (tap * Cin + offs_k)[:, None] * Cout + offs_n[None, :]
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc)
 
@@ -730,6 +747,11 @@ def _gemm_blocks(
     return block_m, block_n, block_k, 4, num_stages
 
 
+FLAT_K_MAX_CIN = 16
+"""Below this many input channels (and without a folded GroupNorm) the reduction runs over the (tap, channel) rows
+of the packed weight in BLOCK_K steps instead of one step per tap: a U-Net's first conv (3 channels, 3x3) takes one
+32-deep step instead of nine 16-deep ones of which 13 of 16 columns are padding."""
+
 SPLIT_K_CHOICES = (2, 4, 8, 16)
 """The split-K factors offered to a caller that times them (``split_k_choices``)."""
 
@@ -747,6 +769,8 @@ def split_k_choices(
     if triton.cdiv(rows, block_m) * triton.cdiv(cout, block_n) >= 2 * sms:
         return ()
     steps = ksize * ksize * triton.cdiv(cin, block_k)
+    if cin < FLAT_K_MAX_CIN:  # the wrapper's flattened reduction (without a folded norm)
+        steps = triton.cdiv(ksize * ksize * cin, min(64, max(16, triton.next_power_of_2(ksize * ksize * cin))))
     choices = []
     for split in SPLIT_K_CHOICES:
         block_m, block_n, block_k, *_ = _gemm_blocks(rows, cout, cin, dtype, device, split)
@@ -1020,6 +1044,9 @@ def conv2d(
         out = torch.empty((n, cout, ho, wo), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
     rows = n * ho * wo
     block_m, block_n, block_k, num_warps, num_stages = _gemm_blocks(rows, cout, cin, x.dtype, x.device, split_k)
+    flat_k = cin < FLAT_K_MAX_CIN and norm is None
+    if flat_k:  # one reduction over all K*K*Cin weight rows (the first conv of a U-Net: 1-4 channels)
+        block_k = min(64, max(16, triton.next_power_of_2(ksize * ksize * cin)))
     if tiles is not None:
         block_m, block_n, block_k, num_warps, num_stages = (
             tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps, tiles.num_stages
@@ -1031,7 +1058,8 @@ def conv2d(
             block_k = min(block_k, 64)
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(cout, block_n)
     cin_sc = shortcut.shape[1] if shortcut is not None else 0
-    split_k = min(split_k, ksize * ksize * triton.cdiv(cin, block_k) + triton.cdiv(cin_sc, block_k))
+    steps = triton.cdiv(ksize * ksize * cin, block_k) if flat_k else ksize * ksize * triton.cdiv(cin, block_k)
+    split_k = min(split_k, steps + triton.cdiv(cin_sc, block_k))
     if split_k > 1:
         workspace = workspace if workspace is not None else SplitWorkspace()
         workspace.reserve(split_k * tiles * block_m * block_n, tiles, x.device)
@@ -1064,7 +1092,7 @@ def conv2d(
         STRIDE=stride, PAD=padding, KSIZE=ksize, UP=upsample,
         HAS_BIAS=bias is not None, HAS_TEMB=time_emb is not None, HAS_RES=residual is not None,
         ACT=ACTIVATIONS[activation], HAS_SCALE=out_scale is not None, HAS_SHORTCUT=shortcut is not None,
-        HAS_NORM=norm is not None, NORM_CG=cin // norm.groups if norm is not None else 1,
+        FLAT_K=flat_k, HAS_NORM=norm is not None, NORM_CG=cin // norm.groups if norm is not None else 1,
         NORM_NPT=_samples_per_tile(n, ho * wo, block_m) if norm is not None else 1,
         NORM_ACT=ACTIVATIONS[norm.activation] if norm is not None else 0, NORM_AFFINE=norm_affine,
         HAS_STATS=stats is not None, STATS_CG=cout // stats.groups if stats is not None else 1,
