@@ -16,9 +16,6 @@ from triton.language.extra import cuda as tl_cuda
 
 from fastdiff.errors import FastdiffError
 
-INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
-"""Whether the kernels run in Triton's CPU interpreter (which has no inline PTX)."""
-
 ACTIVATIONS: dict[str | None, int] = {None: 0, "silu": 1, "gelu": 2, "relu": 3}
 """Activation name -> the constexpr code the kernels branch on (:func:`apply_activation`)."""
 
@@ -40,16 +37,6 @@ def apply_activation(y, ACT: tl.constexpr):
     elif ACT == 3:
         y = tl.maximum(y, 0.0)
     return y
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask the L2 cache to fetch the line of each pointer of ``ptrs`` (``prefetch.global.L2``): nothing waits for it
-    and no register holds the data. Each pointer must lie inside an allocation. A no-op in the interpreter."""
-    if not INTERPRETED:
-        tl.inline_asm_elementwise(
-            "mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-        )
 
 
 def activation_ref(y: torch.Tensor, activation: str | None) -> torch.Tensor:

@@ -38,7 +38,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fastdiff.errors import FastdiffError
-from fastdiff.kernels.common import ACTIVATIONS, grid_dependency_sync, num_sms, pdl_launch, prefetch_l2
+from fastdiff.kernels.common import ACTIVATIONS, grid_dependency_sync, num_sms, pdl_launch
 from fastdiff.kernels.conv2d import (
     _packed_kernel_size,
     check_epilogue_args,
@@ -51,9 +51,6 @@ from fastdiff.kernels.conv2d import (
 )
 from fastdiff.kernels.fp8 import E4M3_MAX, FP8_DTYPE, quantize_e4m3_ref
 from fastdiff.kernels.registry import KernelOp
-
-RESIDUAL_PREFETCH = True
-"""Whether a conv that adds a residual asks L2 for the residual tile before its reduction (see the kernel)."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +106,7 @@ def _conv2d_tma_kernel(
     out_scale,
     PAD: tl.constexpr, KSIZE: tl.constexpr, UP2: tl.constexpr, FP8: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_TEMB: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
-    HAS_SCALE: tl.constexpr, RES_PREFETCH: tl.constexpr, RES_LINES: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     TN: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -133,16 +130,6 @@ def _conv2d_tma_kernel(
     phase = tl.program_id(1)  # 0 without UP2
     py = phase // 2
     px = phase % 2
-
-    if HAS_RES and RES_PREFETCH:  # the epilogue's residual tile into L2 while the reduction runs
-        res_h = oh
-        res_w = ow
-        if UP2:
-            res_h = 2 * oh + py
-            res_w = 2 * ow + px
-        line = tl.minimum(pid_n * BLOCK_N + tl.arange(0, RES_LINES) * (BLOCK_N // RES_LINES), Cout - 1)
-        row = tl.where(m_mask, n_idx.to(tl.int64) * stride_rn + res_h * stride_rh + res_w * stride_rw, 0)
-        prefetch_l2(res_ptr + row[:, None] + line[None, :] * stride_rc)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_chunks = tl.cdiv(Cin, BLOCK_K)
@@ -330,7 +317,6 @@ def conv2d_tma(
         PAD=padding, KSIZE=2 if up2 else ksize, UP2=up2, FP8=fp8,
         HAS_BIAS=bias is not None, HAS_TEMB=time_emb is not None, HAS_RES=residual is not None,
         ACT=ACTIVATIONS[activation], HAS_SCALE=out_scale is not None,
-        RES_PREFETCH=RESIDUAL_PREFETCH, RES_LINES=max(1, config.block_n * res.element_size() // 128),
         TN=tn, TH=th, TW=tw, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
