@@ -112,7 +112,8 @@ def conv_cases(model: str, batch: int) -> list[dict]:
         p = op.params
         case = dict(
             x=list(x.shape), parent_channels=parent, channel_offset=x.channel_offset, cout=op.output.shape[1],
-            ksize=p["ksize"], stride=p["stride"], padding=p["padding"], upsample=p["upsample"],
+            ksize=p["ksize"], stride=p["stride"], padding=p["padding"], pad_end=p.get("pad_end", p["padding"]),
+            upsample=p["upsample"],
             temb=p["temb"] is not None, act=p["act"], scale=p["scale"], residual=len(op.inputs) > 1,
         )  # fmt: skip
         key = json.dumps(case, sort_keys=True)
@@ -129,9 +130,11 @@ def operands(case: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
     x = parent.permute(0, 3, 1, 2)[:, off : off + cin]
     k, cout = case["ksize"], case["cout"]
     weight = torch.randn((cout, cin, k, k), device="cuda", generator=gen) / (cin * k * k) ** 0.5
-    ho = (h * case["upsample"] + 2 * case["padding"] - k) // case["stride"] + 1
-    wo = (w * case["upsample"] + 2 * case["padding"] - k) // case["stride"] + 1
-    kwargs: dict = dict(stride=case["stride"], padding=case["padding"], activation=case["act"],
+    pads = case["padding"] + case["pad_end"]
+    ho = (h * case["upsample"] + pads - k) // case["stride"] + 1
+    wo = (w * case["upsample"] + pads - k) // case["stride"] + 1
+    padding = case["padding"] if case["pad_end"] == case["padding"] else (case["padding"], case["pad_end"])
+    kwargs: dict = dict(stride=case["stride"], padding=padding, activation=case["act"],
                         out_scale=case["scale"], upsample=case["upsample"])  # fmt: skip
     bias = torch.randn(cout, device="cuda", generator=gen).to(dtype)
     if case["temb"]:
@@ -146,13 +149,17 @@ def operands(case: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
 def cudnn_call(args: tuple, kwargs: dict) -> Callable[[], None]:
     """The engine's cuDNN path: F.conv2d (+ bias), then the epilogue in torch ops."""
     x, packed, bias = args
-    weight = unpack_conv_weight(packed, x.shape[1]).contiguous(memory_format=torch.channels_last)
+    weight = unpack_conv_weight(packed, x.shape[1])
+    padding = kwargs["padding"]
+    if isinstance(padding, tuple):  # (p, p + 1) as the engine runs it: a zero first tap row and column, padding p + 1
+        weight, padding = F.pad(weight, (1, 0, 1, 0)), padding[1]
+    weight = weight.contiguous(memory_format=torch.channels_last)
     up, out, res = kwargs["upsample"], kwargs["out"], kwargs.get("residual")
     temb = kwargs.get("time_emb")
 
     def call() -> None:
         src = x if up == 1 else F.interpolate(x, scale_factor=float(up), mode="nearest")
-        y = F.conv2d(src, weight, bias, stride=kwargs["stride"], padding=kwargs["padding"])
+        y = F.conv2d(src, weight, bias, stride=kwargs["stride"], padding=padding)
         if temb is not None:
             y += temb[:, :, None, None]
         y = activation_ref(y, kwargs["activation"])

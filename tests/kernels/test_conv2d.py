@@ -17,6 +17,7 @@ from fastdiff.kernels.conv2d import (
     conv2d_ref,
     group_stats_ref,
     pack_conv_weight,
+    padding_pair,
     split_k_choices,
     unpack_conv_weight,
 )
@@ -36,7 +37,8 @@ def make_inputs(case: dict, dtype: torch.dtype, seed: int) -> tuple[tuple, dict]
     gen = torch.Generator().manual_seed(seed)
     n, cin, cout, h, w, k = case["n"], case["cin"], case["cout"], case["h"], case["w"], case["k"]
     stride, padding = case.get("stride", 1), case.get("padding", 0)
-    ho, wo = (h + 2 * padding - k) // stride + 1, (w + 2 * padding - k) // stride + 1
+    pads = sum(padding_pair(padding))
+    ho, wo = (h + pads - k) // stride + 1, (w + pads - k) // stride + 1
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=gen).to(device=DEVICE, dtype=dtype)
@@ -104,6 +106,12 @@ CASES = [
         id="cin130_latency_tiles_128_deep_steps_masked_second_chunk",
     ),
     pytest.param(dict(n=2, cin=1, cout=24, h=6, w=7, k=3, padding=1, bias=True), id="flat_k_cin1_one_step"),
+    pytest.param(  # diffusers' Downsample2D(padding=0): F.pad (0, 1, 0, 1), then a 3x3 stride-2 conv
+        dict(n=2, cin=24, cout=16, h=8, w=10, k=3, stride=2, padding=(0, 1), bias=True), id="downsample_pad_0_1"
+    ),  # fmt: skip
+    pytest.param(  # odd sizes: the last output row and column read the bottom/right padding; flattened reduction
+        dict(n=3, cin=5, cout=8, h=7, w=6, k=3, stride=2, padding=(0, 1), res=True), id="pad_0_1_odd_flat_k"
+    ),  # fmt: skip
     pytest.param(  # 135 (tap, channel) rows: three 64-deep steps, the last one masked past row 135
         dict(n=2, cin=15, cout=20, h=5, w=9, k=3, padding=1, bias=True, act="silu"), id="flat_k_cin15_three_steps"
     ),  # fmt: skip
@@ -334,6 +342,11 @@ def test_bad_arguments_raise() -> None:
         conv2d(x, packed, bias, time_emb=torch.zeros(2, 8, device=DEVICE))
     with pytest.raises(FastdiffError, match="4-D"):
         conv2d(x[0], packed, bias)
+    for padding in ((1,), (0, 1.0), True):
+        with pytest.raises(FastdiffError, match="before, after"):
+            conv2d(x, packed, bias, padding=padding)
+    with pytest.raises(FastdiffError, match="bad conv"):
+        conv2d(x, packed, bias, padding=(0, -1))
     for split_k in (0, 2.0, True):
         with pytest.raises(FastdiffError, match="split_k"):
             conv2d(x, packed, bias, split_k=split_k)

@@ -36,8 +36,9 @@ the forward as a list of ops of :mod:`fastdiff.engine.ir`, then:
 
 Op-level fusions (in the lowerings and kernels): GroupNorm + SiLU in one pass; conv + bias + time embedding +
 residual + 1/output_scale_factor in the conv epilogue; Upsample2D (nearest x2 + conv) as one conv launch reading
-the low-resolution input; DDPM's asymmetric downsample padding as a 4x4 stride-2 conv with a zero first tap row
-and column; attention's q/k/v projections as one GEMM; GEGLU in the feed-forward GEMM's epilogue.
+the low-resolution input; DDPM's asymmetric downsample padding ((0, 1): the gather kernel's bounds check pads the
+end; cuDNN gets a 4x4 stride-2 conv with a zero first tap row and column); attention's q/k/v projections as one
+GEMM; GEGLU in the feed-forward GEMM's epilogue.
 """
 
 from __future__ import annotations
@@ -373,6 +374,8 @@ class FusedModel:
                 if op.params["upsample"] == 2 and weight.shape[-1] == 3 and self.device.type == "cuda":
                     out["packed_up2"] = pack_upsample2_weight(weight).to(self.dtype)  # conv2d_tma's phase form
             if library_too:
+                if "pad_end" in op.params:  # padding (p, p + 1) == a zero first tap row and column, padding p + 1
+                    weight = F.pad(weight, (1, 0, 1, 0))
                 out["weight"] = weight.to(self.dtype).contiguous(memory_format=torch.channels_last)
             if "bias" in op.weights:
                 out["bias"] = op.weights["bias"].to(self.dtype)
@@ -429,6 +432,10 @@ class FusedModel:
             channels = op.output.shape[1]
             temb = self.temb_row[:, p["temb"] : p["temb"] + channels].expand(self.batch, channels)
         stride, padding, act, scale, up = p["stride"], p["padding"], p["act"], p["scale"], p["upsample"]
+        if "pad_end" in p and impl == "cudnn":  # the library weight has the extra first tap row and column
+            padding += 1
+        elif "pad_end" in p:  # (top/left, bottom/right): the gather kernel's bounds check pads the end
+            padding = (padding, p["pad_end"])
         if impl == "triton-tma-fp8":
             packed, weight_scale = w["packed_fp8"], w["weight_scale"]
             return lambda: conv2d_tma(
@@ -616,7 +623,7 @@ class FusedModel:
 
     def _tma_fits(self, op: Op) -> bool:
         """Whether the TMA conv kernel can run ``op`` (CUDA on Hopper or newer, stride 1, Upsample2D at most)."""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or "pad_end" in op.params:
             return False
         p = op.params
         reason = tma_conv_unsupported(self._tensor(op.inputs[0]), op.output.shape[1], p["ksize"], stride=p["stride"],

@@ -34,7 +34,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fastdiff.errors import FastdiffError
@@ -166,19 +165,19 @@ class GraphBuilder:
         weight = conv.weight.detach().float() * weight_scale
         bias = None if conv.bias is None else conv.bias.detach().float()
         stride, padding = conv.stride[0], conv.padding[0]
-        if downsample_pad0:  # pad (0, 1, 0, 1) then 3x3/s2/p0 == 4x4/s2/p1 with a zero first row and column
-            weight = F.pad(weight, (1, 0, 1, 0))
-            padding = 1
+        pad_end = padding + 1 if downsample_pad0 else padding  # Downsample2D(padding=0): F.pad (0, 1, 0, 1) first
         ksize = weight.shape[-1]
         _, _, h, w = x.shape
         h, w = h * upsample, w * upsample
-        ho = (h + 2 * padding - ksize) // stride + 1
-        wo = (w + 2 * padding - ksize) // stride + 1
+        ho = (h + padding + pad_end - ksize) // stride + 1
+        wo = (w + padding + pad_end - ksize) // stride + 1
         out = self.value(name, weight.shape[0], ho, wo)
         weights = {"weight": weight}
         if temb is None and bias is not None:
             weights["bias"] = bias
         params = dict(stride=stride, padding=padding, ksize=ksize, upsample=upsample, temb=temb, act=act, scale=scale)
+        if pad_end != padding:  # bottom and right: the kernels read (padding, pad_end) as before/after
+            params["pad_end"] = pad_end
         return self.op(name, "conv", [x, residual], out, params, weights)
 
     def group_norm(self, name: str, norm: nn.GroupNorm, x: Value, act: str | None) -> Value:

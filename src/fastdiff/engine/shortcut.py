@@ -33,7 +33,7 @@ def fusable_shortcuts(ops: list[Op]) -> dict[str, Op]:
         if sc is None or sc.kind != "conv" or sc.stage != "step" or readers.get(id(residual)) != 1:
             continue
         p = sc.params
-        plain = p["ksize"] == 1 and p["stride"] == 1 and p["padding"] == 0 and p["upsample"] == 1
+        plain = p["ksize"] == 1 and p["stride"] == 1 and p["padding"] == 0 and p["upsample"] == 1 and "pad_end" not in p
         extras = ("stats", "norm", "fp8_scale")
         if not plain or p["act"] is not None or p["scale"] is not None or p["temb"] is not None:
             continue

@@ -211,13 +211,23 @@ def epilogue_ref(
     return y
 
 
+def padding_pair(padding: int | tuple[int, int]) -> tuple[int, int]:
+    """(before, after) zero padding of each spatial axis: an int pads both sides alike; a pair pads the top and left
+    by the first and the bottom and right by the second (diffusers' Downsample2D with ``padding=0`` pads (0, 1))."""
+    if isinstance(padding, int) and not isinstance(padding, bool):
+        return padding, padding
+    if isinstance(padding, tuple) and len(padding) == 2 and all(isinstance(p, int) for p in padding):
+        return padding
+    raise FastdiffError(f"padding must be an int or a (before, after) pair of ints, got {padding!r}")
+
+
 def conv2d_ref(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
     stride: int = 1,
-    padding: int = 0,
+    padding: int | tuple[int, int] = 0,
     time_emb: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     activation: str | None = None,
@@ -246,7 +256,8 @@ def conv2d_ref(
         x = activation_ref(F.group_norm(x, norm.groups, *affine, norm.eps), norm.activation)
     if upsample > 1:
         x = F.interpolate(x, scale_factor=upsample, mode="nearest")
-    y = F.conv2d(x, weight, None, stride=stride, padding=padding)
+    before, after = padding_pair(padding)
+    y = F.conv2d(F.pad(x, (before, after, before, after)), weight, None, stride=stride)
     y = epilogue_ref(
         y if conv_sc is None else y + conv_sc,
         bias,
@@ -957,7 +968,7 @@ def conv2d(
     bias: torch.Tensor | None = None,
     *,
     stride: int = 1,
-    padding: int = 0,
+    padding: int | tuple[int, int] = 0,
     time_emb: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     activation: str | None = None,
@@ -977,10 +988,11 @@ def conv2d(
 
     ``x`` is a logical ``[N, Cin, H, W]`` tensor, channels-last in memory for speed. ``weight`` is either raw
     ``[Cout, Cin, K, K]`` or packed ``[K*K*Cin, Cout]`` (:func:`pack_conv_weight`; pack once at load). Square
-    kernels of any size, any stride and padding. ``out`` (optional) receives the result; otherwise a new
-    channels-last ``[N, Cout, Ho, Wo]`` tensor is returned. Accumulation is fp32 (a tf32 dot for fp32
-    inputs on the GPU). ``upsample=k`` convolves the nearest-neighbour x``k`` upsampling of ``x`` without
-    materialising it (the U-Net's Upsample2D: interpolate then conv, in one launch).
+    kernels of any size, any stride and padding (an int, or (before, after): :func:`padding_pair`). ``out``
+    (optional) receives the result; otherwise a new channels-last ``[N, Cout, Ho, Wo]`` tensor is returned.
+    Accumulation is fp32 (a tf32 dot for fp32 inputs on the GPU). ``upsample=k`` convolves the nearest-neighbour
+    x``k`` upsampling of ``x`` without materialising it (the U-Net's Upsample2D: interpolate then conv, in one
+    launch).
 
     GroupNorm folding (module docstring): ``norm=fold`` convolves ``act(group_norm(x))`` instead of ``x``, with
     the statistics a ``stats=fold`` conv wrote for ``x``; ``stats=fold`` writes the statistics of this conv's
@@ -1015,14 +1027,15 @@ def conv2d(
     ksize = _packed_kernel_size(weight, cin)
     if not weight.is_contiguous():
         weight = weight.contiguous()
-    if stride < 1 or padding < 0:
+    pad, pad_end = padding_pair(padding)
+    if stride < 1 or pad < 0 or pad_end < 0:
         raise FastdiffError(f"bad conv stride {stride} / padding {padding}")
     if isinstance(upsample, bool) or not isinstance(upsample, int) or upsample < 1:
         raise FastdiffError(f"upsample must be a positive int, got {upsample!r}")
     cout = weight.shape[1]
     h, w = h * upsample, w * upsample
-    ho = (h + 2 * padding - ksize) // stride + 1
-    wo = (w + 2 * padding - ksize) // stride + 1
+    ho = (h + pad + pad_end - ksize) // stride + 1
+    wo = (w + pad + pad_end - ksize) // stride + 1
     if ho < 1 or wo < 1:
         raise FastdiffError(f"conv output would be empty for input {h}x{w}, kernel {ksize}, padding {padding}")
     if weight.device != x.device or weight.dtype != x.dtype:
@@ -1089,7 +1102,7 @@ def conv2d(
         1.0 if out_scale is None else float(out_scale),
         norm.groups if norm is not None else 1, stats.groups if stats is not None else 1, *stats_layout[:2],
         float(stats.eps) if stats is not None else 0.0,
-        STRIDE=stride, PAD=padding, KSIZE=ksize, UP=upsample,
+        STRIDE=stride, PAD=pad, KSIZE=ksize, UP=upsample,
         HAS_BIAS=bias is not None, HAS_TEMB=time_emb is not None, HAS_RES=residual is not None,
         ACT=ACTIVATIONS[activation], HAS_SCALE=out_scale is not None, HAS_SHORTCUT=shortcut is not None,
         FLAT_K=flat_k, HAS_NORM=norm is not None, NORM_CG=cin // norm.groups if norm is not None else 1,
@@ -1150,10 +1163,11 @@ def conv2d_cost(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float, f
     taps = weight.shape[0] // cin if weight.dim() == 2 else weight.shape[2] * weight.shape[3]
     cout = weight.shape[1] if weight.dim() == 2 else weight.shape[0]
     ksize = round(taps**0.5)
-    stride, padding, upsample = kwargs.get("stride", 1), kwargs.get("padding", 0), kwargs.get("upsample", 1)
+    stride, upsample = kwargs.get("stride", 1), kwargs.get("upsample", 1)
+    pads = sum(padding_pair(kwargs.get("padding", 0)))
     norm, stats = kwargs.get("norm"), kwargs.get("stats")
-    ho = (h * upsample + 2 * padding - ksize) // stride + 1
-    wo = (w * upsample + 2 * padding - ksize) // stride + 1
+    ho = (h * upsample + pads - ksize) // stride + 1
+    wo = (w * upsample + pads - ksize) // stride + 1
     cost = cost_model.conv2d_cost(
         n, cin, cout, ho, wo, ksize, 1, x.element_size(), h, w, bias=bias is not None,
         residual=kwargs.get("residual") is not None, temb=kwargs.get("time_emb") is not None,
