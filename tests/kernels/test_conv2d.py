@@ -237,6 +237,8 @@ def test_split_k_choices_on_an_h100_sized_gpu(monkeypatch, shape: tuple, expecte
         pytest.param((64, 256, 256), 1, (16, 32, 128, 4, 3), id="b1_8x8_fewer_tiles_than_sms"),
         pytest.param((1024, 128, 3), 1, (32, 32, 16, 4, 3), id="b1_conv_in_cin3_keeps_its_step"),
         pytest.param((262144, 128, 128), 1, (128, 128, 64, 8, 3), id="b256_throughput_tiles"),
+        pytest.param((16384, 256, 256), 1, (128, 128, 64, 8, 3), id="b256_8x8_256_programs_of_128x128"),
+        pytest.param((4096, 256, 256), 1, (64, 32, 128, 4, 3), id="b256_4x4_64_programs_of_128x128"),
     ],
 )
 def test_gemm_blocks_on_an_h100_sized_gpu(monkeypatch, shape: tuple, split_k: int, expected: tuple) -> None:
