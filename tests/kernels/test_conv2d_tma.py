@@ -73,9 +73,12 @@ MODEL_SHAPES = [
 @pytest.mark.parametrize("case", MODEL_SHAPES)
 def test_default_configs_at_model_shapes(case: dict) -> None:
     """Each default tile config (128x128, 64x128, 64x64) on a shape that picks it, with the 1x1 convs whose short
-    loops gave wrong results with 8 warps (``default_config``), and the small levels of batch 256."""
+    loops gave wrong results with 8 warps (``default_config``), and the small levels of batch 256; twice, bit for
+    bit (CONTRIBUTING: Triton 3.6's TMA races)."""
     args, kwargs = make_inputs(case, torch.float16, seed=zlib.crc32(str(case).encode()))
-    assert rel_err(conv2d_tma(*args, **kwargs), reference(args, kwargs)) < TOLERANCE[torch.float16]
+    out = conv2d_tma(*args, **kwargs)
+    assert rel_err(out, reference(args, kwargs)) < TOLERANCE[torch.float16]
+    assert torch.equal(conv2d_tma(*args, **kwargs), out)  # a race moves the result between calls
 
 
 @pytest.mark.parametrize(
