@@ -737,8 +737,8 @@ def _gemm_blocks(
     16. Two regimes:
 
     * throughput: the largest tiles (128 x 128 x 64) when they give at least 1.5 programs per SM (``split_k``
-      programs per tile): the batch-256 shapes (the 8x8 level's stride-2 conv, 256 programs for 132 SMs, ran
-      110.8 us on latency tiles);
+      programs per tile): the batch-256 shapes, down to the 8x8 level's stride-2 conv (256 programs of 128 x 128
+      for 132 SMs);
     * latency (fewer tiles than that: batch 1, the 8x8 to 32x32 levels): a program's time is its serial chain of
       reduction steps, so the tiles are 32 channels wide, each step :data:`LATENCY_BLOCK_K` deep where Cin allows
       (half the steps), and the row block the largest of 64, 32, 16 that still gives half a program per SM, split

@@ -217,9 +217,9 @@ def default_config(n: int, ho: int, wo: int, cin: int, cout: int, dtype: torch.d
     256): 128x128 tiles while they give at least 1.5 programs per SM, then 64x128, then 64x64 (batch 256 at 4x4).
 
     The 8x8 level of batch 256 sits between (256 programs of 128x128 for 132 SMs): there 128-row tiles ran its 3x3
-    convs in 35.6 against 40.8 us (64x128), the 512-channel conv1 in 64.5 against 74.5, and the Upsample2D of the
-    4x4 level (the same grid) in 18.1 against 21.3; at 4x4 (64 programs) 64x64 stays best (16.9 against 28.3 us)
-    (``benchmarks/results/sweep-conv-small-tiles-ddpm-cifar10-b256-h100-2026-11-26.json``).
+    convs in 35.4-35.6 against 40.6-40.8 us (64x128), the 512-channel conv1 in 64.5 against 74.5, and the
+    Upsample2D of the 4x4 level (the same grid) in 18.1 against 21.3; at 4x4 (64 programs) 64x64 stays best (16.9
+    against 28.3 us) (``benchmarks/results/sweep-conv-small-tiles-ddpm-cifar10-b256-h100-2026-11-26.json``).
 
     Always 4 warps. With 8 warps (two consumer warpgroups) the 3x3 convs ran 5-9% faster, but Triton 3.6's
     pipelined TMA loop then returned wrong results on the H100 (0.2-0.9% relative error against exact 4-warp
