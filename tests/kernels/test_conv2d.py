@@ -227,6 +227,17 @@ def test_split_k_choices_on_an_h100_sized_gpu(monkeypatch, shape: tuple, expecte
     assert split_k_choices(n, cin, cout, (hw, hw), k, torch.float16, torch.device("cpu")) == expected
 
 
+def test_split_k_choices_keep_one_step_per_tap_with_a_folded_norm(monkeypatch) -> None:
+    """A conv that normalises its input on load does not flatten its reduction: 4 channels x 9 taps are 9 steps,
+    so splits of 2 and 4 are offered where the flattened 36 rows (one 64-deep step) would offer none."""
+    import fastdiff.kernels.conv2d as conv_module
+
+    monkeypatch.setattr(conv_module, "num_sms", lambda device: 132)
+    args = (1, 4, 128, (32, 32), 3, torch.float16, torch.device("cpu"))
+    assert split_k_choices(*args) == ()
+    assert split_k_choices(*args, folded_norm=True) == (2, 4)
+
+
 @pytest.mark.parametrize(
     "shape, split_k, expected",
     [

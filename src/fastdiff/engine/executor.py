@@ -619,7 +619,8 @@ class FusedModel:
     def _split_k_choices(self, op: Op) -> tuple[int, ...]:
         """The split-K factors of the gather conv worth timing for ``op`` (its grid leaves SMs idle)."""
         (n, cin, *_), (_, cout, ho, wo) = op.inputs[0].shape, op.output.shape
-        return split_k_choices(n, cin, cout, (ho, wo), op.params["ksize"], self.dtype, self.device)
+        folded = "norm" in op.params  # normalised on load: one reduction step per tap
+        return split_k_choices(n, cin, cout, (ho, wo), op.params["ksize"], self.dtype, self.device, folded)
 
     def _tma_fits(self, op: Op) -> bool:
         """Whether the TMA conv kernel can run ``op`` (CUDA on Hopper or newer, stride 1, Upsample2D at most)."""

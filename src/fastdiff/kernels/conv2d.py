@@ -728,6 +728,23 @@ LATENCY_BLOCK_K = 128
 """The reduction step of a latency-bound conv (:func:`_gemm_blocks`) whose Cin is at least this wide."""
 
 
+BIG_TILE_PROGRAMS_PER_SM = 1.5
+"""Programs per SM from which a conv takes 128-row tiles (both conv kernels' plans: :func:`_gemm_blocks`,
+:func:`fastdiff.kernels.conv2d_tma.default_config`): the 8x8 level of batch 256 (256 programs of 128 x 128 for
+132 SMs) ran faster in them than in 64-row tiles (``sweep-conv-small-tiles-ddpm-cifar10-b256-h100-2026-11-26``)."""
+
+
+def fills_with_128_rows(programs: int, device: torch.device) -> bool:
+    """Whether ``programs`` programs of 128-row tiles are at least :data:`BIG_TILE_PROGRAMS_PER_SM` per SM."""
+    return programs >= BIG_TILE_PROGRAMS_PER_SM * num_sms(device)
+
+
+def flat_k_block(ksize: int, cin: int) -> int:
+    """The reduction step of the flattened (tap, channel) loop (:data:`FLAT_K_MAX_CIN`): all ``ksize^2 * cin``
+    rows in one step where they fit in 64, padded to a power of two of at least 16 (the tl.dot minimum)."""
+    return min(64, max(16, triton.next_power_of_2(ksize * ksize * cin)))
+
+
 def _gemm_blocks(
     rows: int, cols: int, red: int, dtype: torch.dtype, device: torch.device, split_k: int = 1
 ) -> tuple[int, int, int, int, int]:
@@ -749,7 +766,7 @@ def _gemm_blocks(
     block_k = 64 if red >= 64 else 32 if red >= 32 else 16
     num_stages = 3 if dtype.itemsize <= 2 else 2  # fp32 tiles are twice the shared memory per stage
     sms = num_sms(device)
-    if 2 * triton.cdiv(rows, 128) * triton.cdiv(cols, block_n) * split_k >= 3 * sms:
+    if fills_with_128_rows(triton.cdiv(rows, 128) * triton.cdiv(cols, block_n) * split_k, device):
         return 128, block_n, block_k, 8 if block_n >= 128 else 4, num_stages
     block_n = min(block_n, 32)
     block_k = LATENCY_BLOCK_K if red >= LATENCY_BLOCK_K else block_k
@@ -769,20 +786,28 @@ SPLIT_K_CHOICES = (2, 4, 8, 16)
 
 
 def split_k_choices(
-    n: int, cin: int, cout: int, out_hw: tuple[int, int], ksize: int, dtype: torch.dtype, device: torch.device
+    n: int,
+    cin: int,
+    cout: int,
+    out_hw: tuple[int, int],
+    ksize: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    folded_norm: bool = False,
 ) -> tuple[int, ...]:
     """The ``split_k`` values worth timing for a conv of this shape: none when its unsplit grid already has two
     programs per SM; otherwise those of :data:`SPLIT_K_CHOICES` that leave every split at least two reduction steps
     and the grid at most eight programs per SM (on the H100 at batch 1 a 32x32 conv of 18 steps in 256 programs
-    still gains from 2-4 splits: its time is the latency of the serial reduction, not the SMs' throughput)."""
+    still gains from 2-4 splits: its time is the latency of the serial reduction, not the SMs' throughput).
+    ``folded_norm``: the conv normalises its input on load (``norm=``), which keeps one step per tap."""
     rows = n * out_hw[0] * out_hw[1]
     sms = num_sms(device)
     block_m, block_n, block_k, *_ = _gemm_blocks(rows, cout, cin, dtype, device)
     if triton.cdiv(rows, block_m) * triton.cdiv(cout, block_n) >= 2 * sms:
         return ()
     steps = ksize * ksize * triton.cdiv(cin, block_k)
-    if cin < FLAT_K_MAX_CIN:  # the wrapper's flattened reduction (without a folded norm)
-        steps = triton.cdiv(ksize * ksize * cin, min(64, max(16, triton.next_power_of_2(ksize * ksize * cin))))
+    if cin < FLAT_K_MAX_CIN and not folded_norm:  # the wrapper's flattened reduction
+        steps = triton.cdiv(ksize * ksize * cin, flat_k_block(ksize, cin))
     choices = []
     for split in SPLIT_K_CHOICES:
         block_m, block_n, block_k, *_ = _gemm_blocks(rows, cout, cin, dtype, device, split)
@@ -1060,7 +1085,7 @@ def conv2d(
     block_m, block_n, block_k, num_warps, num_stages = _gemm_blocks(rows, cout, cin, x.dtype, x.device, split_k)
     flat_k = cin < FLAT_K_MAX_CIN and norm is None
     if flat_k:  # one reduction over all K*K*Cin weight rows (the first conv of a U-Net: 1-4 channels)
-        block_k = min(64, max(16, triton.next_power_of_2(ksize * ksize * cin)))
+        block_k = flat_k_block(ksize, cin)
     if tiles is not None:
         block_m, block_n, block_k, num_warps, num_stages = (
             tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps, tiles.num_stages

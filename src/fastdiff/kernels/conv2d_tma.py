@@ -45,6 +45,7 @@ from fastdiff.kernels.conv2d import (
     conv2d_cost,
     conv2d_example_inputs,
     conv2d_ref,
+    fills_with_128_rows,
     fused_epilogue,
     pack_conv_weight,
     unpack_conv_weight,
@@ -231,7 +232,7 @@ def default_config(n: int, ho: int, wo: int, cin: int, cout: int, dtype: torch.d
     if dtype == FP8_DTYPE:  # 128-byte rows, as for fp16; fp8 wgmma steps K by 32
         block_k = 128 if cin >= 128 else max(32, triton.next_power_of_2(cin))
     stages = 4 if dtype.itemsize <= 2 else 2  # fp32 tiles take twice the shared memory per stage
-    if 2 * triton.cdiv(rows, 128) * triton.cdiv(cout, block_n) >= 3 * num_sms(device):
+    if fills_with_128_rows(triton.cdiv(rows, 128) * triton.cdiv(cout, block_n), device):
         return TmaConfig(128, block_n, block_k, 4, stages)
     if triton.cdiv(rows, 64) * triton.cdiv(cout, block_n) >= num_sms(device):
         return TmaConfig(64, block_n, block_k, 4, stages)

@@ -85,6 +85,11 @@ of the wide and forced-lanes plans). In the launch-order sweep (``_gn_single_pas
 of the four 32x32 norms 1.08-1.13x as fast as 8, and the 128-lane tiles of the 16x16 norms (never the fastest plan
 there) at 0.89-1.0x."""
 
+E4M3_STORE_RUN: tl.constexpr = tl.constexpr(8)
+"""Contiguous channels per e4m3 store (:func:`_finish_tile`). Measured on the H100 (``benchmarks/sweep_group_norm.py
+--fp8``, ddpm-cifar10 batch 256) against the 16-channel runs Triton picks by itself: see the README's "fp8
+GroupNorm stores"."""
+
 Design = Literal["auto", "single_pass", "two_phase"]
 
 
@@ -207,12 +212,18 @@ def _scale_shift(w_ptr, b_ptr, offs_c, c_mask, mean, rstd, HAS_W: tl.constexpr, 
 
 @triton.jit
 def _finish_tile(tile, scale, shift, y_ptr, r_ptr, offs, mask, fp8_inv_scale, ACT: tl.constexpr, HAS_RES: tl.constexpr):
-    """y = act(tile * scale + shift) (+ residual), stored at ``offs`` (an e4m3 ``y_ptr``: y * fp8_inv_scale)."""
+    """y = act(tile * scale + shift) (+ residual), stored at ``offs`` (an e4m3 ``y_ptr``: y * fp8_inv_scale).
+
+    The e4m3 store's offsets are written ``(offs // 8) * 8 + offs % 8`` (the same numbers): that caps the
+    contiguity Triton infers at 8 elements, so the store keeps the 8-channels-per-thread layout of the fp16 load
+    (8-byte stores) instead of laying the whole tile out at 16 channels per thread for 16-byte stores, which
+    doubled the shuffles of the tile's reductions (``E4M3_STORE_RUN``)."""
     y = apply_activation(tile.to(tl.float32) * scale[None, :] + shift[None, :], ACT)
     if HAS_RES:
         y += tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if y_ptr.dtype.element_ty == tl.float8e4nv:
-        tl.store(y_ptr + offs, to_e4m3(y * fp8_inv_scale), mask=mask)
+        runs = (offs // E4M3_STORE_RUN) * E4M3_STORE_RUN + offs % E4M3_STORE_RUN
+        tl.store(y_ptr + runs, to_e4m3(y * fp8_inv_scale), mask=mask)
     else:
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
