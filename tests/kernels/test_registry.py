@@ -15,6 +15,7 @@ TOLERANCE = 2e-3 if CUDA else 1e-4
 EXPECTED = {
     "conv2d",
     "conv2d_tma",
+    "tap_sum_conv2d",
     "depthwise_conv2d",
     "winograd_conv3x3",
     "group_norm_act",

@@ -80,6 +80,7 @@ from fastdiff.kernels.fp8 import FP8_DTYPE
 from fastdiff.kernels.group_norm_act import LANE_CHOICES, group_norm_act
 from fastdiff.kernels.layer_norm import layer_norm
 from fastdiff.kernels.linear import linear, pack_linear_weight
+from fastdiff.kernels.tap_sum_conv2d import pack_tap_weight, tap_columns, tap_sum_conv2d, tap_sum_unsupported
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,7 @@ WEIGHT_ROLES: dict[tuple[str, str], set[str]] = {
     ("conv", "triton"): {"packed", "bias", "norm_weight", "norm_bias"},
     ("conv", "triton-tma"): {"packed", "packed_up2", "bias"},
     ("conv", "triton-tma-fp8"): {"packed_fp8", "weight_scale", "bias"},
+    ("conv", "triton-taps"): {"weight", "packed_taps", "bias"},
     ("conv", "cudnn"): {"weight", "bias"},
     ("conv", "fused"): {"packed", "bias"},
     ("depthwise", "triton"): {"packed"},
@@ -222,6 +224,7 @@ class FusedModel:
         self.folds: dict[str, FoldedGroupNorm] = {}  # by norm name: shared by the producing and consuming convs
         self.shortcuts = fusable_shortcuts(self.ops)  # engine/shortcut.py: conv2 name -> its 1x1 conv_shortcut op
         self.split_workspace = SplitWorkspace()  # shared by the split kernels: the ops run one after another
+        self.tap_partials: dict[str, torch.Tensor] = {}  # by op name: the triton-taps convs' stage-1 buffers
         self.x_in_value = self.inputs["x_in"]
         self.step_ops = [op for op in self.ops if op.stage == "step"]
         self._op_by_name = {op.name: op for op in self.ops}
@@ -373,6 +376,9 @@ class FusedModel:
                 out["packed"] = pack_conv_weight(weight).to(self.dtype)
                 if op.params["upsample"] == 2 and weight.shape[-1] == 3 and self.device.type == "cuda":
                     out["packed_up2"] = pack_upsample2_weight(weight).to(self.dtype)  # conv2d_tma's phase form
+                if self._taps_fit(op):  # tap_sum_conv2d's [Cin, K*K*Cout] (and the raw weight for its shape)
+                    out["packed_taps"] = pack_tap_weight(weight).to(self.dtype)
+                    library_too = True
             if library_too:
                 if "pad_end" in op.params:  # padding (p, p + 1) == a zero first tap row and column, padding p + 1
                     weight = F.pad(weight, (1, 0, 1, 0))
@@ -442,6 +448,9 @@ class FusedModel:
                 x, packed, bias, padding=padding, time_emb=temb, residual=residual, activation=act,
                 out_scale=scale, out=out, weight_scale=weight_scale,
             )  # fmt: skip
+        if impl == "triton-taps":
+            raw, packed, partials = w["weight"], w["packed_taps"], self._tap_partials(op)
+            return lambda: tap_sum_conv2d(x, raw, bias, padding=padding, out=out, packed=packed, partials=partials)
         if impl == "triton-tma":
             packed = w["packed_up2"] if up == 2 else w["packed"]
             return lambda: conv2d_tma(
@@ -592,6 +601,8 @@ class FusedModel:
         if op.kind in ("conv", "depthwise", "linear"):
             library = "cublas" if op.kind == "linear" else "cudnn"
             ours = ("triton", "triton-tma") if op.kind == "conv" and self._tma_fits(op) else ("triton",)
+            if op.kind == "conv" and self._taps_fit(op):  # + the tap-sum form of a conv with few output channels
+                ours = (*ours, "triton-taps")
             if op.kind == "conv" and self.device.type == "cuda":
                 ours = (*ours, *(f"triton-k{split}" for split in self._split_k_choices(op)))
                 if op.name in self.shortcuts:  # + the gather kernel with the shortcut summed in (engine/shortcut.py)
@@ -621,6 +632,30 @@ class FusedModel:
         (n, cin, *_), (_, cout, ho, wo) = op.inputs[0].shape, op.output.shape
         folded = "norm" in op.params  # normalised on load: one reduction step per tap
         return split_k_choices(n, cin, cout, (ho, wo), op.params["ksize"], self.dtype, self.device, folded)
+
+    def _taps_fit(self, op: Op) -> bool:
+        """Whether ``op`` can run as :func:`tap_sum_conv2d` (a stride-1 conv of at most ``MAX_COUT`` output
+        channels with a bias-only epilogue, on the GPU: its gain is the GPU's re-read input)."""
+        p = op.params
+        if op.kind != "conv" or self.device.type != "cuda" or "pad_end" in p or p["upsample"] != 1:
+            return False
+        if any(p.get(key) is not None for key in ("temb", "act", "scale")) or len(op.inputs) > 1:  # + a residual
+            return False
+        if "fp8_scale" in p or "stats" in p or "norm" in p:
+            return False
+        x = op.inputs[0]
+        probe = torch.empty(x.shape, device="meta")
+        return tap_sum_unsupported(probe, op.output.shape[1], p["ksize"], p["stride"], p["padding"]) is None
+
+    def _tap_partials(self, op: Op) -> torch.Tensor:
+        """The fp32 stage-1 buffer of a ``triton-taps`` conv: one per op, made when its call is first built."""
+        if op.name not in self.tap_partials:
+            (n, _, h, w), cout, k = op.inputs[0].shape, op.output.shape[1], op.params["ksize"]
+            cols = tap_columns(k, cout)
+            self.tap_partials[op.name] = torch.empty(
+                (n, cols, h, w), device=self.device, dtype=torch.float32, memory_format=torch.channels_last
+            )
+        return self.tap_partials[op.name]
 
     def _tma_fits(self, op: Op) -> bool:
         """Whether the TMA conv kernel can run ``op`` (CUDA on Hopper or newer, stride 1, Upsample2D at most)."""
@@ -872,6 +907,8 @@ class FusedModel:
             gather = op.kind == "conv" and _is_gather(op.impl)  # every gather variant reads the plain kernel's
             impl = "triton" if gather else op.impl
             reads = WEIGHT_ROLES.get((op.kind, impl))
+            if op.impl != "triton-taps":
+                self.tap_partials.pop(op.name, None)
             if reads is not None:
                 w = self._device_weights[op.name]
                 for role in set(w) - reads:

@@ -20,6 +20,7 @@ from fastdiff.kernels import (
     linear,
     philox_noise,
     sampler_step,
+    tap_sum_conv2d,
     winograd_conv3x3,
 )
 from fastdiff.kernels.registry import KernelOp
@@ -29,6 +30,7 @@ REGISTRY: dict[str, KernelOp] = {
     for module in (
         conv2d,
         conv2d_tma,
+        tap_sum_conv2d,
         depthwise_conv2d,
         winograd_conv3x3,
         group_norm_act,
