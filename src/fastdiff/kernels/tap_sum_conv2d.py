@@ -2,8 +2,10 @@
 
 The implicit-GEMM kernels (:mod:`conv2d`, :mod:`conv2d_tma`) read each input pixel once per tap, K*K times; with
 a hundred output channels that is paid for by the multiply-adds, with three it is the whole cost. On the H100 at
-ddpm-cifar10 batch 256 (256 x 128 x 32 x 32 fp16 in, 3 channels out) cuDNN, the gather kernel and the TMA kernel
-all took 110-136 us for 67 MB of input. Here the input is read once:
+ddpm-cifar10 batch 256 (256 x 128 x 32 x 32 fp16 in, 3 channels out: 67 MB) cuDNN took 110.9 us and the gather
+kernel 113.7 (``benchmarks/results/sweep-conv-persistent-ddpm-cifar10-b256-h100-2026-11-25.json``, row
+``conv_out``); this form took 68.9 us in the op table of the git 269b3a5 bench run
+(``bench-ddpm-cifar10-b256-h100-2026-11-26.json``). Here the input is read once:
 
 1. tap partials: a 1x1 conv of ``x`` to ``K*K*Cout`` channels (tap-major, padded to a multiple of 8),
    ``P[n, h, w, (kh*K + kw)*Cout + c] = sum_ci x[n, ci, h, w] * W[c, ci, kh, kw]``, fp32
