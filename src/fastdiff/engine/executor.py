@@ -43,6 +43,7 @@ GEMM; GEGLU in the feed-forward GEMM's epilogue.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -74,6 +75,7 @@ from fastdiff.kernels.attention import ROWS_MAX_KEYS, attention, split_kv_choice
 from fastdiff.kernels.attention_gate import attention_gate
 from fastdiff.kernels.common import SplitWorkspace, activation_ref
 from fastdiff.kernels.conv2d import FoldedGroupNorm, OutputGroupNorm, conv2d, pack_conv_weight, split_k_choices
+from fastdiff.kernels.conv2d_gluon import conv2d_gluon, default_gluon_config, gluon_conv_unsupported
 from fastdiff.kernels.conv2d_tma import conv2d_tma, pack_conv_weight_fp8, pack_upsample2_weight, tma_conv_unsupported
 from fastdiff.kernels.depthwise_conv2d import depthwise_conv2d, pack_depthwise_weight
 from fastdiff.kernels.fp8 import FP8_DTYPE
@@ -143,6 +145,8 @@ WEIGHT_ROLES: dict[tuple[str, str], set[str]] = {
     ("conv", "triton-tma"): {"packed", "packed_up2", "bias"},
     ("conv", "triton-tma-fp8"): {"packed_fp8", "weight_scale", "bias"},
     ("conv", "triton-taps"): {"weight", "packed_taps", "bias"},
+    ("conv", "gluon"): {"packed", "bias"},
+    ("conv", "gluon-p2"): {"packed", "bias"},
     ("conv", "cudnn"): {"weight", "bias"},
     ("conv", "fused"): {"packed", "bias"},
     ("depthwise", "triton"): {"packed"},
@@ -451,6 +455,13 @@ class FusedModel:
         if impl == "triton-taps":
             raw, packed, partials = w["weight"], w["packed_taps"], self._tap_partials(op)
             return lambda: tap_sum_conv2d(x, raw, bias, padding=padding, out=out, packed=packed, partials=partials)
+        if impl.startswith("gluon"):
+            packed, (_, cout, ho, wo) = w["packed"], op.output.shape
+            config = default_gluon_config(self.batch, ho, wo, cout, self.device)
+            if impl == "gluon-p2":  # persistent: two programs per SM loop over the tiles
+                config = dataclasses.replace(config, programs_per_sm=2)
+            return lambda: conv2d_gluon(x, packed, bias, padding=padding, time_emb=temb, residual=residual,
+                                        out_scale=scale, out=out, config=config)  # fmt: skip
         if impl == "triton-tma":
             packed = w["packed_up2"] if up == 2 else w["packed"]
             return lambda: conv2d_tma(
@@ -603,6 +614,8 @@ class FusedModel:
             ours = ("triton", "triton-tma") if op.kind == "conv" and self._tma_fits(op) else ("triton",)
             if op.kind == "conv" and self._taps_fit(op):  # + the tap-sum form of a conv with few output channels
                 ours = (*ours, "triton-taps")
+            if op.kind == "conv" and self._gluon_fits(op):  # + the Gluon TMA conv, one tile per program or persistent
+                ours = (*ours, "gluon", "gluon-p2")
             if op.kind == "conv" and self.device.type == "cuda":
                 ours = (*ours, *(f"triton-k{split}" for split in self._split_k_choices(op)))
                 if op.name in self.shortcuts:  # + the gather kernel with the shortcut summed in (engine/shortcut.py)
@@ -656,6 +669,18 @@ class FusedModel:
                 (n, cols, h, w), device=self.device, dtype=torch.float32, memory_format=torch.channels_last
             )
         return self.tap_partials[op.name]
+
+    def _gluon_fits(self, op: Op) -> bool:
+        """Whether :func:`conv2d_gluon` can run ``op`` (the TMA conv's domain in fp16/bf16, no activation or
+        upsampling, no folded GroupNorm)."""
+        p = op.params
+        if not self._tma_fits(op) or p["upsample"] != 1 or "fp8_scale" in p or "stats" in p or "norm" in p:
+            return False
+        if op.output.shape[1] < 64:  # tiles at least 64 channels wide (the shapes it was measured on)
+            return False
+        reason = gluon_conv_unsupported(self._tensor(op.inputs[0]), op.output.shape[1], p["ksize"],
+                                        stride=p["stride"], padding=p["padding"], activation=p["act"])  # fmt: skip
+        return reason is None
 
     def _tma_fits(self, op: Op) -> bool:
         """Whether the TMA conv kernel can run ``op`` (CUDA on Hopper or newer, stride 1, Upsample2D at most)."""
