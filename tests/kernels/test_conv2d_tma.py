@@ -93,7 +93,10 @@ def test_default_configs_at_model_shapes(case: dict) -> None:
 )
 def test_default_config_tiles_by_grid(monkeypatch, n: int, hw: int, cout: int, tile: tuple[int, int]) -> None:
     """128-row tiles while they give 1.5 programs per SM (on the H100's 132 SMs), then 64-row ones."""
+    import fastdiff.kernels.conv2d as conv2d_module  # the 128-row threshold: conv2d.fills_with_128_rows
+
     monkeypatch.setattr(conv2d_tma_module, "num_sms", lambda device: 132)
+    monkeypatch.setattr(conv2d_module, "num_sms", lambda device: 132)
     cfg = default_config(n, hw, hw, cout, cout, torch.float16, torch.device("cpu"))
     assert (cfg.block_m, cfg.block_n) == tile
 

@@ -4,8 +4,8 @@ The implicit-GEMM kernels (:mod:`conv2d`, :mod:`conv2d_tma`) read each input pix
 a hundred output channels that is paid for by the multiply-adds, with three it is the whole cost. On the H100 at
 ddpm-cifar10 batch 256 (256 x 128 x 32 x 32 fp16 in, 3 channels out: 67 MB) cuDNN took 110.9 us and the gather
 kernel 113.7 (``benchmarks/results/sweep-conv-persistent-ddpm-cifar10-b256-h100-2026-11-25.json``, row
-``conv_out``); this form took 68.9 us in the op table of the git 269b3a5 bench run
-(``bench-ddpm-cifar10-b256-h100-2026-11-26.json``). Here the input is read once:
+``conv_out``); this form took 69.0 us in the op table of ``bench-ddpm-cifar10-b256-h100-2026-11-26.json`` (git
+860faf6). Here the input is read once:
 
 1. tap partials: a 1x1 conv of ``x`` to ``K*K*Cout`` channels (tap-major, padded to a multiple of 8),
    ``P[n, h, w, (kh*K + kw)*Cout + c] = sum_ci x[n, ci, h, w] * W[c, ci, kh, kw]``, fp32
@@ -180,13 +180,22 @@ def tap_sum_conv2d_ref(
     return y if out is None else out.copy_(y)
 
 
+TAP_SUM_SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "small": (2, 24, 7, 9),
+    "cifar10-b1": (1, 128, 32, 32),
+    "cifar10-b256": (256, 128, 32, 32),
+    "large": (256, 128, 32, 32),
+}
+"""size -> (N, Cin, H, W) of a U-Net's conv_out (small: interpreter-sized, odd)."""
+
+
 def tap_sum_conv2d_example_inputs(
     size: str, dtype: torch.dtype, device: str | torch.device, seed: int = 0
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A U-Net's conv_out: 3x3, padding 1, to 3 channels (small: 2 x 24 x 7 x 9; large: ddpm-cifar10 batch 256)."""
-    n, cin, h, w = {"small": (2, 24, 7, 9), "large": (256, 128, 32, 32)}.get(size, (None,) * 4)
-    if n is None:
-        raise FastdiffError(f"unknown example size {size!r}; expected small or large")
+    """A U-Net's conv_out: 3x3, padding 1, to 3 channels, at the sizes of :data:`TAP_SUM_SHAPES`."""
+    if size not in TAP_SUM_SHAPES:
+        raise FastdiffError(f"unknown example size {size!r}; expected one of {', '.join(TAP_SUM_SHAPES)}")
+    n, cin, h, w = TAP_SUM_SHAPES[size]
     gen = torch.Generator().manual_seed(seed)
     x = channels_last_randn((n, cin, h, w), dtype, device, gen)
     weight = (torch.randn((3, cin, 3, 3), generator=gen) / (9 * cin) ** 0.5).to(device=device, dtype=dtype)
@@ -205,6 +214,7 @@ OP = KernelOp(
 __all__ = [
     "MAX_COUT",
     "OP",
+    "TAP_SUM_SHAPES",
     "pack_tap_weight",
     "tap_columns",
     "tap_sum_conv2d",
