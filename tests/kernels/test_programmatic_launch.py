@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fastdiff.kernels as kernels_pkg
+import fastdiff.kernels.conv2d_gluon  # noqa: F401 - outside REGISTRY: imported so that MODULES holds it
 from fastdiff.kernels import common
 from fastdiff.kernels.common import PDL_ENV, pdl_launch, programmatic_launch
 
@@ -25,13 +26,25 @@ def _launches(tree: ast.Module) -> list[ast.Call]:
     return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript)]
 
 
+def _is_gluon(node: ast.FunctionDef) -> bool:
+    return any("gluon.jit" in ast.unparse(d) for d in node.decorator_list)
+
+
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__.rsplit(".", 1)[-1])
 def test_every_launch_is_programmatic_and_waits(module):
+    """Every Triton kernel launch is programmatic and its kernel starts with ``grid_dependency_sync(PDL)``. A Gluon
+    kernel (``kernels/conv2d_gluon.py``) has no such sync yet, so it must launch in plain stream order (no
+    ``launch_pdl``, no spread launch arguments): it waits for every kernel before it, and the next kernel's sync
+    waits for it to finish."""
     tree = ast.parse(inspect.getsource(module))
     jit = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef) and _is_jit(n)}
+    gluon = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and _is_gluon(n)}
     for call in _launches(tree):
         spread = [k.value for k in call.keywords if k.arg is None]
         where = f"{module.__name__} line {call.lineno}"
+        if isinstance(call.func.value, ast.Name) and call.func.value.id in gluon:
+            assert not spread and "launch_pdl" not in [k.arg for k in call.keywords], where
+            continue
         assert any(isinstance(v, ast.Call) and ast.unparse(v.func) == "pdl_launch" for v in spread), where
         target = call.func.value
         if isinstance(target, ast.Name) and target.id in jit:  # a plain kernel: it must take PDL

@@ -18,8 +18,10 @@ code around the tensor cores:
 The epilogue is bias, time embedding, residual and scale (``(acc + bias + temb + residual) * out_scale``, the order of
 :func:`fastdiff.kernels.conv2d.fused_epilogue` without an activation); convs with an activation, Upsample2D, fp32 and
 fp8 stay with the other kernels (:func:`gluon_conv_unsupported`). Gluon kernels do not run in Triton's CPU
-interpreter: the tests of this module run on the GPU. Measured against the TMA conv on the H100 at ddpm-cifar10
-batch 256: see the README's "The TMA conv in Gluon".
+interpreter: the tests of this module run on the GPU. Unlike the package's Triton kernels it has no
+``grid_dependency_sync``, so it launches in plain stream order (no programmatic dependent launch): it waits for every
+kernel before it, and the next kernel's sync waits for it to finish. Measured against the TMA conv on the H100 at
+ddpm-cifar10 batch 256: see the README's "The TMA conv in Gluon".
 """
 
 from __future__ import annotations
