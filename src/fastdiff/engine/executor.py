@@ -10,7 +10,9 @@ the forward as a list of ops of :mod:`fastdiff.engine.ir`, then:
 * packs each op's weights in the engine dtype on the host and streams them to the device during the first
   forward (``engine.weights.WeightStreamer``: module k runs while module k+1 uploads);
 * binds each op to a kernel; where there are several implementations (conv: ``kernels.conv2d``, on Hopper also
-  ``kernels.conv2d_tma`` for stride-1 convs, or cuDNN + a torch epilogue; token GEMM: ``kernels.linear`` or
+  ``kernels.conv2d_tma`` for stride-1 convs and its Gluon form ``kernels.conv2d_gluon`` (``gluon``, ``gluon-p2``:
+  persistent, two programs per SM) for those without an activation, ``kernels.tap_sum_conv2d`` (``triton-taps``)
+  for a conv of at most 8 output channels, or cuDNN + a torch epilogue; token GEMM: ``kernels.linear`` or
   cuBLAS + a torch epilogue; the gather conv also with its reduction split over 2-16 programs where its grid
   leaves SMs idle, ``triton-k<split>``; a ResnetBlock2D's conv2 also with its 1x1 conv_shortcut summed in,
   ``triton-sc[-k<split>]``, timed against the pair unfused (:mod:`fastdiff.engine.shortcut`); a conv whose output
