@@ -75,6 +75,18 @@ def test_shortcut_summed_in_conv2_matches_eager(tiny_model, split):
     assert all(sc.impl == "fused" for sc in fused.shortcuts.values())
 
 
+def test_shortcut_summed_in_the_tma_conv_matches_eager(tiny_model):
+    """The same pairs on the TMA kernel (``triton-tma-sc``; the autotune offers it on Hopper, here forced, also in
+    the interpreter): the shortcut's input a concat part on the up path, the bias pair summed."""
+    model = tiny_model("pow2", 6).to(DEVICE)
+    fused = FusedModel(model, 2, torch.float32, DEVICE, "triton", "triton")
+    assert any(name.startswith("up_blocks") for name in fused.shortcuts)
+    for name in fused.shortcuts:
+        fused._op_by_name[name].impl = "triton-tma-sc"
+    assert_two_forwards_match_eager(fused, model, seed=13)
+    assert all(sc.impl == "fused" for sc in fused.shortcuts.values())
+
+
 def force_pair_impl(fused: FusedModel, convs, impl: str) -> None:
     """Every conv of ``convs`` on ``impl`` (a ``triton-<tag>[-k<N>]`` gather variant), as ``triton-sc-<tag>...``
     where the conv also sums its shortcut in."""

@@ -167,3 +167,58 @@ def test_example_inputs_small() -> None:
     args, kwargs = OP.example_inputs("small", torch.float32, DEVICE, 3)
     out = OP.triton(*args, **kwargs, config=CONFIG)
     assert rel_err(out, reference(args, kwargs)) < TOLERANCE[torch.float32]
+
+
+SHORTCUT_CASES = [
+    pytest.param(
+        dict(n=2, cin=24, cout=40, h=7, w=9, k=3, padding=1, bias=True, scale=0.5, shortcut=40),
+        id="resnet_conv2_7x9_shortcut_c40_scale",
+    ),
+    pytest.param(dict(n=3, cin=16, cout=16, h=4, w=4, k=3, padding=1, shortcut=20), id="b3_4x4_images_per_box_c20"),
+    pytest.param(
+        dict(n=256, cin=128, cout=128, h=32, w=32, k=3, padding=1, bias=True, shortcut=384),
+        id="b256_32x32_c384_shortcut",
+        marks=needs_cuda,
+    ),  # fmt: skip
+    pytest.param(
+        dict(n=256, cin=256, cout=256, h=16, w=16, k=3, padding=1, bias=True, shortcut=512),
+        id="b256_16x16_c512_shortcut",
+        marks=needs_cuda,
+    ),  # fmt: skip
+    pytest.param(
+        dict(n=256, cin=256, cout=256, h=4, w=4, k=3, padding=1, bias=True, shortcut=512),
+        id="b256_4x4_c512_shortcut_64x64_tiles",
+        marks=needs_cuda,
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", SHORTCUT_CASES)
+def test_shortcut_summed_into_the_reduction(case: dict, dtype: torch.dtype) -> None:
+    """A ResnetBlock2D's conv2 + 1x1 conv_shortcut in one launch (raw and packed shortcut weights); on the GPU at the
+    U-Net's shapes, twice, bit for bit (a TMA race would move the result)."""
+    args, kwargs = make_inputs(case, dtype, seed=zlib.crc32(str(case).encode()))
+    ref = reference(args, kwargs)
+    out = conv2d_tma(*args, **kwargs, config=CONFIG)
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+    kwargs["shortcut_weight"] = kwargs["shortcut_weight"].reshape(case["cout"], case["shortcut"]).t().contiguous()
+    assert torch.equal(conv2d_tma(*args, **kwargs, config=CONFIG), out)
+
+
+def test_shortcut_from_a_concat_part_and_bad_arguments() -> None:
+    """The shortcut a channel slice of a wider channels-last buffer (the up path's skip concat); the arguments it
+    rejects."""
+    case = dict(n=2, cin=16, cout=16, h=5, w=6, k=3, padding=1, bias=True, shortcut=12)
+    args, kwargs = make_inputs(case, torch.float32, seed=5)
+    wide = torch.randn((2, 5, 6, 24), device=DEVICE).permute(0, 3, 1, 2)
+    wide[:, 8:20] = kwargs["shortcut"]
+    kwargs["shortcut"] = wide[:, 8:20]
+    assert rel_err(conv2d_tma(*args, **kwargs, config=CONFIG), reference(args, kwargs)) < TOLERANCE[torch.float32]
+    with pytest.raises(FastdiffError, match="together"):
+        conv2d_tma(*args, shortcut=kwargs["shortcut"], padding=1, config=CONFIG)
+    with pytest.raises(FastdiffError, match="upsampling"):
+        conv2d_tma(args[0], unpack_conv_weight(args[1], 16), padding=1, upsample=2, **{
+            k: kwargs[k] for k in ("shortcut", "shortcut_weight")}, config=CONFIG)  # fmt: skip
+    with pytest.raises(FastdiffError, match="aligned"):
+        conv2d_tma(*args, padding=1, shortcut=wide[:, 9:21], shortcut_weight=kwargs["shortcut_weight"], config=CONFIG)

@@ -15,7 +15,8 @@ the forward as a list of ops of :mod:`fastdiff.engine.ir`, then:
   for a conv of at most 8 output channels, or cuDNN + a torch epilogue; token GEMM: ``kernels.linear`` or
   cuBLAS + a torch epilogue; the gather conv also with its reduction split over 2-16 programs where its grid
   leaves SMs idle, ``triton-k<split>``; a ResnetBlock2D's conv2 also with its 1x1 conv_shortcut summed in,
-  ``triton-sc[-k<split>]``, timed against the pair unfused (:mod:`fastdiff.engine.shortcut`); a conv whose output
+  ``triton-sc[-k<split>]``, or the TMA kernel's ``triton-tma-sc``, timed against the pair unfused
+  (:mod:`fastdiff.engine.shortcut`); a conv whose output
   a GroupNorm reads also with that norm in its epilogue, ``triton[-sc]-gn[-k<split>]``, or with the norm's
   statistics in its epilogue, ``triton[-sc]-st[-k<split>]`` (the norm then one elementwise pass, ``apply``), timed
   against the conv and the norm apart (:mod:`fastdiff.engine.epilogue_norm`); attention:
@@ -145,6 +146,7 @@ def tokens(t: torch.Tensor) -> torch.Tensor:
 WEIGHT_ROLES: dict[tuple[str, str], set[str]] = {
     ("conv", "triton"): {"packed", "bias", "norm_weight", "norm_bias"},
     ("conv", "triton-tma"): {"packed", "packed_up2", "bias"},
+    ("conv", "triton-tma-sc"): {"packed", "bias"},
     ("conv", "triton-tma-fp8"): {"packed_fp8", "weight_scale", "bias"},
     ("conv", "triton-taps"): {"weight", "packed_taps", "bias"},
     ("conv", "gluon"): {"packed", "bias"},
@@ -163,6 +165,12 @@ def _is_gather(impl: str) -> bool:
     """Whether a conv implementation is the gather kernel (``kernels.conv2d``): plain, split-K, with the shortcut
     summed in, the output's GroupNorm or its statistics in the epilogue."""
     return impl == "triton" or impl.startswith(("triton-k", "triton-sc", "triton-gn", "triton-st"))
+
+
+def _sums_shortcut(impl: str) -> bool:
+    """Whether a conv implementation sums its 1x1 conv_shortcut into its own reduction (the shortcut conv then runs
+    no launch): the gather kernel's ``triton-sc*`` or the TMA kernel's ``triton-tma-sc``."""
+    return impl.startswith("triton-sc") or impl == "triton-tma-sc"
 
 
 def _with_epilogue(impl: str, tag: str) -> str:
@@ -464,6 +472,14 @@ class FusedModel:
                 config = dataclasses.replace(config, programs_per_sm=2)
             return lambda: conv2d_gluon(x, packed, bias, padding=padding, time_emb=temb, residual=residual,
                                         out_scale=scale, out=out, config=config)  # fmt: skip
+        if impl == "triton-tma-sc":  # + the 1x1 conv_shortcut summed into the reduction (engine/shortcut.py)
+            sc = self.shortcuts[op.name]
+            packed, sc_bias = w["packed"], self._summed_bias(op, sc)
+            shortcut, shortcut_weight = self._tensor(sc.inputs[0]), self._device_weights[sc.name]["packed"]
+            return lambda: conv2d_tma(
+                x, packed, sc_bias, padding=padding, time_emb=temb, out_scale=scale, out=out, shortcut=shortcut,
+                shortcut_weight=shortcut_weight,
+            )  # fmt: skip
         if impl == "triton-tma":
             packed = w["packed_up2"] if up == 2 else w["packed"]
             return lambda: conv2d_tma(
@@ -622,6 +638,8 @@ class FusedModel:
                 ours = (*ours, *(f"triton-k{split}" for split in self._split_k_choices(op)))
                 if op.name in self.shortcuts:  # + the gather kernel with the shortcut summed in (engine/shortcut.py)
                     ours = (*ours, "triton-sc", *(f"triton-sc-k{split}" for split in self._split_k_choices(op)))
+                if op.name in self.shortcuts and self._tma_shortcut_fits(op):  # + the TMA kernel's form of it
+                    ours = (*ours, "triton-tma-sc")
                 gather = [impl for impl in ours if _is_gather(impl)]
                 if op.name in self.epilogue_norms:  # + each gather variant with the GroupNorm in its epilogue
                     ours = (*ours, *(_with_epilogue(impl, "gn") for impl in gather))
@@ -693,6 +711,15 @@ class FusedModel:
                                       padding=p["padding"], upsample=p["upsample"])  # fmt: skip
         return reason is None
 
+    def _tma_shortcut_fits(self, op: Op) -> bool:
+        """Whether :func:`conv2d_tma` can run ``op`` with its 1x1 conv_shortcut summed in (both inputs in the TMA
+        domain, no upsampling, fp8 or folded GroupNorm)."""
+        p = op.params
+        if not self._tma_fits(op) or p["upsample"] != 1 or any(key in p for key in ("fp8_scale", "stats", "norm")):
+            return False
+        shortcut = self._tensor(self.shortcuts[op.name].inputs[0])
+        return tma_conv_unsupported(shortcut, op.output.shape[1], 1) is None
+
     def _default_why(self, op: Op) -> str:
         if op.kind == "conv" and ("stats" in op.params or "norm" in op.params):
             return "GroupNorm folded in (Triton only)"
@@ -720,7 +747,7 @@ class FusedModel:
         self._x_in = x_in
         self.tensors = {}
         for name, sc in self.shortcuts.items():  # a shortcut summed in its conv2 (impl triton-sc*) runs no launch
-            if (self._op_by_name[name].impl or "").startswith("triton-sc"):
+            if _sums_shortcut(self._op_by_name[name].impl or ""):
                 sc.impl, sc.why = "fused", f"summed in {name} (the reduction runs on over this conv's input)"
             elif sc.impl == "fused":  # back to its own fastest (or default) implementation
                 sc.impl, sc.why = (min(sc.times_us, key=sc.times_us.get) if sc.times_us else None), None
@@ -856,7 +883,7 @@ class FusedModel:
             sc = self.shortcuts.get(op.name)
             if sc is not None:  # unfused, the pair also pays for the shortcut conv's own launch at its best
                 sc_us = min(sc.times_us.values()) if sc.times_us else time_call_us(self._call(sc, sc.impl), reps)
-                effective = {k: v + (0.0 if k.startswith("triton-sc") else sc_us) for k, v in effective.items()}
+                effective = {k: v + (0.0 if _sums_shortcut(k) else sc_us) for k, v in effective.items()}
                 why += f" (unfused + {sc.name} {sc_us:.1f} us)"
             norms = {id(n): n for n in (self.epilogue_norms.get(op.name), self.epilogue_stats.get(op.name)) if n}
             if norms and any("-st" in k or "-gn" in k for k in effective):
