@@ -73,3 +73,51 @@ def test_outside_its_domain_it_says_why() -> None:
     assert "stride" in gluon_conv_unsupported(x, 16, 3, stride=2, padding=1)
     with pytest.raises(FastdiffError, match="conv2d_gluon: dtype"):
         conv2d_gluon(x.float(), torch.zeros(16, 16, 3, 3, device=DEVICE), padding=1)
+
+
+SHORTCUT_CASES = [
+    pytest.param(
+        dict(n=2, cin=24, cout=64, h=7, w=9, k=3, padding=1, bias=True, scale=0.5, shortcut=40),
+        id="resnet_conv2_7x9_shortcut_c40_scale",
+    ),
+    pytest.param(
+        dict(n=3, cin=64, cout=64, h=4, w=4, k=3, padding=1, temb=True, shortcut=200), id="4x4_images_per_box_c200"
+    ),
+    pytest.param(
+        dict(n=256, cin=128, cout=128, h=32, w=32, k=3, padding=1, bias=True, shortcut=384), id="b256_32x32_c384"
+    ),
+    pytest.param(
+        dict(n=256, cin=256, cout=256, h=16, w=16, k=3, padding=1, bias=True, shortcut=512), id="b256_16x16_c512"
+    ),
+    pytest.param(dict(n=256, cin=256, cout=256, h=4, w=4, k=3, padding=1, bias=True, shortcut=512), id="b256_4x4_c512"),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS[:2])
+@pytest.mark.parametrize("case", SHORTCUT_CASES)
+def test_shortcut_summed_into_the_reduction(case: dict, config: GluonConfig | None) -> None:
+    """A ResnetBlock2D's conv2 + 1x1 conv_shortcut in one launch (up to the batch-256 shapes), against the float64
+    reference; raw and packed shortcut weights give the same bits, call after call (a race would move them)."""
+    args, kwargs = make_inputs(case, torch.float16, seed=zlib.crc32(str(case).encode()))
+    kwargs.pop("stride")
+    ref = reference(args, kwargs)
+    out = conv2d_gluon(*args, **kwargs, config=config)
+    assert rel_err(out, ref) < TOLERANCE[torch.float16]
+    kwargs["shortcut_weight"] = kwargs["shortcut_weight"].reshape(case["cout"], case["shortcut"]).t().contiguous()
+    assert torch.equal(conv2d_gluon(*args, **kwargs, config=config), out)
+    assert torch.equal(conv2d_gluon(*args, **kwargs, config=config), out)
+
+
+def test_shortcut_from_a_concat_part_and_bad_arguments() -> None:
+    """The shortcut a channel slice of a wider channels-last buffer (the up path's skip concat); what it rejects."""
+    case = dict(n=2, cin=64, cout=64, h=5, w=6, k=3, padding=1, bias=True, shortcut=24)
+    args, kwargs = make_inputs(case, torch.bfloat16, seed=5)
+    kwargs.pop("stride")
+    wide = torch.randn((2, 5, 6, 48), device=DEVICE, dtype=torch.bfloat16).permute(0, 3, 1, 2)
+    wide[:, 8:32] = kwargs["shortcut"]
+    kwargs["shortcut"] = wide[:, 8:32]
+    assert rel_err(conv2d_gluon(*args, **kwargs), reference(args, kwargs)) < TOLERANCE[torch.bfloat16]
+    with pytest.raises(FastdiffError, match="together"):
+        conv2d_gluon(*args, shortcut=kwargs["shortcut"], padding=1)
+    with pytest.raises(FastdiffError, match="aligned"):
+        conv2d_gluon(*args, padding=1, shortcut=wide[:, 9:33], shortcut_weight=kwargs["shortcut_weight"])

@@ -15,7 +15,7 @@ the forward as a list of ops of :mod:`fastdiff.engine.ir`, then:
   for a conv of at most 8 output channels, or cuDNN + a torch epilogue; token GEMM: ``kernels.linear`` or
   cuBLAS + a torch epilogue; the gather conv also with its reduction split over 2-16 programs where its grid
   leaves SMs idle, ``triton-k<split>``; a ResnetBlock2D's conv2 also with its 1x1 conv_shortcut summed in,
-  ``triton-sc[-k<split>]``, or the TMA kernel's ``triton-tma-sc``, timed against the pair unfused
+  ``triton-sc[-k<split>]``, or the Gluon conv's ``gluon[-p2]-sc``, timed against the pair unfused
   (:mod:`fastdiff.engine.shortcut`); a conv whose output
   a GroupNorm reads also with that norm in its epilogue, ``triton[-sc]-gn[-k<split>]``, or with the norm's
   statistics in its epilogue, ``triton[-sc]-st[-k<split>]`` (the norm then one elementwise pass, ``apply``), timed
@@ -146,11 +146,12 @@ def tokens(t: torch.Tensor) -> torch.Tensor:
 WEIGHT_ROLES: dict[tuple[str, str], set[str]] = {
     ("conv", "triton"): {"packed", "bias", "norm_weight", "norm_bias"},
     ("conv", "triton-tma"): {"packed", "packed_up2", "bias"},
-    ("conv", "triton-tma-sc"): {"packed", "bias"},
     ("conv", "triton-tma-fp8"): {"packed_fp8", "weight_scale", "bias"},
     ("conv", "triton-taps"): {"weight", "packed_taps", "bias"},
     ("conv", "gluon"): {"packed", "bias"},
     ("conv", "gluon-p2"): {"packed", "bias"},
+    ("conv", "gluon-sc"): {"packed", "bias"},
+    ("conv", "gluon-p2-sc"): {"packed", "bias"},
     ("conv", "cudnn"): {"weight", "bias"},
     ("conv", "fused"): {"packed", "bias"},
     ("depthwise", "triton"): {"packed"},
@@ -169,8 +170,8 @@ def _is_gather(impl: str) -> bool:
 
 def _sums_shortcut(impl: str) -> bool:
     """Whether a conv implementation sums its 1x1 conv_shortcut into its own reduction (the shortcut conv then runs
-    no launch): the gather kernel's ``triton-sc*`` or the TMA kernel's ``triton-tma-sc``."""
-    return impl.startswith("triton-sc") or impl == "triton-tma-sc"
+    no launch): the gather kernel's ``triton-sc*`` or the Gluon conv's ``gluon[-p2]-sc``."""
+    return impl.startswith("triton-sc") or (impl.startswith("gluon") and impl.endswith("-sc"))
 
 
 def _with_epilogue(impl: str, tag: str) -> str:
@@ -468,18 +469,16 @@ class FusedModel:
         if impl.startswith("gluon"):
             packed, (_, cout, ho, wo) = w["packed"], op.output.shape
             config = default_gluon_config(self.batch, ho, wo, cout, self.device)
-            if impl == "gluon-p2":  # persistent: two programs per SM loop over the tiles
+            if impl.startswith("gluon-p2"):  # persistent: two programs per SM loop over the tiles
                 config = dataclasses.replace(config, programs_per_sm=2)
+            shortcut = shortcut_weight = None
+            if impl.endswith("-sc"):  # + the 1x1 conv_shortcut summed into the reduction (engine/shortcut.py)
+                sc = self.shortcuts[op.name]
+                shortcut, shortcut_weight = self._tensor(sc.inputs[0]), self._device_weights[sc.name]["packed"]
+                bias, residual = self._summed_bias(op, sc), None
             return lambda: conv2d_gluon(x, packed, bias, padding=padding, time_emb=temb, residual=residual,
-                                        out_scale=scale, out=out, config=config)  # fmt: skip
-        if impl == "triton-tma-sc":  # + the 1x1 conv_shortcut summed into the reduction (engine/shortcut.py)
-            sc = self.shortcuts[op.name]
-            packed, sc_bias = w["packed"], self._summed_bias(op, sc)
-            shortcut, shortcut_weight = self._tensor(sc.inputs[0]), self._device_weights[sc.name]["packed"]
-            return lambda: conv2d_tma(
-                x, packed, sc_bias, padding=padding, time_emb=temb, out_scale=scale, out=out, shortcut=shortcut,
-                shortcut_weight=shortcut_weight,
-            )  # fmt: skip
+                                        out_scale=scale, out=out, config=config, shortcut=shortcut,
+                                        shortcut_weight=shortcut_weight)  # fmt: skip
         if impl == "triton-tma":
             packed = w["packed_up2"] if up == 2 else w["packed"]
             return lambda: conv2d_tma(
@@ -638,8 +637,8 @@ class FusedModel:
                 ours = (*ours, *(f"triton-k{split}" for split in self._split_k_choices(op)))
                 if op.name in self.shortcuts:  # + the gather kernel with the shortcut summed in (engine/shortcut.py)
                     ours = (*ours, "triton-sc", *(f"triton-sc-k{split}" for split in self._split_k_choices(op)))
-                if op.name in self.shortcuts and self._tma_shortcut_fits(op):  # + the TMA kernel's form of it
-                    ours = (*ours, "triton-tma-sc")
+                if op.name in self.shortcuts and self._gluon_shortcut_fits(op):  # + the Gluon conv's form of it
+                    ours = (*ours, "gluon-sc", "gluon-p2-sc")
                 gather = [impl for impl in ours if _is_gather(impl)]
                 if op.name in self.epilogue_norms:  # + each gather variant with the GroupNorm in its epilogue
                     ours = (*ours, *(_with_epilogue(impl, "gn") for impl in gather))
@@ -711,11 +710,10 @@ class FusedModel:
                                       padding=p["padding"], upsample=p["upsample"])  # fmt: skip
         return reason is None
 
-    def _tma_shortcut_fits(self, op: Op) -> bool:
-        """Whether :func:`conv2d_tma` can run ``op`` with its 1x1 conv_shortcut summed in (both inputs in the TMA
-        domain, no upsampling, fp8 or folded GroupNorm)."""
-        p = op.params
-        if not self._tma_fits(op) or p["upsample"] != 1 or any(key in p for key in ("fp8_scale", "stats", "norm")):
+    def _gluon_shortcut_fits(self, op: Op) -> bool:
+        """Whether :func:`conv2d_gluon` can run ``op`` with its 1x1 conv_shortcut summed in (the conv in its domain,
+        the shortcut's input in the TMA domain)."""
+        if not self._gluon_fits(op):
             return False
         shortcut = self._tensor(self.shortcuts[op.name].inputs[0])
         return tma_conv_unsupported(shortcut, op.output.shape[1], 1) is None

@@ -3,7 +3,7 @@
 ``conv2`` adds the shortcut's output as its residual: ``(act(conv2(h) + b2) + (conv_sc(x) + b_sc)) * scale``. With
 no activation on ``conv2`` that is ``(conv2(h) + conv_sc(x) + b2 + b_sc) * scale``: one GEMM whose reduction runs
 over conv2's taps and then the shortcut's input channels (:func:`fastdiff.kernels.conv2d.conv2d` or, on Hopper,
-:func:`fastdiff.kernels.conv2d_tma.conv2d_tma` with ``shortcut=``). The shortcut's output is then never written nor
+:func:`fastdiff.kernels.conv2d_gluon.conv2d_gluon` with ``shortcut=``). The shortcut's output is then never written nor
 read back, and one launch goes. Whether a pair runs fused, and in which kernel, is the autotune's choice on the GPU
 (unfused, each conv of the pair may use any of its implementations): see ``FusedModel.autotune``.
 """

@@ -14,6 +14,10 @@ code around the tensor cores:
   issued once the wgmma of step ``k - 1`` has retired (``warpgroup_mma_wait(1)``).
 * ``persistent``: ``programs_per_sm`` programs per SM loop over the tiles, the loads of a tile's first steps issued
   while the previous tile's epilogue runs.
+* ``shortcut``: a ResnetBlock2D's 1x1 conv_shortcut summed in, its channel chunks further steps of the same
+  pipeline after the taps (the shortcut's output is never written nor read back as the residual). Triton's
+  ``conv2d_tma`` cannot do this safely: a second pipelined loop into the same accumulator raced on Triton 3.6
+  (CONTRIBUTING); here one hand-written pipeline runs both.
 
 The epilogue is bias, time embedding, residual and scale (``(acc + bias + temb + residual) * out_scale``, the order of
 :func:`fastdiff.kernels.conv2d.fused_epilogue` without an activation); convs with an activation, Upsample2D, fp32 and
@@ -37,7 +41,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.common import num_sms
-from fastdiff.kernels.conv2d import _packed_kernel_size, check_epilogue_args, pack_conv_weight
+from fastdiff.kernels.conv2d import _check_shortcut, _packed_kernel_size, check_epilogue_args, pack_conv_weight
 from fastdiff.kernels.conv2d_tma import box_tile, tma_conv_unsupported
 
 
@@ -66,14 +70,32 @@ def _tile_origin(t, num_pid_n, tiles_w, tiles_h, TN: gl.constexpr, TH: gl.conste
 
 
 @gluon.jit
-def _load_step(x_desc, w_desc, a_buf, b_buf, bar, step, n0, h0, w0, off_n, Cin, k_chunks,
-               KSIZE: gl.constexpr, PAD: gl.constexpr, BLOCK_K: gl.constexpr):  # fmt: skip
-    """TMA loads of reduction step ``step`` (tap, channel chunk) into one stage; out-of-image taps load zeros."""
+def _load_tap(x_desc, w_desc, a_buf, b_buf, bar, step, n0, h0, w0, off_n, Cin, k_chunks,
+              KSIZE: gl.constexpr, PAD: gl.constexpr, BLOCK_K: gl.constexpr):  # fmt: skip
     tap = step // k_chunks
     c0 = (step - tap * k_chunks) * BLOCK_K
-    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(x_desc, [n0, h0 + tap // KSIZE - PAD, w0 + tap % KSIZE - PAD, c0], bar, a_buf)
     tma.async_copy_global_to_shared(w_desc, [tap * Cin + c0, off_n], bar, b_buf)
+
+
+@gluon.jit
+def _load_step(x_desc, w_desc, sc_desc, wsc_desc, a_buf, b_buf, bar, step, n0, h0, w0, off_n, Cin, k_chunks,
+               tap_steps, KSIZE: gl.constexpr, PAD: gl.constexpr, BLOCK_K: gl.constexpr,
+               HAS_SC: gl.constexpr):  # fmt: skip
+    """TMA loads of reduction step ``step`` into one stage: a (tap, channel chunk) of the conv, out-of-image taps
+    loading zeros; with HAS_SC, steps from ``tap_steps`` on are channel chunks of the 1x1 shortcut, whose input box
+    is the output tile itself (same box and block shapes: the same stage buffers and byte count)."""
+    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+    if HAS_SC:
+        if step < tap_steps:
+            _load_tap(x_desc, w_desc, a_buf, b_buf, bar, step, n0, h0, w0, off_n, Cin, k_chunks, KSIZE, PAD,
+                      BLOCK_K)  # fmt: skip
+        else:
+            c0 = (step - tap_steps) * BLOCK_K
+            tma.async_copy_global_to_shared(sc_desc, [n0, h0, w0, c0], bar, a_buf)
+            tma.async_copy_global_to_shared(wsc_desc, [c0, off_n], bar, b_buf)
+    else:
+        _load_tap(x_desc, w_desc, a_buf, b_buf, bar, step, n0, h0, w0, off_n, Cin, k_chunks, KSIZE, PAD, BLOCK_K)
 
 
 @gluon.jit
@@ -110,13 +132,13 @@ def _epilogue(acc, n0, h0, w0, off_n, bias_ptr, temb_ptr, res_ptr, out_ptr, N, H
 
 @gluon.jit
 def _conv2d_gluon_kernel(
-    x_desc, w_desc, bias_ptr, temb_ptr, res_ptr, out_ptr,
-    N, Cin, Ho, Wo, Cout,
+    x_desc, w_desc, sc_desc, wsc_desc, bias_ptr, temb_ptr, res_ptr, out_ptr,
+    N, Cin, Cin_sc, Ho, Wo, Cout,
     stride_tn, stride_tc, stride_rn, stride_rc, stride_rh, stride_rw, stride_on, stride_oc, stride_oh, stride_ow,
     out_scale,
     PAD: gl.constexpr, KSIZE: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_TEMB: gl.constexpr, HAS_RES: gl.constexpr, HAS_SCALE: gl.constexpr,
-    TN: gl.constexpr, TH: gl.constexpr, TW: gl.constexpr,
+    HAS_SC: gl.constexpr, TN: gl.constexpr, TH: gl.constexpr, TW: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
     num_warps: gl.constexpr,
 ):  # fmt: skip
@@ -132,7 +154,10 @@ def _conv2d_gluon_kernel(
     if PERSISTENT:
         my_tiles = gl.cdiv(gl.cdiv(N, TN) * tiles_h * tiles_w * num_pid_n - pid, programs)
     k_chunks = gl.cdiv(Cin, BLOCK_K)
-    steps = KSIZE * KSIZE * k_chunks
+    tap_steps = KSIZE * KSIZE * k_chunks
+    steps = tap_steps
+    if HAS_SC:  # the reduction runs on over the shortcut's channel chunks
+        steps += gl.cdiv(Cin_sc, BLOCK_K)
     total = my_tiles * steps
 
     a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, TN, TH, TW, BLOCK_K], x_desc.layout)
@@ -144,8 +169,8 @@ def _conv2d_gluon_kernel(
         if i < total:
             n0, h0, w0, off_n = _tile_origin(pid + (i // steps) * programs, num_pid_n, tiles_w, tiles_h, TN, TH, TW,
                                              BLOCK_N)  # fmt: skip
-            _load_step(x_desc, w_desc, a_bufs.index(i), b_bufs.index(i), bars.index(i), i % steps, n0, h0, w0, off_n,
-                       Cin, k_chunks, KSIZE, PAD, BLOCK_K)  # fmt: skip
+            _load_step(x_desc, w_desc, sc_desc, wsc_desc, a_bufs.index(i), b_bufs.index(i), bars.index(i), i % steps,
+                       n0, h0, w0, off_n, Cin, k_chunks, tap_steps, KSIZE, PAD, BLOCK_K, HAS_SC)  # fmt: skip
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_N, 16])  # fmt: skip
@@ -162,9 +187,9 @@ def _conv2d_gluon_kernel(
         if ahead < total:
             n1, h1, w1, off1 = _tile_origin(pid + (ahead // steps) * programs, num_pid_n, tiles_w, tiles_h, TN, TH,
                                             TW, BLOCK_N)  # fmt: skip
-            _load_step(x_desc, w_desc, a_bufs.index(ahead % STAGES), b_bufs.index(ahead % STAGES),
-                       bars.index(ahead % STAGES), ahead % steps, n1, h1, w1, off1, Cin, k_chunks, KSIZE, PAD,
-                       BLOCK_K)  # fmt: skip
+            _load_step(x_desc, w_desc, sc_desc, wsc_desc, a_bufs.index(ahead % STAGES), b_bufs.index(ahead % STAGES),
+                       bars.index(ahead % STAGES), ahead % steps, n1, h1, w1, off1, Cin, k_chunks, tap_steps, KSIZE,
+                       PAD, BLOCK_K, HAS_SC)  # fmt: skip
         if k == steps - 1:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             n0, h0, w0, off_n = _tile_origin(pid + (g // steps) * programs, num_pid_n, tiles_w, tiles_h, TN, TH, TW,
@@ -209,11 +234,16 @@ def conv2d_gluon(
     out_scale: float | None = None,
     out: torch.Tensor | None = None,
     config: GluonConfig | None = None,
+    shortcut: torch.Tensor | None = None,
+    shortcut_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`fastdiff.kernels.conv2d.conv2d` for stride-1 fp16/bf16 convs without an activation (module docstring).
 
     ``weight``: packed ``[K*K*Cin, Cout]`` (:func:`pack_conv_weight`) or raw ``[Cout, Cin, K, K]``. ``config``
-    (default :func:`default_gluon_config`) picks the tiles, stages and grid."""
+    (default :func:`default_gluon_config`) picks the tiles, stages and grid. ``shortcut`` ([N, Cin_sc, Ho, Wo]) with
+    ``shortcut_weight`` (raw [Cout, Cin_sc, 1, 1] or packed [Cin_sc, Cout]) adds the 1x1 conv of ``shortcut``, as
+    :func:`fastdiff.kernels.conv2d.conv2d` does: its channel chunks are further steps of the same pipeline (a
+    ResnetBlock2D's ``conv2(h) + conv_shortcut(x)`` in one launch; the caller sums the two biases into ``bias``)."""
     if x.dim() != 4:
         raise FastdiffError(f"conv2d input must be 4-D [N, C, H, W], got shape {tuple(x.shape)}")
     n, cin, h, w = x.shape
@@ -230,10 +260,16 @@ def conv2d_gluon(
     if padding < 0 or ho < 1 or wo < 1:
         raise FastdiffError(f"conv output would be empty for input {h}x{w}, kernel {ksize}, padding {padding}")
     check_epilogue_args(n, cout, (ho, wo), x.device, bias, time_emb, residual, None, out)
+    if shortcut is not None or shortcut_weight is not None:
+        shortcut_weight = _check_shortcut(shortcut, shortcut_weight, x, n, cout, (ho, wo))
+        reason = tma_conv_unsupported(shortcut, cout, 1)
+        if reason is not None:
+            raise FastdiffError(f"conv2d_gluon: shortcut: {reason}")
     if out is None:
         out = torch.empty((n, cout, ho, wo), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
     config = config or default_gluon_config(n, ho, wo, cout, x.device)
-    _launch(x, weight.contiguous(), bias, time_emb, residual, out, out_scale, padding, ksize, config)
+    _launch(x, weight.contiguous(), bias, time_emb, residual, out, out_scale, padding, ksize, config, shortcut,
+            shortcut_weight)  # fmt: skip
     return out
 
 
@@ -248,6 +284,8 @@ def _launch(
     padding: int,
     ksize: int,
     config: GluonConfig,
+    shortcut: torch.Tensor | None,
+    shortcut_weight: torch.Tensor | None,
 ) -> None:
     n, cin, h, w = x.shape
     cout = weight.shape[1]
@@ -258,17 +296,25 @@ def _launch(
     x_desc = TensorDescriptor(x, [n, h, w, cin], [x.stride(0), x.stride(2), x.stride(3), 1],
                               [tn, th, tw, config.block_k], x_layout)  # fmt: skip
     w_desc = TensorDescriptor(weight, list(weight.shape), [cout, 1], [config.block_k, config.block_n], w_layout)
+    sc_desc, wsc_desc, cin_sc = x_desc, w_desc, 0
+    if shortcut is not None:
+        cin_sc = shortcut.shape[1]
+        sc_strides = [shortcut.stride(0), shortcut.stride(2), shortcut.stride(3), 1]
+        sc_desc = TensorDescriptor(shortcut, [n, ho, wo, cin_sc], sc_strides, [tn, th, tw, config.block_k], x_layout)
+        wsc_desc = TensorDescriptor(shortcut_weight, [cin_sc, cout], [cout, 1], [config.block_k, config.block_n],
+                                    w_layout)  # fmt: skip
     tiles = triton.cdiv(n, tn) * triton.cdiv(ho, th) * triton.cdiv(wo, tw) * triton.cdiv(cout, config.block_n)
     programs = tiles if not config.programs_per_sm else min(tiles, config.programs_per_sm * num_sms(x.device))
     res = residual if residual is not None else out
     temb = time_emb if time_emb is not None else out
     _conv2d_gluon_kernel[(programs,)](
-        x_desc, w_desc, bias if bias is not None else out, temb, res, out, n, cin, ho, wo, cout,
+        x_desc, w_desc, sc_desc, wsc_desc, bias if bias is not None else out, temb, res, out, n, cin, cin_sc, ho, wo,
+        cout,
         *(temb.stride() if time_emb is not None else (0, 0)), res.stride(0), res.stride(1), res.stride(2),
         res.stride(3), *out.stride(),
         1.0 if out_scale is None else float(out_scale),
         PAD=padding, KSIZE=ksize, HAS_BIAS=bias is not None, HAS_TEMB=time_emb is not None,
-        HAS_RES=residual is not None, HAS_SCALE=out_scale is not None, TN=tn, TH=th, TW=tw,
+        HAS_RES=residual is not None, HAS_SCALE=out_scale is not None, HAS_SC=shortcut is not None, TN=tn, TH=th, TW=tw,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.stages,
         PERSISTENT=config.programs_per_sm > 0, num_warps=config.num_warps,
     )  # fmt: skip

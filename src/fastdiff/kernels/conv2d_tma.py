@@ -40,7 +40,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.common import ACTIVATIONS, grid_dependency_sync, num_sms, pdl_launch
 from fastdiff.kernels.conv2d import (
-    _check_shortcut,
     _packed_kernel_size,
     check_epilogue_args,
     conv2d_cost,
@@ -102,13 +101,13 @@ def unpack_conv_weight_fp8(packed: torch.Tensor, scale: torch.Tensor, cin: int) 
 
 @triton.jit
 def _conv2d_tma_kernel(
-    x_desc, w_desc, sc_desc, wsc_desc, scale_ptr, bias_ptr, temb_ptr, res_ptr, out_ptr,
-    N, Cin, Cin_sc, Ho, Wo, Cout,
+    x_desc, w_desc, scale_ptr, bias_ptr, temb_ptr, res_ptr, out_ptr,
+    N, Cin, Ho, Wo, Cout,
     stride_tn, stride_tc, stride_rn, stride_rc, stride_rh, stride_rw, stride_on, stride_oc, stride_oh, stride_ow,
     out_scale,
     PAD: tl.constexpr, KSIZE: tl.constexpr, UP2: tl.constexpr, FP8: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_TEMB: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
-    HAS_SCALE: tl.constexpr, HAS_SHORTCUT: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     TN: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -148,10 +147,6 @@ def _conv2d_tma_kernel(
         else:
             b = w_desc.load([w_row0 + tap * Cin + c0, pid_n * BLOCK_N])
             acc = tl.dot(a, b, acc)
-    if HAS_SHORTCUT:  # the reduction runs on over the 1x1 shortcut's channels, at the output pixels themselves
-        for c0 in range(0, Cin_sc, BLOCK_K):
-            a = sc_desc.load([n0, h0, w0, c0]).reshape(BLOCK_M, BLOCK_K)
-            acc = tl.dot(a, wsc_desc.load([c0, pid_n * BLOCK_N]), acc)
     if UP2:
         oh = 2 * oh + py
         ow = 2 * ow + px
@@ -259,8 +254,6 @@ def conv2d_tma(
     upsample: int = 1,
     config: TmaConfig | None = None,
     weight_scale: torch.Tensor | None = None,
-    shortcut: torch.Tensor | None = None,
-    shortcut_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`fastdiff.kernels.conv2d.conv2d` for stride-1 convs, tiles loaded by TMA (module docstring).
 
@@ -272,11 +265,6 @@ def conv2d_tma(
     fp8: an e4m3 ``x`` takes :func:`pack_conv_weight_fp8`'s e4m3 ``[Cout, K*K*Cin]`` and
     ``weight_scale`` ``[Cout]`` fp32, the product of the input's scale and the weight's per-channel scales (the
     conv sees ``x * a_scale`` and ``W8 * w_scale``); the output (``out``, default fp16) is fp16, bf16 or fp32.
-
-    ``shortcut`` ([N, Cin_sc, Ho, Wo]) with ``shortcut_weight`` (raw [Cout, Cin_sc, 1, 1] or packed [Cin_sc, Cout])
-    adds the 1x1 conv of ``shortcut`` to the accumulator, as :func:`fastdiff.kernels.conv2d.conv2d` does: a
-    ResnetBlock2D's ``conv2(h) + conv_shortcut(x)`` in one launch (the caller sums the two biases into ``bias``),
-    the shortcut's boxes loaded by TMA like the input's. Not with fp8 or upsampling.
     """
     if x.dim() != 4:
         raise FastdiffError(f"conv2d input must be 4-D [N, C, H, W], got shape {tuple(x.shape)}")
@@ -309,14 +297,6 @@ def conv2d_tma(
     weight = weight.contiguous()
     out_hw = (ho * upsample, wo * upsample)
     check_epilogue_args(n, cout, out_hw, x.device, bias, time_emb, residual, activation, out)
-    if shortcut is not None or shortcut_weight is not None:
-        if fp8 or up2:
-            raise FastdiffError("conv2d_tma: no shortcut with fp8 or upsampling")
-        shortcut_weight = _check_shortcut(shortcut, shortcut_weight, x, n, cout, out_hw)
-        if shortcut.stride(1) != 1 or not _aligned(
-            shortcut, (shortcut.stride(0), shortcut.stride(2), shortcut.stride(3))
-        ):
-            raise FastdiffError("conv2d_tma: the shortcut needs contiguous channels and 16-byte aligned strides (TMA)")
     if out is None:
         out_dtype = torch.float16 if fp8 else x.dtype
         out = torch.empty((n, cout, *out_hw), device=x.device, dtype=out_dtype, memory_format=torch.channels_last)
@@ -327,23 +307,17 @@ def conv2d_tma(
     tiles = triton.cdiv(n, tn) * triton.cdiv(ho, th) * triton.cdiv(wo, tw)
     w_block = [config.block_n, config.block_k] if fp8 else [config.block_k, config.block_n]
     w_desc = TensorDescriptor(weight, list(weight.shape), [weight.shape[1], 1], w_block)
-    sc_desc, wsc_desc, cin_sc = x_desc, w_desc, 0
-    if shortcut is not None:
-        cin_sc = shortcut.shape[1]
-        sc_strides = [shortcut.stride(0), shortcut.stride(2), shortcut.stride(3), 1]
-        sc_desc = TensorDescriptor(shortcut, [n, ho, wo, cin_sc], sc_strides, [tn, th, tw, config.block_k])
-        wsc_desc = TensorDescriptor(shortcut_weight, [cin_sc, cout], [cout, 1], [config.block_k, config.block_n])
     temb = time_emb if time_emb is not None else out
     res = residual if residual is not None else out
     temb_strides = time_emb.stride() if time_emb is not None else (0, 0)
     grid = (tiles * triton.cdiv(cout, config.block_n), 4 if up2 else 1)
     _conv2d_tma_kernel[grid](
-        x_desc, w_desc, sc_desc, wsc_desc, weight_scale if fp8 else out, bias if bias is not None else out, temb, res,
-        out, n, cin, cin_sc, ho, wo, cout, *temb_strides, *res.stride(), *out.stride(),
+        x_desc, w_desc, weight_scale if fp8 else out, bias if bias is not None else out, temb, res, out,
+        n, cin, ho, wo, cout, *temb_strides, *res.stride(), *out.stride(),
         1.0 if out_scale is None else float(out_scale),
         PAD=padding, KSIZE=2 if up2 else ksize, UP2=up2, FP8=fp8,
         HAS_BIAS=bias is not None, HAS_TEMB=time_emb is not None, HAS_RES=residual is not None,
-        ACT=ACTIVATIONS[activation], HAS_SCALE=out_scale is not None, HAS_SHORTCUT=shortcut is not None,
+        ACT=ACTIVATIONS[activation], HAS_SCALE=out_scale is not None,
         TN=tn, TH=th, TW=tw, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
