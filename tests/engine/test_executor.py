@@ -12,6 +12,7 @@ from fastdiff.engine.executor import FusedModel
 from fastdiff.engine.graph import channels_last_empty
 from fastdiff.errors import FastdiffError
 from fastdiff.models.convnext_unet import ConvNeXtUNet, ConvNeXtUNetConfig
+from fastdiff.models.ddpm_unet import DDPMUNet, DDPMUNetConfig
 
 from .conftest import DEVICE, TOL, rel_err
 
@@ -77,11 +78,16 @@ def test_shortcut_summed_in_conv2_matches_eager(tiny_model, split):
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the Gluon conv runs on the GPU only")
 @pytest.mark.parametrize("impl", ["gluon-sc", "gluon-p2-sc"])
-def test_shortcut_summed_in_the_gluon_conv_matches_unfused(tiny_model, impl):
-    """The same pairs on the Gluon conv (fp16; the autotune offers it on Hopper where the conv has 64+ output
-    channels, here forced at 8-16): the shortcut's input a concat part on the up path, the bias pair summed; equal to
-    the fp16 engine with every pair unfused."""
-    model = tiny_model("pow2", 6).to(DEVICE)
+def test_shortcut_summed_in_the_gluon_conv_matches_unfused(impl):
+    """The same pairs on the Gluon conv (fp16, a U-Net of 64 and 128 channels, every pair forced): the shortcut's
+    input a concat part on the up path, the bias pair summed; equal to the fp16 engine with every pair unfused."""
+    torch.manual_seed(6)
+    config = DDPMUNetConfig(
+        sample_size=(8, 8), in_channels=3, out_channels=3, block_out_channels=(64, 128), norm_num_groups=8,
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+        layers_per_block=1, attention_head_dim=None,
+    )  # fmt: skip
+    model = DDPMUNet(config).eval().to(DEVICE)
     fused = FusedModel(model, 2, torch.float16, DEVICE, "triton", "triton")
     assert any(name.startswith("up_blocks") for name in fused.shortcuts)
     x = channels_last_empty(fused.x_in_value.shape, torch.float16, DEVICE).normal_(generator=torch.Generator(DEVICE))

@@ -25,6 +25,7 @@ CASES = [
     pytest.param(dict(n=3, cin=256, cout=768, h=16, w=16, k=1, bias=True), id="k1_qkv_16x16"),
     pytest.param(dict(n=4, cin=200, cout=64, h=8, w=8, k=3, padding=1, res=True, scale=0.7), id="cin200_res_scale"),
     pytest.param(dict(n=3, cin=128, cout=256, h=4, w=4, k=3, padding=1, temb=True), id="4x4_images_share_a_tile"),
+    pytest.param(dict(n=2, cin=8, cout=8, h=6, w=5, k=3, padding=1, bias=True, res=True), id="c8_narrower_than_a_tile"),
 ]
 
 CONFIGS = [

@@ -216,8 +216,10 @@ def gluon_conv_unsupported(
 
 def default_gluon_config(n: int, ho: int, wo: int, cout: int, device: torch.device) -> GluonConfig:
     """128 x 128 tiles, three stages (96 KB of shared memory: two programs fit an SM), down to 64 rows and 64
-    channels where the grid would leave SMs idle (the 4x4 level at batch 256)."""
-    block_n = min(128, max(16, triton.next_power_of_2(cout)))
+    channels where the grid would leave SMs idle (the 4x4 level at batch 256). Never narrower than 64 channels: the
+    tiles' 128-byte swizzle needs 128-byte rows (Triton 3.6 aborts the compile otherwise); a narrower output is a
+    zero-filled part of the box."""
+    block_n = min(128, max(64, triton.next_power_of_2(cout)))
     if triton.cdiv(n * ho * wo, 128) * triton.cdiv(cout, block_n) >= num_sms(device):
         return GluonConfig(128, block_n)
     return GluonConfig(64, min(block_n, 64))
