@@ -11,6 +11,7 @@ import torch
 from fastdiff.engine.executor import FusedModel
 from fastdiff.engine.graph import channels_last_empty
 from fastdiff.errors import FastdiffError
+from fastdiff.kernels.conv2d_tma import tma_conv_unsupported
 from fastdiff.models.convnext_unet import ConvNeXtUNet, ConvNeXtUNetConfig
 from fastdiff.models.ddpm_unet import DDPMUNet, DDPMUNetConfig
 
@@ -98,6 +99,30 @@ def test_shortcut_summed_in_the_gluon_conv_matches_unfused(impl):
     fused._bind(x)
     assert rel_err(fused.forward(x, t), plain) < 5e-3
     assert all(sc.impl == "fused" for sc in fused.shortcuts.values())
+
+
+def test_split_k_tma_convs_match_eager(tiny_model):
+    """Every conv the TMA kernel can run (stride 1, TMA-aligned: the 8- and 16-channel convs of the pow2 U-Net, on
+    CUDA its Upsample2D too) on it split three ways (``triton-tma-k3``; the autotune offers it on Hopper where the
+    grid leaves SMs idle, here forced, also in the interpreter), sharing the engine's one workspace: two forwards
+    equal to the eager model, and every split counter back at 0."""
+    model = tiny_model("pow2", 8).to(DEVICE)
+    fused = FusedModel(model, 2, torch.float32, DEVICE, "triton", "triton")
+    forced = 0
+    for op in fused.ops:
+        p = op.params
+        if op.kind != "conv" or p["stride"] != 1 or "pad_end" in p or op.inputs[0] is fused.x_in_value:
+            continue  # (the 3-channel graph input is not TMA-aligned anyway)
+        if p["upsample"] == 2 and DEVICE.type != "cuda":  # the engine packs the phase weights on CUDA only
+            continue
+        x = fused._tensor(op.inputs[0])
+        if tma_conv_unsupported(x, op.output.shape[1], p["ksize"], padding=p["padding"], upsample=p["upsample"]):
+            continue
+        op.impl, forced = "triton-tma-k3", forced + 1
+    upsampled = [op for op in fused.ops if op.impl == "triton-tma-k3" and op.params["upsample"] == 2]
+    assert forced >= 8 and (len(upsampled) == 1 or DEVICE.type != "cuda")
+    assert_two_forwards_match_eager(fused, model, seed=14)
+    assert not fused.split_workspace.counters.any()
 
 
 def force_pair_impl(fused: FusedModel, convs, impl: str) -> None:

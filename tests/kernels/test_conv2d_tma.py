@@ -10,6 +10,7 @@ import torch
 
 import fastdiff.kernels.conv2d_tma as conv2d_tma_module
 from fastdiff.errors import FastdiffError
+from fastdiff.kernels.common import SplitWorkspace
 from fastdiff.kernels.conv2d import unpack_conv_weight
 from fastdiff.kernels.conv2d_tma import (
     OP,
@@ -167,3 +168,57 @@ def test_example_inputs_small() -> None:
     args, kwargs = OP.example_inputs("small", torch.float32, DEVICE, 3)
     out = OP.triton(*args, **kwargs, config=CONFIG)
     assert rel_err(out, reference(args, kwargs)) < TOLERANCE[torch.float32]
+
+
+SPLIT_CASES = [
+    pytest.param(
+        dict(n=2, cin=24, cout=24, h=7, w=9, k=3, padding=1, bias=True, temb=True, act="silu"), 3, id="7x9_k3"
+    ),
+    pytest.param(dict(n=3, cin=8, cout=16, h=4, w=4, k=3, padding=1, res=True, scale=0.5), 4, id="b3_4x4_res_k4"),
+    pytest.param(dict(n=1, cin=24, cout=8, h=5, w=6, k=1, bias=True), 8, id="k1_more_splits_than_steps"),
+    pytest.param(
+        dict(n=256, cin=256, cout=256, h=4, w=4, k=3, padding=1, bias=True, temb=True),
+        2,
+        id="b256_4x4_k2",
+        marks=needs_cuda,
+    ),  # fmt: skip
+    pytest.param(
+        dict(n=256, cin=512, cout=256, h=4, w=4, k=3, padding=1, bias=True, res=True),
+        4,
+        id="b256_4x4_c512_k4",
+        marks=needs_cuda,
+    ),  # fmt: skip
+    pytest.param(
+        dict(n=1, cin=128, cout=128, h=32, w=32, k=3, padding=1, bias=True, res=True),
+        8,
+        id="b1_32x32_k8",
+        marks=needs_cuda,
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("case", "split_k"), SPLIT_CASES)
+def test_split_k_matches_ref(case: dict, split_k: int, dtype: torch.dtype) -> None:
+    """The reduction split over programs, finished by the last to arrive in the same launch: equal to the reference,
+    bit for bit call after call (the partials are summed in split order; the counters are back at 0), one shared
+    workspace."""
+    args, kwargs = make_inputs(case, dtype, seed=zlib.crc32(str(case).encode()))
+    ref = reference(args, kwargs)
+    workspace = SplitWorkspace()
+    out = conv2d_tma(*args, **kwargs, config=CONFIG, split_k=split_k, workspace=workspace)
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+    assert torch.equal(conv2d_tma(*args, **kwargs, config=CONFIG, split_k=split_k, workspace=workspace), out)
+    assert not workspace.counters.any()
+
+
+def test_split_k_upsample2_and_bad_split() -> None:
+    case = dict(n=2, cin=16, cout=24, h=3, w=5, k=3, padding=1, bias=True)
+    args, kwargs = make_inputs(case, torch.float32, seed=9)
+    kwargs["upsample"] = 2
+    ref = reference(args, kwargs)
+    x, packed, bias = args
+    raw = unpack_conv_weight(packed, 16)
+    assert rel_err(conv2d_tma(x, raw, bias, **kwargs, config=CONFIG, split_k=2), ref) < TOLERANCE[torch.float32]
+    with pytest.raises(FastdiffError, match="split_k"):
+        conv2d_tma(x, raw, bias, **kwargs, config=CONFIG, split_k=0)

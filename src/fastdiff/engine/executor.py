@@ -14,10 +14,10 @@ the forward as a list of ops of :mod:`fastdiff.engine.ir`, then:
   persistent, two programs per SM) for those without an activation, ``kernels.tap_sum_conv2d`` (``triton-taps``)
   for a conv of at most 8 output channels, or cuDNN + a torch epilogue; token GEMM: ``kernels.linear`` or
   cuBLAS + a torch epilogue; the gather conv also with its reduction split over 2-16 programs where its grid
-  leaves SMs idle, ``triton-k<split>``; a ResnetBlock2D's conv2 also with its 1x1 conv_shortcut summed in,
-  ``triton-sc[-k<split>]``, or the Gluon conv's ``gluon[-p2]-sc``, timed against the pair unfused
-  (:mod:`fastdiff.engine.shortcut`); a conv whose output
-  a GroupNorm reads also with that norm in its epilogue, ``triton[-sc]-gn[-k<split>]``, or with the norm's
+  leaves SMs idle, ``triton-k<split>``, and the TMA conv the same way, ``triton-tma[-fp8]-k<split>``; a
+  ResnetBlock2D's conv2 also with its 1x1 conv_shortcut summed in, ``triton-sc[-k<split>]``, or the Gluon conv's
+  ``gluon[-p2]-sc``, timed against the pair unfused (:mod:`fastdiff.engine.shortcut`); a conv whose output a
+  GroupNorm reads also with that norm in its epilogue, ``triton[-sc]-gn[-k<split>]``, or with the norm's
   statistics in its epilogue, ``triton[-sc]-st[-k<split>]`` (the norm then one elementwise pass, ``apply``), timed
   against the conv and the norm apart (:mod:`fastdiff.engine.epilogue_norm`); attention:
   ``kernels.attention`` (also with its keys split over 2-8 programs per query block where those leave SMs idle,
@@ -79,7 +79,13 @@ from fastdiff.kernels.attention_gate import attention_gate
 from fastdiff.kernels.common import SplitWorkspace, activation_ref
 from fastdiff.kernels.conv2d import FoldedGroupNorm, OutputGroupNorm, conv2d, pack_conv_weight, split_k_choices
 from fastdiff.kernels.conv2d_gluon import conv2d_gluon, default_gluon_config, gluon_conv_unsupported
-from fastdiff.kernels.conv2d_tma import conv2d_tma, pack_conv_weight_fp8, pack_upsample2_weight, tma_conv_unsupported
+from fastdiff.kernels.conv2d_tma import (
+    conv2d_tma,
+    pack_conv_weight_fp8,
+    pack_upsample2_weight,
+    tma_conv_unsupported,
+    tma_split_k_choices,
+)
 from fastdiff.kernels.depthwise_conv2d import depthwise_conv2d, pack_depthwise_weight
 from fastdiff.kernels.fp8 import FP8_DTYPE
 from fastdiff.kernels.group_norm_act import LANE_CHOICES, group_norm_act
@@ -457,11 +463,13 @@ class FusedModel:
             padding += 1
         elif "pad_end" in p:  # (top/left, bottom/right): the gather kernel's bounds check pads the end
             padding = (padding, p["pad_end"])
-        if impl == "triton-tma-fp8":
+        split_k = int(impl.rpartition("-k")[2]) if "-k" in impl else 1  # -k<N>: the reduction split N ways
+        workspace = self.split_workspace if split_k > 1 else None
+        if impl.startswith("triton-tma-fp8"):
             packed, weight_scale = w["packed_fp8"], w["weight_scale"]
             return lambda: conv2d_tma(
                 x, packed, bias, padding=padding, time_emb=temb, residual=residual, activation=act,
-                out_scale=scale, out=out, weight_scale=weight_scale,
+                out_scale=scale, out=out, weight_scale=weight_scale, split_k=split_k, workspace=workspace,
             )  # fmt: skip
         if impl == "triton-taps":
             raw, packed, partials = w["weight"], w["packed_taps"], self._tap_partials(op)
@@ -479,11 +487,11 @@ class FusedModel:
             return lambda: conv2d_gluon(x, packed, bias, padding=padding, time_emb=temb, residual=residual,
                                         out_scale=scale, out=out, config=config, shortcut=shortcut,
                                         shortcut_weight=shortcut_weight)  # fmt: skip
-        if impl == "triton-tma":
+        if impl.startswith("triton-tma"):
             packed = w["packed_up2"] if up == 2 else w["packed"]
             return lambda: conv2d_tma(
                 x, packed, bias, padding=padding, time_emb=temb, residual=residual, activation=act,
-                out_scale=scale, out=out, upsample=up,
+                out_scale=scale, out=out, upsample=up, split_k=split_k, workspace=workspace,
             )  # fmt: skip
         if impl.startswith("triton"):  # the gather kernel; -sc: + the 1x1 shortcut; -gn: + the GroupNorm of the
             shortcut = shortcut_weight = norm_out = None  # output in the epilogue; -k<N>: reduction split N ways
@@ -496,8 +504,7 @@ class FusedModel:
                 sc = self.shortcuts[op.name]
                 shortcut, shortcut_weight = self._tensor(sc.inputs[0]), self._device_weights[sc.name]["packed"]
                 bias, residual = self._summed_bias(op, sc), None
-            split_k = int(impl.rpartition("-k")[2]) if "-k" in impl else 1
-            packed, workspace = w["packed"], self.split_workspace if split_k > 1 else None
+            packed = w["packed"]
             stats, norm = (self._fold(p.get(key)) for key in ("stats", "norm"))
             if "-st" in impl:  # -st: the partial statistics of the output for its GroupNorm
                 stats = self._stat_fold(self.epilogue_stats[op.name])
@@ -624,11 +631,13 @@ class FusedModel:
             splits = self._split_k_choices(op) if self.device.type == "cuda" else ()
             fused = ("", "-sc") if op.name in self.shortcuts and self.device.type == "cuda" else ("",)
             return tuple(f"triton{sc}{k}" for sc in fused for k in ("", *(f"-k{split}" for split in splits)))
-        if op.kind == "conv" and "fp8_scale" in op.params:
-            return ("triton-tma-fp8",)
+        if op.kind == "conv" and "fp8_scale" in op.params:  # the TMA kernel, also split-K where SMs idle
+            return ("triton-tma-fp8", *(f"triton-tma-fp8-k{split}" for split in self._tma_split_choices(op)))
         if op.kind in ("conv", "depthwise", "linear"):
             library = "cublas" if op.kind == "linear" else "cudnn"
-            ours = ("triton", "triton-tma") if op.kind == "conv" and self._tma_fits(op) else ("triton",)
+            ours = ("triton",)
+            if op.kind == "conv" and self._tma_fits(op):  # + the TMA kernel, also split-K where SMs idle
+                ours = (*ours, "triton-tma", *(f"triton-tma-k{split}" for split in self._tma_split_choices(op)))
             if op.kind == "conv" and self._taps_fit(op):  # + the tap-sum form of a conv with few output channels
                 ours = (*ours, "triton-taps")
             if op.kind == "conv" and self._gluon_fits(op):  # + the Gluon TMA conv, one tile per program or persistent
@@ -664,6 +673,15 @@ class FusedModel:
         (n, cin, *_), (_, cout, ho, wo) = op.inputs[0].shape, op.output.shape
         folded = "norm" in op.params  # normalised on load: one reduction step per tap
         return split_k_choices(n, cin, cout, (ho, wo), op.params["ksize"], self.dtype, self.device, folded)
+
+    def _tma_split_choices(self, op: Op) -> tuple[int, ...]:
+        """The split-K factors of the TMA conv worth timing for ``op`` (:func:`tma_split_k_choices`; CUDA only)."""
+        if self.device.type != "cuda":
+            return ()
+        (n, cin, *_), (_, cout, ho, wo) = op.inputs[0].shape, op.output.shape
+        up = op.params["upsample"]
+        dtype = FP8_DTYPE if "fp8_scale" in op.params else self.dtype
+        return tma_split_k_choices(n, ho // up, wo // up, cin, cout, op.params["ksize"], dtype, self.device, up)
 
     def _taps_fit(self, op: Op) -> bool:
         """Whether ``op`` can run as :func:`tap_sum_conv2d` (a stride-1 conv of at most ``MAX_COUT`` output
@@ -958,6 +976,8 @@ class FusedModel:
         for op in self.ops:
             gather = op.kind == "conv" and _is_gather(op.impl)  # every gather variant reads the plain kernel's
             impl = "triton" if gather else op.impl
+            if impl.startswith("triton-tma"):  # a split-K TMA conv reads what the unsplit one does
+                impl = impl.partition("-k")[0]
             reads = WEIGHT_ROLES.get((op.kind, impl))
             if op.impl != "triton-taps":
                 self.tap_partials.pop(op.name, None)

@@ -38,9 +38,10 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fastdiff.errors import FastdiffError
-from fastdiff.kernels.common import ACTIVATIONS, grid_dependency_sync, num_sms, pdl_launch
+from fastdiff.kernels.common import ACTIVATIONS, SplitWorkspace, grid_dependency_sync, num_sms, pdl_launch
 from fastdiff.kernels.conv2d import (
     _packed_kernel_size,
+    _split_k_reduce,
     check_epilogue_args,
     conv2d_cost,
     conv2d_example_inputs,
@@ -101,7 +102,7 @@ def unpack_conv_weight_fp8(packed: torch.Tensor, scale: torch.Tensor, cin: int) 
 
 @triton.jit
 def _conv2d_tma_kernel(
-    x_desc, w_desc, scale_ptr, bias_ptr, temb_ptr, res_ptr, out_ptr,
+    x_desc, w_desc, scale_ptr, bias_ptr, temb_ptr, res_ptr, out_ptr, ws_ptr, count_ptr,
     N, Cin, Ho, Wo, Cout,
     stride_tn, stride_tc, stride_rn, stride_rc, stride_rh, stride_rw, stride_on, stride_oc, stride_oh, stride_ow,
     out_scale,
@@ -109,7 +110,7 @@ def _conv2d_tma_kernel(
     HAS_BIAS: tl.constexpr, HAS_TEMB: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     TN: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     grid_dependency_sync(PDL)
     BLOCK_M: tl.constexpr = TN * TH * TW
@@ -135,7 +136,14 @@ def _conv2d_tma_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_chunks = tl.cdiv(Cin, BLOCK_K)
     w_row0 = phase * (KSIZE * KSIZE) * Cin
-    for step in range(0, KSIZE * KSIZE * k_chunks):
+    steps = KSIZE * KSIZE * k_chunks
+    step_lo = 0
+    step_hi = steps
+    if SPLIT_K > 1:  # this program's contiguous share of the reduction steps (program_id(2) of SPLIT_K)
+        per_split = tl.cdiv(steps, SPLIT_K)
+        step_lo = tl.program_id(2) * per_split
+        step_hi = tl.minimum(step_lo + per_split, steps)
+    for step in range(step_lo, step_hi):
         tap = step // k_chunks
         c0 = (step - tap * k_chunks) * BLOCK_K
         ih = h0 + tap // KSIZE + py - PAD
@@ -151,19 +159,25 @@ def _conv2d_tma_kernel(
         oh = 2 * oh + py
         ow = 2 * ow + px
 
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < Cout
-    if FP8:  # a_scale * w_scale[n]: the accumulator back to real units before the epilogue
-        acc = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
-    n64 = n_idx.to(tl.int64)
-    res_rows = res_ptr + n64 * stride_rn + oh * stride_rh + ow * stride_rw
-    acc = fused_epilogue(
-        acc, n_idx, offs_n, m_mask, n_mask, bias_ptr, temb_ptr, stride_tn, stride_tc, res_rows, stride_rc,
-        out_scale, HAS_BIAS, HAS_TEMB, HAS_RES, ACT, HAS_SCALE,
-    )  # fmt: skip
-    out_rows = out_ptr + n64 * stride_on + oh * stride_oh + ow * stride_ow
-    tl.store(out_rows[:, None] + offs_n[None, :] * stride_oc, acc.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])  # fmt: skip
+    is_last = True
+    if SPLIT_K > 1:  # the last of the tile's programs sums the fp32 partials in split order, then runs the epilogue
+        unit = pid + phase * tl.num_programs(0)
+        acc, is_last = _split_k_reduce(acc, ws_ptr, count_ptr, unit, tl.program_id(2),
+                                       tl.num_programs(0) * tl.num_programs(1), SPLIT_K, BLOCK_M, BLOCK_N)  # fmt: skip
+    if is_last:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < Cout
+        if FP8:  # a_scale * w_scale[n]: the accumulator back to real units before the epilogue
+            acc = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+        n64 = n_idx.to(tl.int64)
+        res_rows = res_ptr + n64 * stride_rn + oh * stride_rh + ow * stride_rw
+        acc = fused_epilogue(
+            acc, n_idx, offs_n, m_mask, n_mask, bias_ptr, temb_ptr, stride_tn, stride_tc, res_rows, stride_rc,
+            out_scale, HAS_BIAS, HAS_TEMB, HAS_RES, ACT, HAS_SCALE,
+        )  # fmt: skip
+        out_rows = out_ptr + n64 * stride_on + oh * stride_oh + ow * stride_ow
+        tl.store(out_rows[:, None] + offs_n[None, :] * stride_oc, acc.to(out_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])  # fmt: skip
 
 
 def _pow2_at_most(value: int, high: int) -> int:
@@ -239,6 +253,27 @@ def default_config(n: int, ho: int, wo: int, cin: int, cout: int, dtype: torch.d
     return TmaConfig(64, min(block_n, 64), block_k, 4, stages)
 
 
+TMA_SPLIT_K_CHOICES = (2, 4, 8, 16)
+
+
+def tma_split_k_choices(
+    n: int, ho: int, wo: int, cin: int, cout: int, ksize: int, dtype: torch.dtype, device: torch.device,
+    upsample: int = 1,
+) -> tuple[int, ...]:  # fmt: skip
+    """The split-K factors of :func:`conv2d_tma` worth timing for a conv of this size (its default tiles): none where
+    the grid already gives two programs per SM; otherwise those of :data:`TMA_SPLIT_K_CHOICES` that leave every
+    split at least two reduction steps and the grid at most eight programs per SM."""
+    config = default_config(n * upsample**2, ho, wo, cin, cout, dtype, device)
+    tn, th, tw = box_tile(config.block_m, n, ho, wo)
+    programs = triton.cdiv(n, tn) * triton.cdiv(ho, th) * triton.cdiv(wo, tw) * triton.cdiv(cout, config.block_n)
+    programs *= upsample**2
+    sms = num_sms(device)
+    if programs >= 2 * sms:
+        return ()
+    steps = (4 if upsample == 2 else ksize * ksize) * triton.cdiv(cin, config.block_k)
+    return tuple(s for s in TMA_SPLIT_K_CHOICES if 2 * s <= steps and programs * s <= 8 * sms)
+
+
 def conv2d_tma(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -254,6 +289,8 @@ def conv2d_tma(
     upsample: int = 1,
     config: TmaConfig | None = None,
     weight_scale: torch.Tensor | None = None,
+    split_k: int = 1,
+    workspace: SplitWorkspace | None = None,
 ) -> torch.Tensor:
     """:func:`fastdiff.kernels.conv2d.conv2d` for stride-1 convs, tiles loaded by TMA (module docstring).
 
@@ -265,7 +302,14 @@ def conv2d_tma(
     fp8: an e4m3 ``x`` takes :func:`pack_conv_weight_fp8`'s e4m3 ``[Cout, K*K*Cin]`` and
     ``weight_scale`` ``[Cout]`` fp32, the product of the input's scale and the weight's per-channel scales (the
     conv sees ``x * a_scale`` and ``W8 * w_scale``); the output (``out``, default fp16) is fp16, bf16 or fp32.
+
+    Split-K (``split_k > 1``, at most one split per reduction step): as :func:`fastdiff.kernels.conv2d.conv2d`, each
+    output tile's reduction steps are divided among ``split_k`` programs and the last to finish sums the fp32
+    partials in ``workspace`` (:class:`fastdiff.kernels.common.SplitWorkspace`; a new one when None) in split order
+    and runs the epilogue, in the same launch: for grids that leave SMs idle (the 4x4 level at batch 256, batch 1).
     """
+    if isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1:
+        raise FastdiffError(f"split_k must be a positive int, got {split_k!r}")
     if x.dim() != 4:
         raise FastdiffError(f"conv2d input must be 4-D [N, C, H, W], got shape {tuple(x.shape)}")
     n, cin, h, w = x.shape
@@ -310,15 +354,21 @@ def conv2d_tma(
     temb = time_emb if time_emb is not None else out
     res = residual if residual is not None else out
     temb_strides = time_emb.stride() if time_emb is not None else (0, 0)
-    grid = (tiles * triton.cdiv(cout, config.block_n), 4 if up2 else 1)
+    programs = tiles * triton.cdiv(cout, config.block_n) * (4 if up2 else 1)
+    split_k = min(split_k, (4 if up2 else ksize**2) * triton.cdiv(cin, config.block_k))  # a step per split at least
+    if split_k > 1:
+        workspace = workspace if workspace is not None else SplitWorkspace()
+        workspace.reserve(split_k * programs * config.block_m * config.block_n, programs, x.device)
+    grid = (tiles * triton.cdiv(cout, config.block_n), 4 if up2 else 1, split_k)
     _conv2d_tma_kernel[grid](
         x_desc, w_desc, weight_scale if fp8 else out, bias if bias is not None else out, temb, res, out,
+        workspace.partials if split_k > 1 else out, workspace.counters if split_k > 1 else out,
         n, cin, ho, wo, cout, *temb_strides, *res.stride(), *out.stride(),
         1.0 if out_scale is None else float(out_scale),
         PAD=padding, KSIZE=2 if up2 else ksize, UP2=up2, FP8=fp8,
         HAS_BIAS=bias is not None, HAS_TEMB=time_emb is not None, HAS_RES=residual is not None,
         ACT=ACTIVATIONS[activation], HAS_SCALE=out_scale is not None,
-        TN=tn, TH=th, TW=tw, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        TN=tn, TH=th, TW=tw, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
     return out
