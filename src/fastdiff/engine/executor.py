@@ -14,7 +14,7 @@ the forward as a list of ops of :mod:`fastdiff.engine.ir`, then:
   persistent, two programs per SM) for those without an activation, ``kernels.tap_sum_conv2d`` (``triton-taps``)
   for a conv of at most 8 output channels, or cuDNN + a torch epilogue; token GEMM: ``kernels.linear`` or
   cuBLAS + a torch epilogue; the gather conv also with its reduction split over 2-16 programs where its grid
-  leaves SMs idle, ``triton-k<split>``, and the TMA conv the same way, ``triton-tma[-fp8]-k<split>``; a
+  leaves SMs idle, ``triton-k<split>``, and the fp8 TMA conv the same way, ``triton-tma-fp8-k<split>``; a
   ResnetBlock2D's conv2 also with its 1x1 conv_shortcut summed in, ``triton-sc[-k<split>]``, or the Gluon conv's
   ``gluon[-p2]-sc``, timed against the pair unfused (:mod:`fastdiff.engine.shortcut`); a conv whose output a
   GroupNorm reads also with that norm in its epilogue, ``triton[-sc]-gn[-k<split>]``, or with the norm's
@@ -631,13 +631,11 @@ class FusedModel:
             splits = self._split_k_choices(op) if self.device.type == "cuda" else ()
             fused = ("", "-sc") if op.name in self.shortcuts and self.device.type == "cuda" else ("",)
             return tuple(f"triton{sc}{k}" for sc in fused for k in ("", *(f"-k{split}" for split in splits)))
-        if op.kind == "conv" and "fp8_scale" in op.params:  # the TMA kernel, also split-K where SMs idle
+        if op.kind == "conv" and "fp8_scale" in op.params:  # the TMA kernel, also split-K where its grid leaves SMs
             return ("triton-tma-fp8", *(f"triton-tma-fp8-k{split}" for split in self._tma_split_choices(op)))
         if op.kind in ("conv", "depthwise", "linear"):
             library = "cublas" if op.kind == "linear" else "cudnn"
-            ours = ("triton",)
-            if op.kind == "conv" and self._tma_fits(op):  # + the TMA kernel, also split-K where SMs idle
-                ours = (*ours, "triton-tma", *(f"triton-tma-k{split}" for split in self._tma_split_choices(op)))
+            ours = ("triton", "triton-tma") if op.kind == "conv" and self._tma_fits(op) else ("triton",)
             if op.kind == "conv" and self._taps_fit(op):  # + the tap-sum form of a conv with few output channels
                 ours = (*ours, "triton-taps")
             if op.kind == "conv" and self._gluon_fits(op):  # + the Gluon TMA conv, one tile per program or persistent
@@ -675,7 +673,9 @@ class FusedModel:
         return split_k_choices(n, cin, cout, (ho, wo), op.params["ksize"], self.dtype, self.device, folded)
 
     def _tma_split_choices(self, op: Op) -> tuple[int, ...]:
-        """The split-K factors of the TMA conv worth timing for ``op`` (:func:`tma_split_k_choices`; CUDA only)."""
+        """The split-K factors of the fp8 TMA conv worth timing for ``op`` (:func:`tma_split_k_choices`; CUDA only).
+        Not offered to the fp16/bf16 TMA conv: on the H100 its split forms lost to the gather kernel's at batch 1 and
+        to its own unsplit form at batch 256's 4x4 level (the README's "Split-K for the fp8 convs")."""
         if self.device.type != "cuda":
             return ()
         (n, cin, *_), (_, cout, ho, wo) = op.inputs[0].shape, op.output.shape
