@@ -104,11 +104,19 @@ def test_fp8_forward_against_float64_and_fp16():
     err8, err16 = rel_err(got, ref), rel_err(half, ref)
     assert torch.isfinite(got).all()
     assert err16 < 0.01 and err16 * 3 < err8 < 0.1  # fp8: e4m3 steps of 1/16 .. 1/8 in every conv, about 6% here
-    for op in fp8.ops:  # every fp8 conv split-K (the autotune's choice where the grid leaves SMs idle): the same
-        if op.name in convs:  # products, summed in another order
-            op.impl = "triton-tma-fp8-k2"
-    fp8._bind(x_in)
-    assert rel_err(fp8.forward(x_in, t), got) < 1e-3
+    # Each fp8 conv split-K (the autotune's choice where the grid leaves SMs idle) on the input the forward gave it:
+    # the same products summed in another order, so within fp16 roundings of the unsplit conv. (Not compared at the
+    # model's output: one changed fp16 rounding can move an e4m3 rounding downstream, and the network's output by
+    # several %: 3.8% here on the H100, with every op within 4e-4 of its unsplit form.)
+    fp8.temb_row.copy_(fp8.time_table(t))
+    for op, call in zip(fp8.step_ops, fp8._calls, strict=True):
+        call()
+        if op.name in convs:
+            out = fp8._tensor(op.output)
+            whole = out.clone()
+            fp8._call(op, "triton-tma-fp8-k2")()
+            assert rel_err(out, whole) < 1e-3, op.name
+            out.copy_(whole)
     assert not fp8.split_workspace.counters.any()
 
 
