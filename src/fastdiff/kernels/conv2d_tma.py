@@ -25,6 +25,10 @@ Measured on the H100 (``benchmarks/sweep_conv.py``, ddpm-cifar10 at batch 256, f
 57-80% of the bf16 matmul ceiling against 35-60% for the gather kernel, 1.2-1.8x faster than it or cuDNN. At
 batch 1 the gather kernel's small tiles stay faster, and the engine's autotune keeps it. A second layout
 (a 2-D descriptor over the pixel rows, wrapped rows zeroed in registers) was slower everywhere and was dropped.
+
+Split-K (``split_k``): the gather kernel's in-launch fix-up (:func:`fastdiff.kernels.conv2d._split_k_reduce`) over
+contiguous ranges of the reduction steps. The engine offers it to the fp8 convs, which have no other kernel, where
+the grid leaves SMs idle (batch 1); the README's "FP8 on Hopper" has the numbers.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.common import ACTIVATIONS, SplitWorkspace, grid_dependency_sync, num_sms, pdl_launch
 from fastdiff.kernels.conv2d import (
+    SPLIT_K_CHOICES,
     _packed_kernel_size,
     _split_k_reduce,
     check_epilogue_args,
@@ -253,16 +258,13 @@ def default_config(n: int, ho: int, wo: int, cin: int, cout: int, dtype: torch.d
     return TmaConfig(64, min(block_n, 64), block_k, 4, stages)
 
 
-TMA_SPLIT_K_CHOICES = (2, 4, 8, 16)
-
-
 def tma_split_k_choices(
     n: int, ho: int, wo: int, cin: int, cout: int, ksize: int, dtype: torch.dtype, device: torch.device,
     upsample: int = 1,
 ) -> tuple[int, ...]:  # fmt: skip
     """The split-K factors of :func:`conv2d_tma` worth timing for a conv of this size (its default tiles): none where
-    the grid already gives two programs per SM; otherwise those of :data:`TMA_SPLIT_K_CHOICES` that leave every
-    split at least two reduction steps and the grid at most eight programs per SM."""
+    the grid already gives two programs per SM; otherwise those of the gather kernel's ``SPLIT_K_CHOICES`` that
+    leave every split at least two reduction steps and the grid at most eight programs per SM."""
     config = default_config(n * upsample**2, ho, wo, cin, cout, dtype, device)
     tn, th, tw = box_tile(config.block_m, n, ho, wo)
     programs = triton.cdiv(n, tn) * triton.cdiv(ho, th) * triton.cdiv(wo, tw) * triton.cdiv(cout, config.block_n)
@@ -271,7 +273,7 @@ def tma_split_k_choices(
     if programs >= 2 * sms:
         return ()
     steps = (4 if upsample == 2 else ksize * ksize) * triton.cdiv(cin, config.block_k)
-    return tuple(s for s in TMA_SPLIT_K_CHOICES if 2 * s <= steps and programs * s <= 8 * sms)
+    return tuple(s for s in SPLIT_K_CHOICES if 2 * s <= steps and programs * s <= 8 * sms)
 
 
 def conv2d_tma(
