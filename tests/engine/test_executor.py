@@ -91,6 +91,12 @@ def test_shortcut_summed_in_the_gluon_conv_matches_unfused(impl):
     model = DDPMUNet(config).eval().to(DEVICE)
     fused = FusedModel(model, 2, torch.float16, DEVICE, "triton", "triton")
     assert any(name.startswith("up_blocks") for name in fused.shortcuts)
+    offered = [
+        name
+        for name in fused.shortcuts
+        if {"gluon-sc", "gluon-p2-sc"} <= set(fused._candidates(fused._op_by_name[name]))
+    ]
+    assert offered, "the autotune offers the Gluon forms where the conv is in the Gluon conv's domain"
     x = channels_last_empty(fused.x_in_value.shape, torch.float16, DEVICE).normal_(generator=torch.Generator(DEVICE))
     t = torch.tensor([500], device=DEVICE)
     plain = fused.forward(x, t).clone()
@@ -103,9 +109,9 @@ def test_shortcut_summed_in_the_gluon_conv_matches_unfused(impl):
 
 def test_split_k_tma_convs_match_eager(tiny_model):
     """Every conv the TMA kernel can run (stride 1, TMA-aligned: the 8- and 16-channel convs of the pow2 U-Net, on
-    CUDA its Upsample2D too) on it split three ways (``triton-tma-k3``; the autotune offers it on Hopper where the
-    grid leaves SMs idle, here forced, also in the interpreter), sharing the engine's one workspace: two forwards
-    equal to the eager model, and every split counter back at 0."""
+    CUDA its Upsample2D too) on it split three ways (``triton-tma-k3``: the engine path of the fp8 convs' split-K,
+    which the autotune offers only to those; forced here, also in the interpreter), sharing the engine's one
+    workspace: two forwards equal to the eager model, and every split counter back at 0."""
     model = tiny_model("pow2", 8).to(DEVICE)
     fused = FusedModel(model, 2, torch.float32, DEVICE, "triton", "triton")
     forced = 0

@@ -74,6 +74,10 @@ def test_outside_its_domain_it_says_why() -> None:
     assert "stride" in gluon_conv_unsupported(x, 16, 3, stride=2, padding=1)
     with pytest.raises(FastdiffError, match="conv2d_gluon: dtype"):
         conv2d_gluon(x.float(), torch.zeros(16, 16, 3, 3, device=DEVICE), padding=1)
+    weight = torch.zeros(16, 16, 3, 3, device=DEVICE, dtype=torch.float16)
+    for config in (GluonConfig(block_n=32), GluonConfig(block_k=32)):  # the 128-byte swizzle's minimum
+        with pytest.raises(FastdiffError, match="128-byte swizzle"):
+            conv2d_gluon(x, weight, padding=1, config=config)
 
 
 SHORTCUT_CASES = [
@@ -102,7 +106,9 @@ def test_shortcut_summed_into_the_reduction(case: dict, config: GluonConfig | No
     args, kwargs = make_inputs(case, torch.float16, seed=zlib.crc32(str(case).encode()))
     kwargs.pop("stride")
     ref = reference(args, kwargs)
-    out = conv2d_gluon(*args, **kwargs, config=config)
+    out = torch.full(ref.shape, float("nan"), dtype=torch.float16, device=DEVICE)
+    out = out.contiguous(memory_format=torch.channels_last)
+    assert conv2d_gluon(*args, **kwargs, config=config, out=out) is out
     assert rel_err(out, ref) < TOLERANCE[torch.float16]
     kwargs["shortcut_weight"] = kwargs["shortcut_weight"].reshape(case["cout"], case["shortcut"]).t().contiguous()
     assert torch.equal(conv2d_gluon(*args, **kwargs, config=config), out)

@@ -14,7 +14,8 @@ the forward as a list of ops of :mod:`fastdiff.engine.ir`, then:
   persistent, two programs per SM) for those without an activation, ``kernels.tap_sum_conv2d`` (``triton-taps``)
   for a conv of at most 8 output channels, or cuDNN + a torch epilogue; token GEMM: ``kernels.linear`` or
   cuBLAS + a torch epilogue; the gather conv also with its reduction split over 2-16 programs where its grid
-  leaves SMs idle, ``triton-k<split>``, and the fp8 TMA conv the same way, ``triton-tma-fp8-k<split>``; a
+  leaves SMs idle, ``triton-k<split>``, and the fp8 TMA conv the same way, ``triton-tma-fp8-k<split>`` (the
+  fp16/bf16 TMA conv also runs split, ``triton-tma-k<split>``, when an op's impl is set to it; not offered); a
   ResnetBlock2D's conv2 also with its 1x1 conv_shortcut summed in, ``triton-sc[-k<split>]``, or the Gluon conv's
   ``gluon[-p2]-sc``, timed against the pair unfused (:mod:`fastdiff.engine.shortcut`); a conv whose output a
   GroupNorm reads also with that norm in its epilogue, ``triton[-sc]-gn[-k<split>]``, or with the norm's
@@ -465,6 +466,11 @@ class FusedModel:
             padding = (padding, p["pad_end"])
         split_k = int(impl.rpartition("-k")[2]) if "-k" in impl else 1  # -k<N>: the reduction split N ways
         workspace = self.split_workspace if split_k > 1 else None
+        shortcut = shortcut_weight = None
+        if _sums_shortcut(impl):  # -sc: + the 1x1 conv_shortcut summed into the reduction (engine/shortcut.py)
+            sc = self.shortcuts[op.name]
+            shortcut, shortcut_weight = self._tensor(sc.inputs[0]), self._device_weights[sc.name]["packed"]
+            bias, residual = self._summed_bias(op, sc), None
         if impl.startswith("triton-tma-fp8"):
             packed, weight_scale = w["packed_fp8"], w["weight_scale"]
             return lambda: conv2d_tma(
@@ -479,11 +485,6 @@ class FusedModel:
             config = default_gluon_config(self.batch, ho, wo, cout, self.device)
             if impl.startswith("gluon-p2"):  # persistent: two programs per SM loop over the tiles
                 config = dataclasses.replace(config, programs_per_sm=2)
-            shortcut = shortcut_weight = None
-            if impl.endswith("-sc"):  # + the 1x1 conv_shortcut summed into the reduction (engine/shortcut.py)
-                sc = self.shortcuts[op.name]
-                shortcut, shortcut_weight = self._tensor(sc.inputs[0]), self._device_weights[sc.name]["packed"]
-                bias, residual = self._summed_bias(op, sc), None
             return lambda: conv2d_gluon(x, packed, bias, padding=padding, time_emb=temb, residual=residual,
                                         out_scale=scale, out=out, config=config, shortcut=shortcut,
                                         shortcut_weight=shortcut_weight)  # fmt: skip
@@ -493,17 +494,13 @@ class FusedModel:
                 x, packed, bias, padding=padding, time_emb=temb, residual=residual, activation=act,
                 out_scale=scale, out=out, upsample=up, split_k=split_k, workspace=workspace,
             )  # fmt: skip
-        if impl.startswith("triton"):  # the gather kernel; -sc: + the 1x1 shortcut; -gn: + the GroupNorm of the
-            shortcut = shortcut_weight = norm_out = None  # output in the epilogue; -k<N>: reduction split N ways
+        if impl.startswith("triton"):  # the gather kernel; -gn: + the GroupNorm of the output in the epilogue
+            norm_out = None
             if "-gn" in impl:
                 gn = self.epilogue_norms[op.name]
                 gw, gp = self._device_weights[gn.name], gn.params
                 norm_out = OutputGroupNorm(gp["groups"], self._tensor(gn.output), gw.get("weight"), gw.get("bias"),
                                            gp["eps"], gp["act"])  # fmt: skip
-            if impl.startswith("triton-sc"):
-                sc = self.shortcuts[op.name]
-                shortcut, shortcut_weight = self._tensor(sc.inputs[0]), self._device_weights[sc.name]["packed"]
-                bias, residual = self._summed_bias(op, sc), None
             packed = w["packed"]
             stats, norm = (self._fold(p.get(key)) for key in ("stats", "norm"))
             if "-st" in impl:  # -st: the partial statistics of the output for its GroupNorm
@@ -678,10 +675,8 @@ class FusedModel:
         to its own unsplit form at batch 256's 4x4 level (the README's "Split-K for the fp8 convs")."""
         if self.device.type != "cuda":
             return ()
-        (n, cin, *_), (_, cout, ho, wo) = op.inputs[0].shape, op.output.shape
-        up = op.params["upsample"]
-        dtype = FP8_DTYPE if "fp8_scale" in op.params else self.dtype
-        return tma_split_k_choices(n, ho // up, wo // up, cin, cout, op.params["ksize"], dtype, self.device, up)
+        (n, cin, *_), (_, cout, ho, wo) = op.inputs[0].shape, op.output.shape  # fp8: never an Upsample2D
+        return tma_split_k_choices(n, ho, wo, cin, cout, op.params["ksize"], FP8_DTYPE, self.device)
 
     def _taps_fit(self, op: Op) -> bool:
         """Whether ``op`` can run as :func:`tap_sum_conv2d` (a stride-1 conv of at most ``MAX_COUT`` output
@@ -762,7 +757,7 @@ class FusedModel:
         self._check_input(x_in)
         self._x_in = x_in
         self.tensors = {}
-        for name, sc in self.shortcuts.items():  # a shortcut summed in its conv2 (impl triton-sc*) runs no launch
+        for name, sc in self.shortcuts.items():  # a shortcut summed in its conv2 (_sums_shortcut) runs no launch
             if _sums_shortcut(self._op_by_name[name].impl or ""):
                 sc.impl, sc.why = "fused", f"summed in {name} (the reduction runs on over this conv's input)"
             elif sc.impl == "fused":  # back to its own fastest (or default) implementation
@@ -957,9 +952,13 @@ class FusedModel:
         return [0.0 if op.impl == "fused" else time_call_us(call, reps) for op, call in pairs]  # fused: no launch
 
     def _tuning_key(self, op: Op) -> str:
-        """What an op's timing depends on: kind, shapes, strided (concat slice) or not, flags, dtype, GPU, library
+        """What an op's timing depends on: kind, shapes, strided (concat slice) or not, flags (an fp8 input scale
+        only as present: its value does not change the time), the fused partners' shapes, dtype, GPU, library
         versions and the kernels' source (:func:`kernels_revision`) (a string: it is a JSON key on disk)."""
-        params = {k: (v is not None if k == "temb" else v) for k, v in op.params.items()}
+        params = {k: (v is not None if k in ("temb", "fp8_scale") else v) for k, v in op.params.items()}
+        if op.name in self.shortcuts:  # its -sc candidates also run the shortcut conv: that input's size and layout
+            sc_in = self.shortcuts[op.name].inputs[0]
+            params["shortcut_in"] = (sc_in.shape, sc_in.concat is not None)
         if op.name in self.epilogue_norms:  # its -gn candidates also run this norm
             gn = self.epilogue_norms[op.name]
             affine = self._device_weights.get(gn.name, {}).get("weight") is not None

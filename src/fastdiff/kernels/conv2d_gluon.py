@@ -270,6 +270,11 @@ def conv2d_gluon(
     if out is None:
         out = torch.empty((n, cout, ho, wo), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
     config = config or default_gluon_config(n, ho, wo, cout, x.device)
+    if config.block_n < 64 or config.block_k * x.element_size() != 128:
+        raise FastdiffError(
+            f"conv2d_gluon: tiles of {config.block_n} channels and {config.block_k}-deep steps; the 128-byte swizzle "
+            "needs at least 64 channels and 128-byte steps (64 deep in fp16/bf16)"
+        )
     _launch(x, weight.contiguous(), bias, time_emb, residual, out, out_scale, padding, ksize, config, shortcut,
             shortcut_weight)  # fmt: skip
     return out

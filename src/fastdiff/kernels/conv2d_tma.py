@@ -263,8 +263,10 @@ def tma_split_k_choices(
     upsample: int = 1,
 ) -> tuple[int, ...]:  # fmt: skip
     """The split-K factors of :func:`conv2d_tma` worth timing for a conv of this size (its default tiles): none where
-    the grid already gives two programs per SM; otherwise those of the gather kernel's ``SPLIT_K_CHOICES`` that
-    leave every split at least two reduction steps and the grid at most eight programs per SM."""
+    the grid already gives two programs per SM; otherwise those of the gather kernel's ``SPLIT_K_CHOICES`` with at
+    least two reduction steps per split on average and the grid at most eight programs per SM. (The kernel gives
+    each split ``ceil(steps / split_k)`` steps, so the last splits may get fewer or none: 9 steps split 4 ways run
+    as 3 + 3 + 3 + 0.)"""
     config = default_config(n * upsample**2, ho, wo, cin, cout, dtype, device)
     tn, th, tw = box_tile(config.block_m, n, ho, wo)
     programs = triton.cdiv(n, tn) * triton.cdiv(ho, th) * triton.cdiv(wo, tw) * triton.cdiv(cout, config.block_n)
