@@ -4,6 +4,7 @@ loops and the JSON, the kernel-cache state."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -11,8 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from fastdiff.bench.report import markdown_table
-from fastdiff.bench.runner import SCHEMA, BenchConfig, run_bench
-from fastdiff.bench.systems import EagerSystem
+from fastdiff.bench.runner import ALL_SYSTEMS, OPTIONAL_SYSTEMS, SCHEMA, BenchConfig, build_system, run_bench
+from fastdiff.bench.systems import COMPILE_CONFIGS, EagerSystem
 from fastdiff.engine import kernel_cache_state
 from fastdiff.errors import FastdiffError
 from fastdiff.models.ddpm_unet import DDPMUNet, DDPMUNetConfig
@@ -85,3 +86,17 @@ def test_kernel_cache_state(tmp_path, monkeypatch):
     fastdiff_dir.mkdir()
     (fastdiff_dir / "engine_tuning.json").write_text("{}")
     assert kernel_cache_state() == "warm"
+
+
+@pytest.mark.parametrize("name", sorted(COMPILE_CONFIGS))
+def test_compile_configs_are_inductor_options(name):
+    """Each torch.compile system names real Inductor options (a misspelt one would fail only on the GPU, late)."""
+    import torch._inductor.config as inductor_config
+
+    config = COMPILE_CONFIGS[name]
+    for key in config.options:
+        *path, attr = key.split(".")
+        assert hasattr(functools.reduce(getattr, path, inductor_config), attr), key
+    system = build_system(f"{name}-fp16", lambda: None, torch.device("cpu"), torch.zeros(1))
+    assert system.name == name and system.notes.startswith(f"torch.compile mode={config.mode}")
+    assert f"{name}-fp16" in ALL_SYSTEMS + OPTIONAL_SYSTEMS

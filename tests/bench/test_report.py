@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastdiff.bench.report import markdown_table
+from fastdiff.bench.report import fastest_compile_ms, markdown_table
 
 
 def row(system: str, images_per_s: float | None, error: str | None = None, **extra) -> dict:
@@ -29,12 +29,22 @@ def test_table_rows_and_speedup():
     assert len(body) == 3
     columns = header.count("|")
     assert all(line.count("|") == columns for line in body)  # every row spans the header's columns
-    assert "| 1.00 |" in body[0]
-    assert "| 2.50 | 2.5 (cold cache) |" in body[1]
+    assert "| 1.00 | 1.00 |" in body[0]
+    assert "| 2.50 | 1.00 | 2.5 (cold cache) |" in body[1]  # same ms/step as the compile row
     assert "skipped: diffusers not installed" in body[2]
     assert "batch 3" in lines[0] and "random weights" in lines[0] and "GPU X" in lines[0]
 
 
 def test_no_baseline_gives_dashes():
     body = markdown_table(result([row("engine", 10.0)])).splitlines()[4]
-    assert "| 10 | — | 2.5 |" in body
+    assert "| 10 | — | — | 2.5 |" in body
+
+
+def test_fastest_compile_row_is_the_baseline():
+    """Against the fastest torch.compile configuration, whichever system it is; non-compile rows never count."""
+    rows = [row("compile", 1.0), row("compile+autotune", 1.0), row("diffusers+compile", 1.0), row("eager", 1.0),
+            row("engine", 1.0)]  # fmt: skip
+    for r, ms in zip(rows, (3.0, 2.0, 4.0, 0.5, 1.0), strict=True):
+        r["ms_per_step"] = ms
+    assert fastest_compile_ms(result(rows)) == 2.0
+    assert "| 2.00 | 2.5 |" in markdown_table(result(rows)).splitlines()[8]

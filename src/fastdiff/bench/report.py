@@ -10,6 +10,17 @@ def _fmt(value: float | None, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
+def is_compiled(system: str) -> bool:
+    """Whether a bench row is a torch.compile system (any configuration, fastdiff's model or diffusers')."""
+    return system.startswith("compile") or system == "diffusers+compile"
+
+
+def fastest_compile_ms(result: dict) -> float | None:
+    """The fastest torch.compile row's ms per step in a bench result (the fair baseline), None without one."""
+    times = [r["ms_per_step"] for r in result["results"] if is_compiled(r["system"]) and r.get("ms_per_step")]
+    return min(times) if times else None
+
+
 def markdown_table(result: dict) -> str:
     """One Markdown table for one bench result (rows in the order measured)."""
     cfg, env = result["config"], result["env"]
@@ -28,25 +39,27 @@ def markdown_table(result: dict) -> str:
     lines = [
         head,
         "",
-        "| system | dtype | ms/step | s/image | images/s | × diffusers+compile | ready (s) | peak MiB | J/image | W "
-        "| PSNR dB | vs diffusers dB | max abs diff |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| system | dtype | ms/step | s/image | images/s | × diffusers+compile | × fastest compile | ready (s) "
+        "| peak MiB | J/image | W | PSNR dB | vs diffusers dB | max abs diff |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     baseline = next(
         (r["images_per_s"] for r in result["results"] if r["system"] == "diffusers+compile" and not r.get("error")),
         None,
     )
+    fastest = fastest_compile_ms(result)
     for r in result["results"]:
         if r.get("error"):
-            lines.append(f"| {r['system']} | {r['dtype']} | {r['error']} |||||||||||")
+            lines.append(f"| {r['system']} | {r['dtype']} | {r['error']} ||||||||||||")
             continue
         ratio = None if baseline is None or r["images_per_s"] is None else r["images_per_s"] / baseline
+        vs_compile = None if fastest is None or not r["ms_per_step"] else fastest / r["ms_per_step"]
         ready = _fmt(r["time_to_ready_s"], ".1f")
         if r["time_to_ready_s"] is not None and "kernel_cache" in r.get("extra", {}):
             ready += f" ({r['extra']['kernel_cache']} cache)"
         lines.append(
             f"| {r['system']} | {r['dtype']} | {_fmt(r['ms_per_step'], '.3f')} | {_fmt(r['s_per_image'], '.4g')} "
-            f"| {_fmt(r['images_per_s'], '.4g')} | {_fmt(ratio, '.2f')} | {ready} "
+            f"| {_fmt(r['images_per_s'], '.4g')} | {_fmt(ratio, '.2f')} | {_fmt(vs_compile, '.2f')} | {ready} "
             f"| {_fmt(r['peak_mem_mb'], '.0f')} | {_fmt(r['energy_j_per_image'], '.3g')} "
             f"| {_fmt(r['avg_power_w'], '.0f')} | {_fmt(r['psnr_db'], '.1f')} "
             f"| {_fmt(r.get('extra', {}).get('psnr_vs_diffusers_fp32_db'), '.1f')} | {_fmt(r['max_abs_diff'], '.2e')} |"

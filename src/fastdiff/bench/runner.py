@@ -16,7 +16,7 @@ from torch import nn
 from fastdiff.bench.energy import EnergyMeter
 from fastdiff.bench.env import environment, gpu_slug
 from fastdiff.bench.ops import engine_op_table
-from fastdiff.bench.systems import CompileSystem, DiffusersSystem, EagerSystem, EngineSystem, System
+from fastdiff.bench.systems import COMPILE_CONFIGS, CompileSystem, DiffusersSystem, EagerSystem, EngineSystem, System
 from fastdiff.devices import DTYPES, synchronize, time_ms
 from fastdiff.errors import FastdiffError
 from fastdiff.models import PRESETS, load_unet
@@ -38,8 +38,11 @@ ALL_SYSTEMS = (
     "engine-bf16",
     "engine-fp8",
 )
-OPTIONAL_SYSTEMS = ("engine+fold-fp16", "engine+fold-bf16")
-"""Systems that run only when named in ``--systems``: the engine with GroupNorm folded into the convs."""
+OPTIONAL_SYSTEMS = ("engine+fold-fp16", "engine+fold-bf16") + tuple(
+    f"{name}-fp16" for name in COMPILE_CONFIGS if f"{name}-fp16" not in ALL_SYSTEMS
+)
+"""Systems that run only when named in ``--systems``: the engine with GroupNorm folded into the convs, and the
+torch.compile configurations not in the default set."""
 
 
 @dataclass
@@ -114,8 +117,8 @@ def build_system(
     dtype = DTYPES[dtype_name]
     if kind == "eager":
         return EagerSystem(make_model, dtype, device, cache_interval)
-    if kind == "compile":
-        return CompileSystem(make_model, dtype, device, warmup_x)
+    if kind in COMPILE_CONFIGS:
+        return CompileSystem(make_model, dtype, device, warmup_x, config=kind)
     if kind == "diffusers":
         return DiffusersSystem(make_model, dtype, device, schedule)
     if kind == "diffusers+compile":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -71,19 +72,62 @@ class EagerSystem(System):
         )
 
 
-class CompileSystem(EagerSystem):
-    """torch.compile(mode="reduce-overhead") of fastdiff's eager model; compilation counts in time-to-ready. Every
-    step in full (no step cache)."""
+@dataclass(frozen=True)
+class CompileConfig:
+    """One torch.compile configuration: a ``torch.compile`` mode plus extra Inductor options, and whether the model's
+    weights and inputs are channels-last."""
 
-    def __init__(self, make_model, dtype, device, warmup_batch: torch.Tensor) -> None:
+    mode: str
+    extra_options: tuple[tuple[str, object], ...] = ()
+    channels_last: bool = False
+
+    @property
+    def options(self) -> dict[str, object]:
+        """The Inductor options ``torch.compile(options=...)`` gets: the mode's own, then the extras."""
+        import torch._inductor
+
+        return {**torch._inductor.list_mode_options(self.mode), **dict(self.extra_options)}
+
+    @property
+    def notes(self) -> str:
+        words = [f"torch.compile mode={self.mode}"] + [f"{k}={v}" for k, v in self.extra_options]
+        return ", ".join(words + (["channels_last"] if self.channels_last else []))
+
+
+COMPILE_CONFIGS = {
+    "compile": CompileConfig("reduce-overhead"),
+    "compile+autotune": CompileConfig("max-autotune"),
+    "compile+freeze": CompileConfig("reduce-overhead", (("freezing", True),)),
+    "compile+autotune+freeze": CompileConfig("max-autotune", (("freezing", True),)),
+    "compile+autotune+freeze+cl": CompileConfig("max-autotune", (("freezing", True),), channels_last=True),
+}
+"""The torch.compile configurations ``fastdiff bench`` can compare (system ``<name>-<dtype>``): Inductor's CUDA-graph
+modes, with max-autotune (Triton templates timed against cuDNN/cuBLAS per conv and matmul), freezing (weights folded
+in as constants, so their layout conversions happen once) and channels-last. ``benchmarks/sweep_compile.py`` times
+all of them on a model's forward."""
+
+
+def compile_model(model: nn.Module, config: CompileConfig) -> nn.Module:
+    """``model`` (on its device, eval) under torch.compile with ``config``; compiles on the first calls."""
+    if config.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return torch.compile(model, options=config.options)
+
+
+class CompileSystem(EagerSystem):
+    """torch.compile of fastdiff's eager model in one of ``COMPILE_CONFIGS``; compilation (and max-autotune's
+    timing) counts in time-to-ready. Every step in full (no step cache)."""
+
+    def __init__(self, make_model, dtype, device, warmup_batch: torch.Tensor, config: str = "compile") -> None:
         super().__init__(make_model, dtype, device)
-        self.name = "compile"
-        self.notes = "torch.compile mode=reduce-overhead"
+        self.name = config
+        self.config = COMPILE_CONFIGS[config]
+        self.notes = self.config.notes
         self.warmup_batch = warmup_batch
 
     def prepare(self) -> None:
         super().prepare()
-        self.model = torch.compile(self.model, mode="reduce-overhead")
+        self.model = compile_model(self.model, self.config)
         t = torch.zeros(self.warmup_batch.shape[0], dtype=torch.long, device=self.device)
         with torch.no_grad():
             for _ in range(3):  # compile + CUDA-graph recording happen in these calls
