@@ -26,6 +26,7 @@ MEASURED_CODE = {
     "fd": ("src/fastdiff/samplers", "src/fastdiff/engine", "src/fastdiff/kernels", "src/fastdiff/models"),
     "bench": ("src/fastdiff/samplers", "src/fastdiff/engine", "src/fastdiff/kernels", "src/fastdiff/models",
               "src/fastdiff/bench"),
+    "compile": ("src/fastdiff/models", "src/fastdiff/bench/systems.py", "benchmarks/sweep_compile.py"),
     "parity": ("src/fastdiff/samplers", "src/fastdiff/engine", "src/fastdiff/kernels", "src/fastdiff/models"),
     "profile": ("src/fastdiff/samplers", "src/fastdiff/engine", "src/fastdiff/kernels", "src/fastdiff/profile"),
     "serve": ("src/fastdiff/serve", "src/fastdiff/samplers", "src/fastdiff/engine", "src/fastdiff/kernels"),
@@ -179,6 +180,47 @@ def bench_tables() -> str:
             f"From `{path.relative_to(ROOT)}`: {markdown_table(d)}{floors}\n\n{freshness(d['env']['git_sha'], 'bench')}"
         )
     return "\n\n".join(parts) or "_No `fastdiff bench` result committed yet._"
+
+
+def compile_table() -> str:
+    """One table of the torch.compile sweeps (benchmarks/sweep_compile.py): a row per configuration, a column per
+    sweep file (model, batch), ms per forward with the compile time; the fastest of each column in bold."""
+    sweeps = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("sweep-compile-*.json"))]
+    if not sweeps:
+        return "_No torch.compile sweep committed yet._"
+    sweeps.sort(key=lambda d: (d["model"], d["batch"]))
+    names = list(dict.fromkeys(r["config"] for d in sweeps for r in d["rows"]))
+    head = "| configuration | " + " | ".join(f"{d['model']} batch {d['batch']}" for d in sweeps) + " |"
+    lines = [
+        "ms per U-Net forward, fp16 (compile time in parentheses; fastest in bold; — not run):",
+        "",
+        head,
+        "| --- |" + " ---: |" * len(sweeps),
+    ]
+    for name in names:
+        cells = []
+        for d in sweeps:
+            row = next((r for r in d["rows"] if r["config"] == name), None)
+            if row is None:
+                cells.append("—")
+            elif row.get("error"):
+                cells.append("failed")
+            else:
+                best = min(r["ms_per_forward"] for r in d["rows"] if r.get("ms_per_forward"))
+                cell = f"{row['ms_per_forward']:.3f}"
+                cells.append(f"**{cell}**" if row["ms_per_forward"] == best else cell)
+                cells[-1] += f" ({row['compile_s']:.0f} s)"
+        notes = next(r["notes"] for d in sweeps for r in d["rows"] if r["config"] == name and "notes" in r)
+        lines.append(f"| {name} ({notes}) | " + " | ".join(cells) + " |")
+    for d in sweeps:
+        env = d["env"]
+        lines.append(
+            f"\n{d['model']} batch {d['batch']}: {env['gpu']}, torch {env['torch']}, triton {env['triton']}, git "
+            f"{env['git_sha']}, {env['date'][:10]}, median of 5 timed runs of {d['calls']} back-to-back forwards "
+            f"(`benchmarks/results/sweep-compile-{d['model']}-b{d['batch']}-*.json`). "
+            + freshness(env["git_sha"], "compile")
+        )
+    return "\n".join(lines)
 
 
 def profile_table() -> str:
@@ -444,6 +486,7 @@ SECTIONS = {
     "fd": fd_table,
     "parity": parity_table,
     "bench": bench_tables,
+    "compile": compile_table,
     "profile": profile_table,
     "serve": serve_table,
     "t2i": t2i_tables,

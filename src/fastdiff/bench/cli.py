@@ -45,7 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--systems",
         default=",".join(ALL_SYSTEMS),
         help=f"comma-separated systems to run (also: {', '.join(OPTIONAL_SYSTEMS)}: the engine with GroupNorm folded "
-        "into the convs)",
+        "into the convs, more torch.compile configurations). compile-* are torch.compile of fastdiff's model: "
+        "compile = mode reduce-overhead, +autotune = max-autotune, +freeze = Inductor freezing, +cl = channels-last; "
+        "each row's × fastest compile is against the fastest of them in the run",
     )
     p.add_argument("--device", default="cuda", help="cuda or cpu")
     p.add_argument(

@@ -33,6 +33,7 @@ ALL_SYSTEMS = (
     "eager-fp16",
     "diffusers-fp16",
     "compile-fp16",
+    "compile+autotune-fp16",
     "diffusers+compile-fp16",
     "engine-fp16",
     "engine-bf16",
