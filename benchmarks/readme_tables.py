@@ -82,7 +82,8 @@ def freshness(sha: str | None, table: str) -> str:
     paths = MEASURED_CODE[table]
     code, docs = changed_code(sha, paths)
     if code:
-        return f"**Older than the code it measures: {', '.join(paths)} changed since {sha}.**"
+        changed = [p for p in paths if any(f == p or f.startswith(p.rstrip("/") + "/") for f in code)]
+        return f"**Older than the code it measures: {', '.join(changed)} changed since {sha}.**"
     if docs:
         return f"The measured code ({', '.join(paths)}) is unchanged since {sha} (docstrings and comments aside)."
     return f"The measured code ({', '.join(paths)}) is unchanged since {sha}."

@@ -100,3 +100,12 @@ def test_only_code_counts_as_a_change_of_the_measured_code(edited: str, same: bo
     """A table stays fresh across docstring, comment and formatting edits of the code it measures, not others."""
     strip = _readme_tables().without_docstrings
     assert (strip(edited) == strip(CODE)) is same
+
+
+def test_freshness_names_only_the_watched_paths_that_changed(monkeypatch):
+    module = _readme_tables()
+    monkeypatch.setattr(module, "changed_code", lambda sha, paths: (["src/fastdiff/bench/runner.py"], []))
+    note = module.freshness("abc1234", "bench")
+    assert note == "**Older than the code it measures: src/fastdiff/bench changed since abc1234.**"
+    monkeypatch.setattr(module, "changed_code", lambda sha, paths: (list(paths), []))  # a commit the clone lacks
+    assert "src/fastdiff/samplers, src/fastdiff/engine" in module.freshness("abc1234", "bench")
