@@ -26,7 +26,8 @@ MEASURED_CODE = {
     "fd": ("src/fastdiff/samplers", "src/fastdiff/engine", "src/fastdiff/kernels", "src/fastdiff/models"),
     "bench": ("src/fastdiff/samplers", "src/fastdiff/engine", "src/fastdiff/kernels", "src/fastdiff/models",
               "src/fastdiff/bench"),
-    "compile": ("src/fastdiff/models", "src/fastdiff/bench/systems.py", "benchmarks/sweep_compile.py"),
+    "compile": ("src/fastdiff/models", "src/fastdiff/bench/systems.py", "src/fastdiff/devices.py",
+                "benchmarks/sweep_compile.py"),
     "parity": ("src/fastdiff/samplers", "src/fastdiff/engine", "src/fastdiff/kernels", "src/fastdiff/models"),
     "profile": ("src/fastdiff/samplers", "src/fastdiff/engine", "src/fastdiff/kernels", "src/fastdiff/profile"),
     "serve": ("src/fastdiff/serve", "src/fastdiff/samplers", "src/fastdiff/engine", "src/fastdiff/kernels"),
@@ -191,7 +192,13 @@ def compile_table() -> str:
         return "_No torch.compile sweep committed yet._"
     sweeps.sort(key=lambda d: (d["model"], d["batch"]))
     names = list(dict.fromkeys(r["config"] for d in sweeps for r in d["rows"]))
-    head = "| configuration | " + " | ".join(f"{d['model']} batch {d['batch']}" for d in sweeps) + " |"
+    from fastdiff.bench.env import gpu_slug
+
+    head = (
+        "| configuration | "
+        + " | ".join(f"{d['model']} batch {d['batch']} ({gpu_slug(d['env']['gpu'])})" for d in sweeps)
+        + " |"
+    )
     lines = [
         "ms per U-Net forward, fp16 (compile time in parentheses; fastest in bold; — not run):",
         "",
@@ -211,13 +218,14 @@ def compile_table() -> str:
                 cell = f"{row['ms_per_forward']:.3f}"
                 cells.append(f"**{cell}**" if row["ms_per_forward"] == best else cell)
                 cells[-1] += f" ({row['compile_s']:.0f} s)"
-        notes = next(r["notes"] for d in sweeps for r in d["rows"] if r["config"] == name and "notes" in r)
+        notes = next((r["notes"] for d in sweeps for r in d["rows"] if r["config"] == name and "notes" in r), "")
         lines.append(f"| {name} ({notes}) | " + " | ".join(cells) + " |")
     for d in sweeps:
         env = d["env"]
         lines.append(
             f"\n{d['model']} batch {d['batch']}: {env['gpu']}, torch {env['torch']}, triton {env['triton']}, git "
-            f"{env['git_sha']}, {env['date'][:10]}, median of 5 timed runs of {d['calls']} back-to-back forwards "
+            f"{env['git_sha']}, {env['date'][:10]}, median of {d.get('repeats', 5)} timed runs of {d['calls']} "
+            "back-to-back forwards "
             f"(`benchmarks/results/sweep-compile-{d['model']}-b{d['batch']}-*.json`). "
             + freshness(env["git_sha"], "compile")
         )

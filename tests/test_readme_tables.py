@@ -109,3 +109,21 @@ def test_freshness_names_only_the_watched_paths_that_changed(monkeypatch):
     assert note == "**Older than the code it measures: src/fastdiff/bench changed since abc1234.**"
     monkeypatch.setattr(module, "changed_code", lambda sha, paths: (list(paths), []))  # a commit the clone lacks
     assert "src/fastdiff/samplers, src/fastdiff/engine" in module.freshness("abc1234", "bench")
+
+
+def test_compile_table_marks_the_fastest_and_keeps_failed_configurations(tmp_path, monkeypatch):
+    module = _readme_tables()
+    env = {"gpu": "NVIDIA H100 80GB HBM3", "torch": "t", "triton": "tr", "git_sha": "abc1234", "date": "2026-11-26T00"}
+    rows = [{"config": "compile", "notes": "mode=a", "ms_per_forward": 2.0, "compile_s": 20.0},
+            {"config": "compile+autotune", "notes": "mode=b", "ms_per_forward": 1.5, "compile_s": 200.0},
+            {"config": "compile+freeze", "notes": "mode=c", "error": "RuntimeError: boom"}]  # fmt: skip
+    sweep = {"env": env, "model": "m", "batch": 4, "calls": 10, "repeats": 3, "rows": rows}
+    (tmp_path / "sweep-compile-m-b4-h100-2026-11-26.json").write_text(json.dumps(sweep))
+    monkeypatch.setattr(module, "RESULTS", tmp_path)
+    monkeypatch.setattr(module, "freshness", lambda sha, table: "")
+    lines = module.compile_table().splitlines()
+    assert "| configuration | m batch 4 (h100) |" in lines
+    assert "| compile (mode=a) | 2.000 (20 s) |" in lines
+    assert "| compile+autotune (mode=b) | **1.500** (200 s) |" in lines
+    assert "| compile+freeze (mode=c) | failed |" in lines
+    assert any("median of 3 timed runs of 10" in line for line in lines)

@@ -44,10 +44,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--systems",
         default=",".join(ALL_SYSTEMS),
-        help=f"comma-separated systems to run (also: {', '.join(OPTIONAL_SYSTEMS)}: the engine with GroupNorm folded "
-        "into the convs, more torch.compile configurations). compile-* are torch.compile of fastdiff's model: "
-        "compile = mode reduce-overhead, +autotune = max-autotune, +freeze = Inductor freezing, +cl = channels-last; "
-        "each row's × fastest compile is against the fastest of them in the run",
+        help="comma-separated systems to run. Optional ones, run only when named: "
+        f"{', '.join(OPTIONAL_SYSTEMS)} (the engine with GroupNorm folded into the convs; more torch.compile "
+        "configurations). compile* systems are torch.compile of fastdiff's model: compile = mode reduce-overhead, "
+        "+autotune = max-autotune (minutes to compile), +freeze = Inductor freezing, +cl = channels-last weights. "
+        "× fastest compile is against the fastest compile* or diffusers+compile row of the run",
     )
     p.add_argument("--device", default="cuda", help="cuda or cpu")
     p.add_argument(

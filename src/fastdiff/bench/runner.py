@@ -119,7 +119,7 @@ def build_system(
     if kind == "eager":
         return EagerSystem(make_model, dtype, device, cache_interval)
     if kind in COMPILE_CONFIGS:
-        return CompileSystem(make_model, dtype, device, warmup_x, config=kind)
+        return CompileSystem(make_model, dtype, device, warmup_x, config_name=kind)
     if kind == "diffusers":
         return DiffusersSystem(make_model, dtype, device, schedule)
     if kind == "diffusers+compile":

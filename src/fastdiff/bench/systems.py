@@ -75,7 +75,7 @@ class EagerSystem(System):
 @dataclass(frozen=True)
 class CompileConfig:
     """One torch.compile configuration: a ``torch.compile`` mode plus extra Inductor options, and whether the model's
-    weights and inputs are channels-last."""
+    weights are made channels-last before compiling (the inputs stay as the caller gives them)."""
 
     mode: str
     extra_options: tuple[tuple[str, object], ...] = ()
@@ -102,9 +102,11 @@ COMPILE_CONFIGS = {
     "compile+autotune+freeze+cl": CompileConfig("max-autotune", (("freezing", True),), channels_last=True),
 }
 """The torch.compile configurations ``fastdiff bench`` can compare (system ``<name>-<dtype>``): Inductor's CUDA-graph
-modes, with max-autotune (Triton templates timed against cuDNN/cuBLAS per conv and matmul), freezing (weights folded
-in as constants, so their layout conversions happen once) and channels-last. ``benchmarks/sweep_compile.py`` times
-all of them on a model's forward."""
+modes, with max-autotune (Triton templates timed against cuDNN/cuBLAS per conv and matmul), Inductor's freezing
+(weights folded in as constants) and channels-last weights. ``benchmarks/sweep_compile.py`` times all of them on a
+model's forward. On torch 2.11 the frozen weights reach the CUDA graph as non-static inputs, copied into it on every
+replay (Inductor's ``cudagraph_recorded_non_static_inputs`` counter, which the sweep records), so the ``+freeze``
+forms time those copies as well as freezing."""
 
 
 def compile_model(model: nn.Module, config: CompileConfig) -> nn.Module:
@@ -118,10 +120,10 @@ class CompileSystem(EagerSystem):
     """torch.compile of fastdiff's eager model in one of ``COMPILE_CONFIGS``; compilation (and max-autotune's
     timing) counts in time-to-ready. Every step in full (no step cache)."""
 
-    def __init__(self, make_model, dtype, device, warmup_batch: torch.Tensor, config: str = "compile") -> None:
+    def __init__(self, make_model, dtype, device, warmup_batch: torch.Tensor, config_name: str = "compile") -> None:
         super().__init__(make_model, dtype, device)
-        self.name = config
-        self.config = COMPILE_CONFIGS[config]
+        self.name = config_name
+        self.config = COMPILE_CONFIGS[config_name]
         self.notes = self.config.notes
         self.warmup_batch = warmup_batch
 
