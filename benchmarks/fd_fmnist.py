@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 from fastdiff.bench.env import environment
+from fastdiff.data import load_fashion_mnist
 from fastdiff.images import make_grid, save_png_atomic, to_pil
-from fastdiff.pipeline import Pipeline
+from fastdiff.pipelines import Pipeline
 from fastdiff.quality.classifier import fd_fmnist, load_classifier
-from fastdiff.train.data import load_fashion_mnist
 
 log = logging.getLogger("fd_fmnist")
 CONFIGS = "dpmsolver++:10,dpmsolver++:20,unipc:10,unipc:20,euler:10,euler:20,ddim:20,ddim:100,ddpm:1000"

@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 from fastdiff.bench.env import environment
+from fastdiff.devices import resolve_dtype
 from fastdiff.models import load_unet
-from fastdiff.pipeline import resolve_dtype, sample_loop
+from fastdiff.pipelines import sample_loop
 from fastdiff.quality.psnr import psnr
 from fastdiff.samplers import SAMPLER_SCHEDULERS, ScheduleConfig, initial_noise, make_sampler, seed_tensor
 

@@ -27,11 +27,11 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from fastdiff.atomic import check_output_location, write_text_atomic  # noqa: E402
 from fastdiff.bench.env import environment  # noqa: E402
+from fastdiff.data import load_fashion_mnist  # noqa: E402
 from fastdiff.errors import FastdiffError  # noqa: E402
 from fastdiff.models.stable_diffusion import load_stable_diffusion  # noqa: E402
+from fastdiff.pipelines.text_to_image import TextToImagePipeline  # noqa: E402
 from fastdiff.quality.classifier import classifier_accuracy, fd_fmnist, load_classifier  # noqa: E402
-from fastdiff.text_to_image import TextToImagePipeline  # noqa: E402
-from fastdiff.train.data import load_fashion_mnist  # noqa: E402
 from fastdiff.train.text_to_image import canonical_prompts  # noqa: E402
 
 log = logging.getLogger("t2i_quality")

@@ -117,7 +117,7 @@ trap - EXIT
 echo "== baseline: sequential batch-1 sampling through the pipeline"
 python3 - "$MODEL" "$DEVICE" "$DTYPE" "$SAMPLER" "$STEPS" "$BASELINE_IMAGES" "$work/baseline.json" <<'EOF'
 import json, statistics, sys, time
-from fastdiff.pipeline import Pipeline
+from fastdiff.pipelines import Pipeline
 model, device, dtype, sampler = sys.argv[1:5]
 steps, count, out = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
 pipe = Pipeline.from_pretrained(model, device=device, dtype=dtype, sampler=sampler, steps=steps)

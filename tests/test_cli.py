@@ -21,7 +21,7 @@ from fastdiff import cli
 from fastdiff.cli import build_parser, main
 from fastdiff.errors import FastdiffError
 from fastdiff.images import make_grid
-from fastdiff.pipeline import Pipeline
+from fastdiff.pipelines import Pipeline
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +230,7 @@ def test_output_location_checked_before_any_work(tiny_model_dir, tmp_path, capsy
     def no_work(*args, **kwargs):
         raise AssertionError("the model was loaded before the output locations were checked")
 
-    monkeypatch.setattr(fastdiff.pipeline.Pipeline, "from_pretrained", no_work)
+    monkeypatch.setattr(fastdiff.pipelines.unconditional.Pipeline, "from_pretrained", no_work)
     cases = [
         (["--out", str(tmp_path / "file" / "grid.png")], "--out"),
         (["--out", str(tmp_path / "file" / "sub" / "grid.png")], "--out"),
@@ -309,7 +309,7 @@ def test_cache_interval_flag(tiny_model_dir, tmp_path, capsys, monkeypatch):
     def no_work(*args, **kwargs):
         raise AssertionError("the model was loaded before --cache-interval was checked")
 
-    monkeypatch.setattr(fastdiff.pipeline.Pipeline, "from_pretrained", no_work)
+    monkeypatch.setattr(fastdiff.pipelines.unconditional.Pipeline, "from_pretrained", no_work)
     monkeypatch.setattr(fastdiff.bench.runner, "run_bench", no_work)
     expected = "fastdiff: error: --cache-interval must be an integer >= 1 (1: no step caching), got 0"
     for command in ("sample", "bench"):

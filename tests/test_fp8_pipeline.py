@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-import fastdiff.pipeline
-import fastdiff.text_to_image
+import fastdiff.pipelines.text_to_image
+import fastdiff.pipelines.unconditional
 from fastdiff.cli import main
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.fp8 import fp8_supported
 from fastdiff.models.ddpm_unet import DDPMUNet, DDPMUNetConfig
-from fastdiff.pipeline import Pipeline
+from fastdiff.pipelines import Pipeline
 from fastdiff.samplers import ScheduleConfig
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the CPU runs the engine's interpreter mode
@@ -36,8 +36,8 @@ def no_loading(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("weights were loaded before the fp8 checks")
 
-    monkeypatch.setattr(fastdiff.pipeline, "load_unet", fail)
-    monkeypatch.setattr(fastdiff.text_to_image, "load_stable_diffusion", fail)
+    monkeypatch.setattr(fastdiff.pipelines.unconditional, "load_unet", fail)
+    monkeypatch.setattr(fastdiff.pipelines.text_to_image, "load_stable_diffusion", fail)
 
 
 def tiny_unet() -> DDPMUNet:

@@ -20,7 +20,7 @@ from PIL import Image
 import fastdiff.generate as generate_module
 from fastdiff.cli import main
 from fastdiff.generate import npz_bytes
-from fastdiff.pipeline import Pipeline
+from fastdiff.pipelines import Pipeline
 from fastdiff.quality.cli import load_images
 
 diffusers = pytest.importorskip("diffusers")

@@ -14,12 +14,12 @@ from PIL import Image
 from sd_fixtures import SD15_SCHEDULER_CONFIG, SD21_SCHEDULER_CONFIG, write_tiny_sd_pipeline
 
 import fastdiff
-import fastdiff.text_to_image as t2i
+import fastdiff.pipelines.text_to_image as t2i
 from fastdiff.cli import main
 from fastdiff.errors import FastdiffError
 from fastdiff.models.unet_2d_condition import UNet2DConditionModel
+from fastdiff.pipelines.text_to_image import TextToImagePipeline
 from fastdiff.samplers import SAMPLER_SCHEDULERS
-from fastdiff.text_to_image import TextToImagePipeline
 
 TOL = 1e-3  # max abs diff on [0, 1] output images, fp32
 STEPS = 5
@@ -334,7 +334,7 @@ def test_cli_errors_are_one_line(flags, match, sd15, tmp_path, capsys, monkeypat
     def no_work(*args, **kwargs):
         raise AssertionError("the model was loaded before the flags were checked")
 
-    monkeypatch.setattr(fastdiff.pipeline.Pipeline, "from_pretrained", no_work)
+    monkeypatch.setattr(fastdiff.pipelines.unconditional.Pipeline, "from_pretrained", no_work)
     init_image(1).save(tmp_path / "init.png")
     names = {"sd": str(root), "missing": str(tmp_path / "missing.png"), "init": str(tmp_path / "init.png")}
     argv = ["sample", "--device", "cpu", "--out", str(tmp_path / "g.png")] + [f.format(**names) for f in flags]

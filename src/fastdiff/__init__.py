@@ -2,8 +2,7 @@
 
 from fastdiff.errors import FastdiffError
 from fastdiff.models import load_unet
-from fastdiff.pipeline import Pipeline
-from fastdiff.text_to_image import TextToImagePipeline
+from fastdiff.pipelines import Pipeline, TextToImagePipeline
 
 __all__ = ["FastdiffError", "Pipeline", "TextToImagePipeline", "load_unet"]
 __version__ = "0.1.0"

@@ -14,37 +14,15 @@ from typing import Any
 import torch
 
 from fastdiff import __version__
+from fastdiff.cli_args import DEFAULT_MODEL, HelpFormatter, positive_int
 from fastdiff.errors import FastdiffError
 
 log = logging.getLogger("fastdiff")
 
-DEFAULT_MODEL = "fashion-mnist"
 SAMPLE_MEMORY_FACTOR = 128
 """A lower bound on the memory one image takes while it is sampled, in fp32 copies of the image (the sampler's
 state and the U-Net's activations): 450 to 940 copies measured for the bundled presets on the CPU; 128 leaves
 room for slimmer models, so that ``--batch`` refuses only batches that cannot fit."""
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Ends a flag's help with "(default: X)" once: not where the help already names its default, nor for a flag
-    without one (None, a switch's False, a required flag)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        no_default = action.default is None or action.default is False or action.required
-        if no_default or "(default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer > 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
 
 
 def add_sample_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -180,7 +158,7 @@ def check_text_flags(args: argparse.Namespace) -> Any:
     """--prompt and its flags against the kind of model (before any work); returns the opened --init-image."""
     from PIL import Image
 
-    from fastdiff.text_to_image import check_size, check_strength, is_text_to_image_dir
+    from fastdiff.pipelines.text_to_image import check_size, check_strength, is_text_to_image_dir
 
     if args.prompt is None:
         for name in TEXT_FLAGS:
@@ -217,7 +195,7 @@ def check_text_flags(args: argparse.Namespace) -> Any:
 def run_sample(args: argparse.Namespace) -> int:
     from fastdiff.atomic import check_output_location
     from fastdiff.images import make_grid, save_png_atomic
-    from fastdiff.pipeline import Pipeline
+    from fastdiff.pipelines import Pipeline
     from fastdiff.samplers import check_cache_interval
 
     if args.out.suffix.lower() != ".png":

@@ -37,7 +37,7 @@ OUTPUT_NAMES = ("model_output",)
 
 def load_fp32_unet(model: str) -> nn.Module:
     """The U-Net of ``model`` (preset or directory) in fp32 on the CPU; a preset without weights is seeded."""
-    from fastdiff.pipeline import Pipeline
+    from fastdiff.pipelines import Pipeline
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -153,7 +153,7 @@ def export_onnx(model: str, out_dir: Path, opset: int = OPSET, overwrite: bool =
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from fastdiff.cli import DEFAULT_MODEL, HelpFormatter
+    from fastdiff.cli_args import DEFAULT_MODEL, HelpFormatter
 
     p = subparsers.add_parser(
         "export",

@@ -453,7 +453,7 @@ def folder_contents(out_dir: Path) -> dict[str, Any]:
 
 def load_pipeline(config: GenerateConfig, device: str):
     """The pipeline; presets without weights are initialised from a fixed seed (same model on every rank)."""
-    from fastdiff.pipeline import Pipeline
+    from fastdiff.pipelines import Pipeline
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(RANDOM_INIT_SEED)
@@ -666,7 +666,7 @@ def run_settings(config: GenerateConfig) -> dict[str, Any]:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``generate`` subcommand (sets ``func=run_generate``)."""
-    from fastdiff.cli import HelpFormatter, positive_int
+    from fastdiff.cli_args import HelpFormatter, positive_int
     from fastdiff.samplers import SAMPLERS
 
     defaults = GenerateConfig(model="", num_images=1, out_dir=Path())

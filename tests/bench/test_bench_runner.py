@@ -16,7 +16,7 @@ from fastdiff.bench.systems import COMPILE_CONFIGS, CompileConfig, EagerSystem, 
 from fastdiff.engine import kernel_cache_state
 from fastdiff.errors import FastdiffError
 from fastdiff.models.ddpm_unet import DDPMUNet, DDPMUNetConfig
-from fastdiff.pipeline import sample_loop
+from fastdiff.pipelines.unconditional import sample_loop
 from fastdiff.samplers import ScheduleConfig, initial_noise, make_sampler, seed_tensor
 
 ROW_KEYS = {"system", "dtype", "ms_per_step", "s_per_image", "images_per_s", "time_to_ready_s", "peak_mem_mb",

@@ -15,7 +15,7 @@ def test_quality_script_measures_the_floors(tmp_path):
     import importlib.util
     from pathlib import Path
 
-    from fastdiff.train.data import DEFAULT_DATA_DIR
+    from fastdiff.data import DEFAULT_DATA_DIR
 
     pytest.importorskip("transformers")
     if not (DEFAULT_DATA_DIR / "t10k-images-idx3-ubyte.gz").is_file():

@@ -9,7 +9,7 @@ import torch
 from fastdiff.engine import EagerStepModel, Engine, FusedModel
 from fastdiff.engine.graph import SamplingLoop
 from fastdiff.errors import FastdiffError
-from fastdiff.pipeline import sample_loop
+from fastdiff.pipelines.unconditional import sample_loop
 from fastdiff.samplers import ScheduleConfig, initial_noise, make_sampler, seed_tensor, step_noise
 
 from .conftest import DEVICE, TOL, rel_err

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fastdiff.pipeline
+import fastdiff.pipelines.unconditional
 from fastdiff.errors import FastdiffError
 from fastdiff.models.step_cache import cached_forward
-from fastdiff.pipeline import Pipeline
+from fastdiff.pipelines import Pipeline
 from fastdiff.samplers import ScheduleConfig, initial_noise, seed_tensor
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the CPU runs the engine's interpreter mode
@@ -53,7 +53,7 @@ def test_step_cache_in_both_backends(tiny_model, monkeypatch):
     def no_work(*args, **kw):
         raise AssertionError("sampling started before cache_interval was checked")
 
-    monkeypatch.setattr(fastdiff.pipeline, "sample_loop", no_work)
+    monkeypatch.setattr(fastdiff.pipelines.unconditional, "sample_loop", no_work)
     with pytest.raises(FastdiffError, match=r"^cache_interval must be an integer >= 1 \(1: no step caching\), got 0$"):
         eager(cache_interval=0, **kwargs)
 
@@ -64,7 +64,7 @@ def test_unknown_backend_raises(tiny_model):
 
 
 def test_engine_off_cuda_without_the_interpreter_fails_before_loading(monkeypatch):
-    from fastdiff.pipeline import resolve_backend
+    from fastdiff.pipelines import resolve_backend
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(FastdiffError, match="the engine backend needs a CUDA GPU"):

@@ -13,9 +13,9 @@ from fastdiff.engine.graph import SamplingLoop, channels_last_empty
 from fastdiff.errors import FastdiffError
 from fastdiff.models.convnext_unet import ConvNeXtUNet, ConvNeXtUNetConfig
 from fastdiff.models.unet_2d_condition import UNet2DConditionConfig, UNet2DConditionModel
-from fastdiff.pipeline import sample_loop
+from fastdiff.pipelines.text_to_image import denoise
+from fastdiff.pipelines.unconditional import sample_loop
 from fastdiff.samplers import ScheduleConfig, initial_noise, make_sampler, seed_tensor
-from fastdiff.text_to_image import denoise
 
 from .conftest import DEVICE, TOL, rel_err
 

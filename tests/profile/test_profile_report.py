@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+from fastdiff.bench.breakdown import OP_CLASSES
 from fastdiff.cli import main
 from fastdiff.kernels.cost_model import conv2d_cost
 from fastdiff.profile import report
-from fastdiff.profile.breakdown import OP_CLASSES
 from fastdiff.profile.report import ProfileConfig, aten_kernel_rows, run_profile
 
 CUDA = torch.cuda.is_available()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from fastdiff.data import DEFAULT_DATA_DIR, load_fashion_mnist
 from fastdiff.errors import FastdiffError
 from fastdiff.quality.classifier import (
     BUNDLED_CLASSIFIER_DIR,
@@ -23,7 +24,6 @@ from fastdiff.quality.classifier import (
     train_classifier,
 )
 from fastdiff.quality.frechet import frechet_distance_features
-from fastdiff.train.data import DEFAULT_DATA_DIR, load_fashion_mnist
 
 HAVE_FMNIST = (DEFAULT_DATA_DIR / "t10k-images-idx3-ubyte.gz").is_file()
 HAVE_BUNDLED = (BUNDLED_CLASSIFIER_DIR / "model.safetensors").is_file()

@@ -8,6 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
+from fastdiff.data import DEFAULT_DATA_DIR, load_fashion_mnist
 from fastdiff.errors import FastdiffError
 from fastdiff.quality.classifier import (
     BUNDLED_CLASSIFIER_DIR,
@@ -17,7 +18,6 @@ from fastdiff.quality.classifier import (
 )
 from fastdiff.quality.cli import load_images, register
 from fastdiff.quality.frechet import frechet_distance_features
-from fastdiff.train.data import DEFAULT_DATA_DIR, load_fashion_mnist
 
 HAVE_FMNIST = (DEFAULT_DATA_DIR / "t10k-images-idx3-ubyte.gz").is_file()
 HAVE_BUNDLED = (BUNDLED_CLASSIFIER_DIR / "model.safetensors").is_file()

@@ -17,7 +17,7 @@ PEAK_RSS_SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
     from fastdiff.models.ddpm_unet import DDPMUNet, DDPMUNetConfig
-    from fastdiff.pipeline import Pipeline
+    from fastdiff.pipelines import Pipeline
     from fastdiff.samplers import ScheduleConfig
     torch.set_num_threads(1)
     config = DDPMUNetConfig(sample_size=128, in_channels=3, out_channels=3, block_out_channels=(4,),
@@ -55,7 +55,7 @@ def test_ddpm_1000_steps_128px_batch8_stays_under_1_2_gb():
 def test_celebahq_preset_first_step_allocates_no_noise_for_all_steps(monkeypatch):
     """ddpm-celebahq-256 at batch 4, DDPM 1000 steps: at the first model call only x_T exists (all-step noise
     would be 4 x 1000 x 3 x 256 x 256 floats = 3.1 GB)."""
-    from fastdiff.pipeline import Pipeline
+    from fastdiff.pipelines import Pipeline
 
     pipe = Pipeline.from_pretrained("ddpm-celebahq-256", device="cpu", sampler="ddpm", steps=1000)
     seen = {}

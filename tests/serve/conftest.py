@@ -44,7 +44,7 @@ def live_server(app) -> Iterator[str]:
 
 
 class FakePipeline:
-    """The public surface of ``fastdiff.pipeline.Pipeline`` the server uses, without a model.
+    """The public surface of ``fastdiff.pipelines.unconditional.Pipeline`` the server uses, without a model.
 
     Image k is a flat gray of ``seeds[k] % 256``. Every call is recorded in ``calls`` and waits for ``gate``
     (set by default), so a test can hold the worker inside a batch.

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fastdiff.cli import main
+from fastdiff.data import DEFAULT_DATA_DIR, FASHION_MNIST_CLASSES
 from fastdiff.errors import FastdiffError
 from fastdiff.models.autoencoder_kl import AutoencoderKL, autoencoder_kl_from_dir
 from fastdiff.models.stable_diffusion import BUNDLED_PIPELINES, load_stable_diffusion
@@ -20,7 +21,6 @@ from fastdiff.models.unet_2d_condition import UNet2DConditionModel
 from fastdiff.models.weights import read_json_object, read_state_dict
 from fastdiff.quality.psnr import psnr
 from fastdiff.train import text_to_image as t2i
-from fastdiff.train.data import DEFAULT_DATA_DIR, FASHION_MNIST_CLASSES
 from fastdiff.train.text_to_image import UNetStageConfig, VAEStageConfig
 
 TOL = 1e-3  # max abs diff on [0, 1] output images, fp32, as tests/test_text_to_image.py
@@ -236,7 +236,7 @@ def test_files_have_the_umask_mode(trained):
 
 def test_fastdiff_loads_and_samples_it(trained):
     _, root, _, _, _, _ = trained
-    from fastdiff.text_to_image import TextToImagePipeline
+    from fastdiff.pipelines.text_to_image import TextToImagePipeline
 
     components = load_stable_diffusion(root)
     assert components.vae.config.scaling_factor == read_json_object(root / "vae" / "config.json")["scaling_factor"]
@@ -256,8 +256,8 @@ def test_diffusers_loads_it_and_draws_the_same_images(model, request):
     pytest.importorskip("diffusers")
     import diffusers
 
+    from fastdiff.pipelines.text_to_image import TextToImagePipeline
     from fastdiff.samplers import SAMPLER_SCHEDULERS
-    from fastdiff.text_to_image import TextToImagePipeline
 
     if model == "tiny":
         root = request.getfixturevalue("trained")[1]
@@ -289,7 +289,7 @@ def test_diffusers_loads_it_and_draws_the_same_images(model, request):
 def test_bundled_preset_loads_through_every_entry_point():
     pytest.importorskip("transformers")
     import fastdiff
-    from fastdiff.text_to_image import TextToImagePipeline, is_text_to_image_dir
+    from fastdiff.pipelines.text_to_image import TextToImagePipeline, is_text_to_image_dir
 
     root = BUNDLED_PIPELINES["fashion-mnist-t2i"]
     assert is_text_to_image_dir("fashion-mnist-t2i")

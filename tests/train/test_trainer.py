@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from fastdiff.cli import main
+from fastdiff.data import DEFAULT_DATA_DIR
 from fastdiff.errors import FastdiffError
 from fastdiff.models import ConvNeXtUNet, load_unet
 from fastdiff.models.convnext_unet import ConvNeXtUNetConfig
-from fastdiff.pipeline import Pipeline
-from fastdiff.train.data import DEFAULT_DATA_DIR
+from fastdiff.pipelines import Pipeline
 from fastdiff.train.trainer import CHECKPOINT_NAME, TrainConfig, export_model, load_checkpoint, train
 
 TINY = ConvNeXtUNetConfig(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from fastdiff.atomic import check_output_location, write_text_atomic
 from fastdiff.bench.runner import ALL_SYSTEMS, OPTIONAL_SYSTEMS, BenchConfig, result_path, run_bench
-from fastdiff.cli import HelpFormatter
+from fastdiff.cli_args import HelpFormatter
 from fastdiff.errors import FastdiffError
 
 log = logging.getLogger(__name__)
@@ -100,8 +100,8 @@ def run_text_to_image_cli(args: argparse.Namespace) -> int:
 def run_bench_cli(args: argparse.Namespace) -> int:
     from fastdiff.bench.report import markdown_table, op_tables_markdown, plot_result
     from fastdiff.models.stable_diffusion import SD_PRESETS
+    from fastdiff.pipelines.text_to_image import is_text_to_image_dir
     from fastdiff.samplers import check_cache_interval
-    from fastdiff.text_to_image import is_text_to_image_dir
 
     check_cache_interval(args.cache_interval, "--cache-interval")
     if args.model in SD_PRESETS or is_text_to_image_dir(args.model):

@@ -5,10 +5,10 @@ full engine step in order (the U-Net's fused ops, then the fused sampler step) w
 
 * its chosen implementation and its time per call: a CUDA graph of repeated launches, launch overhead excluded
   (``FusedModel.time_ops``; ``time_call_us`` for the sampler step);
-* its FLOPs and bytes: ideal counts from its shapes (``fastdiff.profile.counts.engine_op_cost``, the formulas of
+* its FLOPs and bytes: ideal counts from its shapes (``fastdiff.bench.counts.engine_op_cost``, the formulas of
   ``kernels/cost_model.py``: each tensor read or written once);
 * TFLOP/s and GB/s achieved, as % of the measured bf16 matmul ceiling and of the measured device-copy bandwidth
-  (``fastdiff.profile.roofline.measure_ceilings``; the H100's dense fp16 tensor-core peak equals its bf16 one),
+  (``fastdiff.bench.roofline.measure_ceilings``; the H100's dense fp16 tensor-core peak equals its bf16 one),
   and ``pct_of_ceiling``: the % of the ceiling that bounds it on the roofline (``roofline_point``: compute-bound
   above the ridge point, memory-bound below it). Ops with ``fp8`` (the engine's ``fp8=True``: an e4m3 conv or
   the GroupNorm that writes its input) are counted like the others: against the bf16 ceiling (Hopper's fp8 one is
@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fastdiff.bench.breakdown import profile_breakdown
+from fastdiff.bench.counts import engine_op_cost
+from fastdiff.bench.roofline import roofline_point
 from fastdiff.engine import FusedModel
 from fastdiff.engine.executor import time_call_us
 from fastdiff.kernels.cost_model import Cost
 from fastdiff.kernels.sampler_step import OP as SAMPLER_STEP
 from fastdiff.kernels.sampler_step import sampler_step
-from fastdiff.profile.breakdown import profile_breakdown
-from fastdiff.profile.counts import engine_op_cost
-from fastdiff.profile.roofline import roofline_point
 
 if TYPE_CHECKING:
     from fastdiff.bench.systems import EngineSystem
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 ENGINE_OP_CLASS = {"conv": "convolution", "depthwise": "convolution", "gate": "convolution",
                    "linear": "convolution", "group_norm": "normalisation", "layer_norm": "normalisation",
                    "attention": "attention", "center": "elementwise", "sampler_step": "sampler"}  # fmt: skip
-"""Op class (``fastdiff.profile.breakdown.OP_CLASSES``) of each engine op kind: the attention gate (three 1x1
+"""Op class (``fastdiff.bench.breakdown.OP_CLASSES``) of each engine op kind: the attention gate (three 1x1
 convs) and the token GEMMs count as convolution, as in ``breakdown``."""
 KERNELS_METHOD = (
     "torch.profiler device kernels (no memcpy/memset) of one full step (U-Net + sampler step + step counter) "
@@ -178,7 +178,7 @@ def engine_op_table(
         "step": f"one full step of the {sampler.name} loop: the U-Net's ops in model order, then the sampler step"
         + (" (shallow steps of the step cache run a subset of the U-Net ops)" if system.cache_interval > 1 else ""),
         "method": "us per call: a CUDA graph of repeated launches of the op (launch overhead excluded); FLOPs and "
-        "bytes: ideal counts (fastdiff.profile.counts); pct_of_matmul / pct_of_copy: of the run's measured ceilings "
+        "bytes: ideal counts (fastdiff.bench.counts); pct_of_matmul / pct_of_copy: of the run's measured ceilings "
         "(top-level 'ceilings'); pct_of_ceiling: of the one that bounds the op on the roofline; kernels_per_step: "
         + KERNELS_METHOD,
         **table,

@@ -16,11 +16,11 @@ from torch import nn
 from fastdiff.bench.energy import EnergyMeter
 from fastdiff.bench.env import environment, gpu_slug
 from fastdiff.bench.ops import engine_op_table
+from fastdiff.bench.roofline import measure_ceilings
 from fastdiff.bench.systems import COMPILE_CONFIGS, CompileSystem, DiffusersSystem, EagerSystem, EngineSystem, System
 from fastdiff.devices import DTYPES, synchronize, time_ms
 from fastdiff.errors import FastdiffError
 from fastdiff.models import PRESETS, load_unet
-from fastdiff.profile.roofline import measure_ceilings
 from fastdiff.quality.psnr import psnr
 from fastdiff.samplers import ScheduleConfig, check_cache_interval, initial_noise, make_sampler, seed_tensor
 

@@ -41,9 +41,9 @@ from fastdiff.models.stable_diffusion import (
     load_stable_diffusion,
     random_components,
 )
+from fastdiff.pipelines.text_to_image import is_text_to_image_dir, vae_scale_factor
 from fastdiff.quality.psnr import psnr
 from fastdiff.samplers import check_cache_interval, initial_noise, seed_tensor
-from fastdiff.text_to_image import is_text_to_image_dir, vae_scale_factor
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class FastdiffT2I:
             self.notes += "; engine: U-Net loop in CUDA graphs, VAE decode in a second graph"
 
     def prepare(self) -> None:
-        from fastdiff.text_to_image import TextToImagePipeline
+        from fastdiff.pipelines.text_to_image import TextToImagePipeline
 
         comps = copy.copy(self.comps)
         comps.text_encoder = copy.deepcopy(comps.text_encoder).to(self.device, self.dtype)

@@ -1,5 +1,5 @@
 """FLOP and byte counts of the U-Net ops, from shapes only: the one formula per op that the kernels' ``OP.cost``
-and ``fastdiff.profile.counts`` (engine ops, profiler events) both use.
+and ``fastdiff.bench.counts`` (engine ops, profiler events) both use.
 
 Conventions (every function below):
 

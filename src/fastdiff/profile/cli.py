@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from fastdiff.cli import HelpFormatter
+from fastdiff.cli_args import HelpFormatter
 from fastdiff.errors import FastdiffError
 from fastdiff.profile.report import BACKENDS, ProfileConfig, markdown_report, run_profile, write_report
 

@@ -35,17 +35,17 @@ from torch.profiler import ProfilerActivity, profile
 from tqdm.auto import tqdm
 
 from fastdiff.atomic import write_folder_atomic
+from fastdiff.bench.breakdown import OP_CLASSES, classify, plot_breakdown, profile_breakdown, sampler_range
+from fastdiff.bench.counts import Cost, aten_op_cost
 from fastdiff.bench.energy import EnergyMeter
 from fastdiff.bench.env import environment
 from fastdiff.bench.ops import sampler_step_row, step_op_rows
+from fastdiff.bench.roofline import measure_ceilings, plot_roofline, roofline_point
 from fastdiff.bench.runner import build_system, measure_energy, seeded_model_factory
 from fastdiff.bench.systems import System
 from fastdiff.devices import DTYPES, synchronize, time_ms
 from fastdiff.errors import FastdiffError
 from fastdiff.models import PRESETS, load_unet
-from fastdiff.profile.breakdown import OP_CLASSES, classify, plot_breakdown, profile_breakdown, sampler_range
-from fastdiff.profile.counts import Cost, aten_op_cost
-from fastdiff.profile.roofline import measure_ceilings, plot_roofline, roofline_point
 from fastdiff.samplers import Sampler, ScheduleConfig, initial_noise, make_sampler, seed_tensor, step_noise
 
 log = logging.getLogger(__name__)
@@ -545,7 +545,7 @@ def markdown_report(result: dict) -> str:
                       "true peak (common on CPUs, where the convolution library outruns torch.mm).", ""]  # fmt: skip
         lines.append("")
     lines += [
-        "Counted FLOPs and bytes are ideal (each tensor read or written once; see fastdiff.profile.counts); time per "
+        "Counted FLOPs and bytes are ideal (each tensor read or written once; see fastdiff.bench.counts); time per "
         "kernel: the engine's ops each timed in a CUDA graph of repeated launches, eager ops from the profiler trace "
         "(device time of the kernels each launched, or CPU time on the CPU).",
         "",

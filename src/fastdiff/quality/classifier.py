@@ -190,7 +190,7 @@ def fmnist_reference_stats(
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """(mu, sigma, count) of the classifier features of the first ``limit`` (default all) Fashion-MNIST
     images of ``split``; kept in memory only, per argument set."""
-    from fastdiff.train.data import load_fashion_mnist
+    from fastdiff.data import load_fashion_mnist
 
     model = cached_classifier(classifier_path, device)
     images, _ = load_fashion_mnist(split, data_dir, pad_to=model.config.image_size)
@@ -239,7 +239,7 @@ def train_classifier(
 ) -> float:
     """Train on the Fashion-MNIST train split (AdamW, warm-up + cosine LR, flips and shifts), save to
     ``out_dir`` and return the test-split accuracy (also recorded as ``test_accuracy`` in config.json)."""
-    from fastdiff.train.data import load_fashion_mnist
+    from fastdiff.data import load_fashion_mnist
 
     if epochs < 1:
         raise FastdiffError(f"epochs must be >= 1, got {epochs}")

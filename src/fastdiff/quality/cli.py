@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from fastdiff.atomic import write_text_atomic
-from fastdiff.cli import HelpFormatter, positive_int
+from fastdiff.cli_args import HelpFormatter, positive_int
 from fastdiff.devices import resolve_device
 from fastdiff.errors import FastdiffError
 from fastdiff.quality.classifier import (
@@ -169,7 +169,7 @@ def inception_fmnist_stats(
     split: str, data_dir: Path | None, limit: int | None, pad_to: int, weights: Path, device: str, batch: int
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """(mu, sigma, count) of Inception features of Fashion-MNIST ``split``; kept in memory only."""
-    from fastdiff.train.data import load_fashion_mnist
+    from fastdiff.data import load_fashion_mnist
 
     images, _ = load_fashion_mnist(split, data_dir, pad_to=pad_to)
     images = images[:limit] if limit is not None else images

@@ -21,9 +21,9 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from PIL import Image
 
-from fastdiff.cli import DEFAULT_MODEL
+from fastdiff.cli_args import DEFAULT_MODEL
 from fastdiff.errors import FastdiffError
-from fastdiff.pipeline import Pipeline
+from fastdiff.pipelines import Pipeline
 from fastdiff.samplers import SAMPLERS
 from fastdiff.serve.batcher import (
     Batcher,

@@ -26,7 +26,7 @@ import torch
 from PIL import Image
 
 from fastdiff.errors import FastdiffError
-from fastdiff.pipeline import Pipeline
+from fastdiff.pipelines import Pipeline
 from fastdiff.serve.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)

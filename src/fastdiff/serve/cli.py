@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 from fastdiff.atomic import check_output_location, write_text_atomic
-from fastdiff.cli import DEFAULT_MODEL, HelpFormatter, positive_int
+from fastdiff.cli_args import DEFAULT_MODEL, HelpFormatter, positive_int
 from fastdiff.errors import FastdiffError
 
 log = logging.getLogger(__name__)

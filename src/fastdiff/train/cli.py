@@ -8,7 +8,7 @@ import json
 import logging
 from pathlib import Path
 
-from fastdiff.cli import HelpFormatter
+from fastdiff.cli_args import HelpFormatter
 from fastdiff.errors import FastdiffError
 
 log = logging.getLogger(__name__)
@@ -18,7 +18,7 @@ EXPORT_DTYPES = ("fp16", "bf16", "fp32")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``train`` command to the ``fastdiff`` parser."""
-    from fastdiff.train.data import DEFAULT_DATA_DIR
+    from fastdiff.data import DEFAULT_DATA_DIR
     from fastdiff.train.trainer import PREDICTIONS, SCHEDULES, TrainConfig
 
     defaults = TrainConfig()
@@ -165,7 +165,7 @@ STAGE_FLAGS = {
 
 def register_text_to_image(subparsers: argparse._SubParsersAction) -> None:
     """Add ``fastdiff train text-to-image``: the two-stage Stable Diffusion recipe on Fashion-MNIST."""
-    from fastdiff.train.data import DEFAULT_DATA_DIR
+    from fastdiff.data import DEFAULT_DATA_DIR
     from fastdiff.train.text_to_image import PRESETS, UNetStageConfig, VAEStageConfig
 
     vae, unet = VAEStageConfig(), UNetStageConfig()

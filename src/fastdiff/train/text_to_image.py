@@ -681,7 +681,7 @@ def round_to(module: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 def load_split(config: StageConfig, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-    from fastdiff.train.data import load_fashion_mnist
+    from fastdiff.data import load_fashion_mnist
 
     return load_fashion_mnist(split, data_dir=config.data_dir, pad_to=IMAGE_SIZE)
 
@@ -909,8 +909,8 @@ def evaluate_pipeline(folder: Path, config: UNetStageConfig, device: torch.devic
     ``eval_steps``): samples.png (``grid_per_prompt`` images of each canonical prompt, one row per class, seeds
     from 0) and, for each ``eval_guidance``, the bundled classifier's accuracy on ``eval_per_class`` images per
     class (and FD-FMNIST against the test split)."""
+    from fastdiff.pipelines.text_to_image import TextToImagePipeline
     from fastdiff.quality.classifier import classifier_accuracy, fd_fmnist, load_classifier
-    from fastdiff.text_to_image import TextToImagePipeline
 
     pipe = TextToImagePipeline.from_pretrained(
         folder, device=device, dtype="fp32", sampler=config.eval_sampler, steps=config.eval_steps, backend="eager"

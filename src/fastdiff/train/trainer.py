@@ -33,7 +33,7 @@ from fastdiff.models.convnext_unet import (
     config_from_dict,
     save_convnext_unet,
 )
-from fastdiff.pipeline import sample_loop
+from fastdiff.pipelines.unconditional import sample_loop
 from fastdiff.samplers import ScheduleConfig, alphas_cumprod, initial_noise, make_sampler, seed_tensor
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,7 @@ def config_to_dict(config: TrainConfig, model_config: ConvNeXtUNetConfig) -> dic
 
 def load_training_images(config: TrainConfig, model_config: ConvNeXtUNetConfig) -> torch.Tensor:
     """Fashion-MNIST train split, padded to the model's sample size, [N, 1, S, S] in [-1, 1]."""
-    from fastdiff.train.data import load_fashion_mnist
+    from fastdiff.data import load_fashion_mnist
 
     images, _ = load_fashion_mnist("train", data_dir=config.data_dir, pad_to=model_config.sample_size)
     return images

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -12,55 +11,29 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from fastdiff.devices import DTYPES, resolve_device, resolve_dtype
+from fastdiff.devices import resolve_device, resolve_dtype
 from fastdiff.errors import FastdiffError
 from fastdiff.images import to_pil
 from fastdiff.models import load_unet, step_cache
+from fastdiff.pipelines.base import (
+    DTYPE_NAMES,
+    FP8,
+    EnginePipeline,
+    check_fp8,
+    check_output_type,
+    expand_seeds,
+)
 from fastdiff.samplers import Sampler, ScheduleConfig, initial_noise, make_sampler, run_sampler, seed_tensor
 
 if TYPE_CHECKING:
-    from fastdiff.text_to_image import TextToImagePipeline
+    from fastdiff.pipelines.text_to_image import TextToImagePipeline
 
 log = logging.getLogger(__name__)
 
 OUTPUT_TYPES = ("pil", "np", "tensor")
-BACKENDS = ("engine", "eager")
-FP8 = "fp8"
-"""The ``from_pretrained`` dtype name of the engine's fp8 mode: fp16 activations with e4m3 convs after each
-GroupNorm (``fastdiff.engine.Engine(fp8=True)``; Hopper GPUs, or Triton's CPU interpreter for tests)."""
-DTYPE_NAMES = (*DTYPES, FP8)
-"""The dtype names ``Pipeline.from_pretrained`` takes."""
-"""The activation dtypes fp8 convs read and write."""
 
 
-def resolve_backend(backend: str | None, device: torch.device) -> str:
-    """``backend`` checked ("engine" or "eager"); None means the engine on CUDA and eager elsewhere. The engine
-    off CUDA needs Triton's interpreter (``TRITON_INTERPRET=1``): said here, before any loading."""
-    backend = backend or ("engine" if device.type == "cuda" else "eager")
-    if backend not in BACKENDS:
-        raise FastdiffError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
-    if backend == "engine" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise FastdiffError("the engine backend needs a CUDA GPU (or TRITON_INTERPRET=1 for its CPU test mode)")
-    return backend
-
-
-def check_fp8(device: torch.device, dtype: torch.dtype, backend: str | None) -> str:
-    """The backend for an fp8 pipeline (None means "engine": fp8 exists only there), after checking, in this
-    order, that ``device`` can run fp8 convs and that ``dtype`` is fp16 or bf16
-    (``fastdiff.engine.fp8.fp8_unsupported``) and that the backend is the engine; each failure is a one-line
-    FastdiffError."""
-    from fastdiff.engine.fp8 import fp8_unsupported
-
-    reason = fp8_unsupported(device, dtype, role="pipeline")
-    if reason is not None:
-        raise FastdiffError(reason)
-    backend = resolve_backend("engine" if backend is None else backend, device)
-    if backend != "engine":
-        raise FastdiffError(f"fp8 runs only in the engine backend (e4m3 convs on Hopper): not with backend={backend!r}")
-    return backend
-
-
-class Pipeline:
+class Pipeline(EnginePipeline):
     """A U-Net plus a sampler. ``pipe(batch_size=4, seeds=[...])`` returns images; see ``__call__``.
 
     The sampler state stays in fp32 whatever the model dtype; the model sees its own dtype.
@@ -83,23 +56,20 @@ class Pipeline:
         karras: bool | None = None,
         fp8: bool = False,
     ) -> None:
-        device = torch.device(device)
+        if fp8:
+            backend = check_fp8(torch.device(device), dtype, backend)
+        super().__init__(device, backend, fp8)
         if fp8:
             from fastdiff.engine.lower import lowering_for
 
-            backend = check_fp8(device, dtype, backend)
             lowering_for(unet)  # a one-line error for a model the fused engine cannot run (fp8 would do nothing)
         self.unet = unet
         self.schedule = schedule
         self.sampler_name = sampler
         self.karras = karras
         self.steps = steps
-        self.device = device
         self.dtype = dtype
-        self.fp8 = fp8
         self._samplers: dict[float, Sampler] = {}
-        self.backend = resolve_backend(backend, self.device)
-        self._engine = None
         self.sampler_for(0.0)  # validates sampler name and step count now, not at the first call
 
     @classmethod
@@ -118,9 +88,9 @@ class Pipeline:
         ``dtype``: "fp32", "fp16", "bf16" (or a torch dtype among those) or "fp8", the engine's fp8 mode (the
         U-Net loaded in fp16, ``fp8=True``; see ``Pipeline``), whose device and backend are checked before any
         loading. A diffusers pipeline directory (model_index.json: Stable Diffusion) gives a
-        ``fastdiff.text_to_image.TextToImagePipeline`` instead (default 50 steps, as diffusers; no fp8).
+        ``fastdiff.TextToImagePipeline`` instead (default 50 steps, as diffusers; no fp8).
         """
-        from fastdiff.text_to_image import TextToImagePipeline, is_text_to_image_dir
+        from fastdiff.pipelines.text_to_image import TextToImagePipeline, is_text_to_image_dir
 
         if isinstance(dtype, str) and dtype not in DTYPE_NAMES:
             raise FastdiffError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_NAMES)}")
@@ -153,16 +123,6 @@ class Pipeline:
         h, w = (size, size) if isinstance(size, int) else size
         return (cfg.in_channels, h, w)
 
-    @property
-    def engine(self):
-        """The pipeline's ``fastdiff.engine.Engine`` (created on first use; backend "engine" only; its fp8 mode
-        with ``fp8``)."""
-        if self._engine is None:
-            from fastdiff.engine import Engine
-
-            self._engine = Engine(self.device, fp8=self.fp8)
-        return self._engine
-
     def sampler_for(self, eta: float) -> Sampler:
         """The sampler for this pipeline's name/steps and ``eta`` (tables built once, then cached)."""
         if eta not in self._samplers:
@@ -193,18 +153,10 @@ class Pipeline:
         deep feature in between (1: off).
         """
         step_cache.check(self.unet, cache_interval)
-        if output_type not in OUTPUT_TYPES:
-            raise FastdiffError(f"unknown output_type {output_type!r}: use one of {', '.join(OUTPUT_TYPES)}")
+        check_output_type(output_type, OUTPUT_TYPES)
         if batch_size <= 0:
             raise FastdiffError(f"batch size must be positive, got {batch_size}")
-        if seeds is None:
-            seeds = list(range(batch_size))
-        elif isinstance(seeds, int):
-            seeds = list(range(seeds, seeds + batch_size))
-        else:
-            seeds = [int(s) for s in seeds]
-            if len(seeds) != batch_size:
-                raise FastdiffError(f"got {len(seeds)} seeds for batch size {batch_size}")
+        seeds = expand_seeds(seeds, batch_size)
         sampler = self.sampler_for(eta)
         shape = self.sample_shape
         if latents is not None:

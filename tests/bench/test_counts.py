@@ -11,6 +11,8 @@ import time
 import pytest
 import torch
 
+from fastdiff.bench.counts import aten_op_cost, engine_op_cost
+from fastdiff.bench.roofline import measure_ceilings, plot_roofline, roofline_point
 from fastdiff.engine.ir import Op, Value
 from fastdiff.kernels import REGISTRY
 from fastdiff.kernels.cost_model import (
@@ -21,8 +23,6 @@ from fastdiff.kernels.cost_model import (
     group_norm_cost,
     matmul_cost,
 )
-from fastdiff.profile.counts import aten_op_cost, engine_op_cost
-from fastdiff.profile.roofline import measure_ceilings, plot_roofline, roofline_point
 
 
 def test_cost_add_and_intensity():

@@ -1,4 +1,4 @@
-"""fastdiff.profile.breakdown: name classification, a CPU profile of a tiny U-Net step, the bar chart."""
+"""fastdiff.bench.breakdown: name classification, a CPU profile of a tiny U-Net step, the bar chart."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import pytest
 import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-from fastdiff.models.ddpm_unet import DDPMUNet, DDPMUNetConfig
-from fastdiff.profile.breakdown import (
+from fastdiff.bench.breakdown import (
     OP_CLASSES,
     breakdown_figure,
     classify,
@@ -15,6 +14,7 @@ from fastdiff.profile.breakdown import (
     profile_breakdown,
     sampler_range,
 )
+from fastdiff.models.ddpm_unet import DDPMUNet, DDPMUNetConfig
 from fastdiff.samplers import ScheduleConfig, make_sampler
 
 NAMES = {

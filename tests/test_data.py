@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from fastdiff.data import DEFAULT_DATA_DIR, load_fashion_mnist
 from fastdiff.errors import FastdiffError
-from fastdiff.train.data import DEFAULT_DATA_DIR, load_fashion_mnist
 
 
 def write_idx_gz(path: Path, array: np.ndarray, dtype_code: int = 0x08) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from fastdiff.devices import resolve_device, resolve_dtype
 from fastdiff.errors import FastdiffError
 from fastdiff.images import to_pil
 from fastdiff.models import step_cache
@@ -30,7 +31,7 @@ from fastdiff.models.stable_diffusion import (
     load_stable_diffusion,
     resolve_pipeline_dir,
 )
-from fastdiff.pipeline import resolve_backend, resolve_device, resolve_dtype
+from fastdiff.pipelines.base import EnginePipeline, check_output_type, expand_seeds, resolve_backend
 from fastdiff.samplers import SAMPLERS, Sampler, ScheduleConfig, initial_noise, make_sampler, run_sampler, seed_tensor
 from fastdiff.samplers.noise import draw
 
@@ -109,7 +110,7 @@ def image_batch(image: InitImage) -> torch.Tensor:
     return batch * 2 - 1
 
 
-class TextToImagePipeline:
+class TextToImagePipeline(EnginePipeline):
     """Stable Diffusion components plus a sampler. ``pipe("a cat", seeds=0)`` returns images; see ``__call__``.
 
     The sampler state stays in fp32 whatever the model dtype; U-Net, VAE and text encoder run in ``dtype``.
@@ -125,9 +126,7 @@ class TextToImagePipeline:
         karras: bool | None = None,
         backend: str | None = None,
     ) -> None:
-        self.device = torch.device(device)
-        self.backend = resolve_backend(backend, self.device)
-        self._engine = None
+        super().__init__(device, backend)
         self.components = components
         self.unet, self.vae = components.unet, components.vae
         self.vae_scale = vae_scale_factor(self.vae.config)
@@ -168,15 +167,6 @@ class TextToImagePipeline:
         return cls(
             components, sampler=sampler, steps=steps, device=dev, dtype=torch_dtype, karras=karras, backend=backend
         )
-
-    @property
-    def engine(self):
-        """The pipeline's ``fastdiff.engine.Engine`` (created on first use; backend "engine" only)."""
-        if self._engine is None:
-            from fastdiff.engine import Engine
-
-            self._engine = Engine(self.device)
-        return self._engine
 
     def uses_engine(self, latent_shape: tuple[int, int, int]) -> bool:
         """Whether a call at ``latent_shape`` runs on the engine: backend "engine" and latent sides that every
@@ -274,10 +264,9 @@ class TextToImagePipeline:
         per_prompt = num_images_per_prompt
         if isinstance(per_prompt, bool) or not isinstance(per_prompt, numbers.Integral) or per_prompt <= 0:
             raise FastdiffError(f"num_images_per_prompt must be a positive int, got {per_prompt!r}")
-        if output_type not in OUTPUT_TYPES:
-            raise FastdiffError(f"unknown output_type {output_type!r}: use one of {', '.join(OUTPUT_TYPES)}")
+        check_output_type(output_type, OUTPUT_TYPES)
         count = len(prompts) * per_prompt
-        seed_list = self._seeds(seeds, count, len(prompts), per_prompt)
+        seed_list = expand_seeds(seeds, count, f" ({len(prompts)} prompts x {per_prompt} per prompt)")
         check_size(height, width)
         pixels = None
         if image is not None:
@@ -332,19 +321,6 @@ class TextToImagePipeline:
         if output_type == "np":
             return images.cpu().permute(0, 2, 3, 1).numpy()
         return to_pil(decoded)
-
-    @staticmethod
-    def _seeds(seeds: int | Sequence[int] | None, count: int, prompts: int, per_prompt: int) -> list[int]:
-        if seeds is None:
-            return list(range(count))
-        if isinstance(seeds, numbers.Integral) and not isinstance(seeds, bool):
-            return list(range(int(seeds), int(seeds) + count))
-        seed_list = [int(s) for s in seeds]
-        if len(seed_list) != count:
-            raise FastdiffError(
-                f"got {len(seed_list)} seeds for {count} images ({prompts} prompts x {per_prompt} per prompt)"
-            )
-        return seed_list
 
     def _text_states(self, prompts: list[str], negatives: list[str] | None, per_prompt: int) -> torch.Tensor:
         """Text states [N or 2N, tokens, width]: (uncond; cond) with guidance, each distinct text encoded once."""

@@ -1,0 +1,89 @@
+"""What both pipelines share: backend and fp8 checks, seed lists, the lazily created engine, output conversion."""
+
+from __future__ import annotations
+
+import numbers
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from fastdiff.devices import DTYPES
+from fastdiff.errors import FastdiffError
+
+if TYPE_CHECKING:
+    from fastdiff.engine import Engine
+
+BACKENDS = ("engine", "eager")
+FP8 = "fp8"
+"""The ``from_pretrained`` dtype name of the engine's fp8 mode: fp16 activations with e4m3 convs after each
+GroupNorm (``fastdiff.engine.Engine(fp8=True)``; Hopper GPUs, or Triton's CPU interpreter for tests)."""
+DTYPE_NAMES = (*DTYPES, FP8)
+"""The dtype names ``Pipeline.from_pretrained`` takes."""
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    """``backend`` checked ("engine" or "eager"); None means the engine on CUDA and eager elsewhere. The engine
+    off CUDA needs Triton's interpreter (``TRITON_INTERPRET=1``): said here, before any loading."""
+    backend = backend or ("engine" if device.type == "cuda" else "eager")
+    if backend not in BACKENDS:
+        raise FastdiffError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    if backend == "engine" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise FastdiffError("the engine backend needs a CUDA GPU (or TRITON_INTERPRET=1 for its CPU test mode)")
+    return backend
+
+
+def check_fp8(device: torch.device, dtype: torch.dtype, backend: str | None) -> str:
+    """The backend for an fp8 pipeline (None means "engine": fp8 exists only there), after checking, in this
+    order, that ``device`` can run fp8 convs and that ``dtype`` is fp16 or bf16
+    (``fastdiff.engine.fp8.fp8_unsupported``) and that the backend is the engine; each failure is a one-line
+    FastdiffError."""
+    from fastdiff.engine.fp8 import fp8_unsupported
+
+    reason = fp8_unsupported(device, dtype, role="pipeline")
+    if reason is not None:
+        raise FastdiffError(reason)
+    backend = resolve_backend("engine" if backend is None else backend, device)
+    if backend != "engine":
+        raise FastdiffError(f"fp8 runs only in the engine backend (e4m3 convs on Hopper): not with backend={backend!r}")
+    return backend
+
+
+def expand_seeds(seeds: int | Sequence[int] | None, count: int, what: str = "") -> list[int]:
+    """One seed per image: None means ``0..count-1``, an int ``s`` means ``s, s+1, ...``, a sequence must hold
+    ``count`` seeds (``what`` says what the count is made of, for the error)."""
+    if seeds is None:
+        return list(range(count))
+    if isinstance(seeds, numbers.Integral) and not isinstance(seeds, bool):
+        return list(range(int(seeds), int(seeds) + count))
+    seed_list = [int(s) for s in seeds]
+    if len(seed_list) != count:
+        raise FastdiffError(f"got {len(seed_list)} seeds for {count} images{what}")
+    return seed_list
+
+
+def check_output_type(output_type: str, allowed: Sequence[str]) -> None:
+    if output_type not in allowed:
+        raise FastdiffError(f"unknown output_type {output_type!r}: use one of {', '.join(allowed)}")
+
+
+class EnginePipeline:
+    """The part of a pipeline that owns its device, its backend and (for backend "engine") its
+    ``fastdiff.engine.Engine``, created on first use."""
+
+    def __init__(self, device: torch.device | str, backend: str | None, fp8: bool = False) -> None:
+        self.device = torch.device(device)
+        self.backend = resolve_backend(backend, self.device)
+        self.fp8 = fp8
+        self._engine: Engine | None = None
+
+    @property
+    def engine(self) -> Engine:
+        """The pipeline's ``fastdiff.engine.Engine`` (created on first use; backend "engine" only; its fp8 mode
+        with ``fp8``)."""
+        if self._engine is None:
+            from fastdiff.engine import Engine
+
+            self._engine = Engine(self.device, fp8=self.fp8)
+        return self._engine
