@@ -43,9 +43,12 @@ sample: venv
 		--prompt "a photo of a shirt" --prompt "a photo of a sneaker" --prompt "a photo of a bag" \
 		--prompt "a photo of an ankle boot" --out samples/t2i-grid.png
 
+# ruff (lint + format) and the import contracts of pyproject.toml's [tool.importlinter]: layers only import
+# downwards (kernels < samplers < models < engine < pipelines < the commands) and no package has an import circle.
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 test: venv test-data chromium lint
 	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q
