@@ -21,7 +21,9 @@ from fastdiff.models.unet_2d_condition import UNet2DConditionModel
 from fastdiff.models.weights import read_json_object, read_state_dict
 from fastdiff.quality.psnr import psnr
 from fastdiff.train import text_to_image as t2i
-from fastdiff.train.text_to_image import UNetStageConfig, VAEStageConfig
+from fastdiff.train.text_to_image import UNetStageConfig, VAEStageConfig, loop, unet_stage, vae_stage
+from fastdiff.train.text_to_image.config import make_text_encoder
+from fastdiff.train.text_to_image.prompts import learn_merges, prompt_words
 
 TOL = 1e-3  # max abs diff on [0, 1] output images, fp32, as tests/test_text_to_image.py
 needs_data = pytest.mark.skipif(not DEFAULT_DATA_DIR.is_dir(), reason="needs apt-get install dataset-fashion-mnist")
@@ -94,7 +96,7 @@ def test_articles():
 def test_learned_merges_rebuild_each_word_in_order():
     """learn_merges on a toy corpus, applied by hand (lowest rank first, as CLIP's BPE does), joins every word."""
     words = ["boot", "boots", "bag", "top"]
-    merges = t2i.learn_merges(words)
+    merges = learn_merges(words)
     rank = {pair: i for i, pair in enumerate(merges)}
     for word in words:
         symbols = [*word[:-1], word[-1] + "</w>"]
@@ -115,7 +117,7 @@ def tokenizer():
 
 def test_every_prompt_word_is_one_token_in_any_case(tokenizer):
     vocab = tokenizer.get_vocab()
-    words = t2i.prompt_words()
+    words = prompt_words()
     assert {"ankle", "boot", "trousers", "t", "-", "shirt", "handbag", "tee", "sneaker", ","} <= set(words)
     for word in words:
         assert word + "</w>" in vocab, word
@@ -135,8 +137,8 @@ def test_fashion_preset_fits_the_size_budget(tokenizer):
     """fp16 safetensors of the real preset stay under 30 MB; the VAE maps 32x32x1 to the U-Net's 8x8x4."""
     preset = t2i.PRESETS["fashion-mnist"]
     vae, unet = AutoencoderKL(preset.vae), UNet2DConditionModel(preset.unet)
-    text_encoder = t2i.make_text_encoder(preset, tokenizer)
-    total = sum(t2i.num_params(m) for m in (vae, unet, text_encoder))
+    text_encoder = make_text_encoder(preset, tokenizer)
+    total = sum(loop.num_params(m) for m in (vae, unet, text_encoder))
     assert 2 * total <= 30e6, f"{total} parameters"
     latents = vae.encode(torch.zeros(1, 1, 32, 32)).mean
     assert tuple(latents.shape[1:]) == (unet.config.in_channels, unet.config.sample_size, unet.config.sample_size)
@@ -183,7 +185,7 @@ def test_vae_stage_writes_its_vae_scaling_factor_and_psnr(trained):
     vae = autoencoder_kl_from_dir(vae_dir / "vae", config).float().eval()
 
     # scaling_factor = 1 / std of the sampled latents of the first scaling_images training images (same draw)
-    mean, std = t2i.encode_batches(vae, images[:64], torch.device("cpu"))
+    mean, std = vae_stage.encode_batches(vae, images[:64], torch.device("cpu"))
     noise = torch.randn(mean.shape, generator=torch.Generator().manual_seed(0 + 2))
     assert config["scaling_factor"] == pytest.approx(1 / float((mean + std * noise).std()), rel=1e-4)
     # PSNR of decode(posterior mean) on the test images, recomputed from the saved weights
@@ -325,12 +327,12 @@ def test_make_sample_draws_one_row_per_canonical_prompt():
 
 def test_learning_rate_follows_the_step_or_time_budget(monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr(t2i.time, "perf_counter", lambda: clock[0])
-    by_steps = t2i.Budget(VAEStageConfig(max_steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1), start=100.0)
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: clock[0])
+    by_steps = loop.Budget(VAEStageConfig(max_steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1), start=100.0)
     assert by_steps.lr(0) == pytest.approx(0.1)  # warm-up: (step + 1) / warmup_steps
     assert by_steps.lr(50) == pytest.approx(0.55)  # half-way down the cosine from 1 to 0.1
     assert by_steps.lr(100) == pytest.approx(0.1) and not by_steps.out_of_time()
-    by_time = t2i.Budget(VAEStageConfig(max_steps=10**6, warmup_steps=0, lr=1.0, max_seconds=60), start=90.0)
+    by_time = loop.Budget(VAEStageConfig(max_steps=10**6, warmup_steps=0, lr=1.0, max_seconds=60), start=90.0)
     clock[0] = 125.0  # the loop started at 100 with 50 s left: 25 s is half of them
     assert by_time.progress(10) == pytest.approx(0.5) and by_time.lr(10) == pytest.approx(0.55)
     assert not by_time.out_of_time()
@@ -350,7 +352,7 @@ def test_a_failing_evaluation_keeps_the_written_model(trained, tmp_path, monkeyp
     def broken(*args, **kwargs):
         raise TypeError("no sampling today")
 
-    monkeypatch.setattr(t2i, "evaluate_pipeline", broken)
+    monkeypatch.setattr(unet_stage, "evaluate_pipeline", broken)
     images, labels = squares(32, seed=3)
     config = UNetStageConfig(**stage_settings(tmp_path / "p", vae_dir=trained[0], max_steps=1))
     summary = t2i.train_text_to_image(config, images, labels)
@@ -374,7 +376,8 @@ def test_cli_errors_come_before_any_work(trained, tmp_path, capsys, monkeypatch)
     def no_work(*args, **kwargs):
         raise AssertionError("training data was read before the flags were checked")
 
-    monkeypatch.setattr(t2i, "load_split", no_work)
+    for stage in (vae_stage, unet_stage):
+        monkeypatch.setattr(stage, "load_split", no_work)
     base = ["train", "text-to-image", "--device", "cpu", "--preset", "tiny"]
     out = str(tmp_path / "out")
     one_line_cli_error([*base, "--stage", "unet", "--out", out], "needs --vae", capsys)
