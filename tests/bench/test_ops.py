@@ -119,8 +119,11 @@ def test_engine_op_table_glue_on_the_interpreter(monkeypatch):
 
 
 def bench_result(op_tables: dict) -> dict:
-    def row(system: str, extra: dict) -> dict:
-        return {"system": system, "dtype": "fp16", "ms_per_step": 0.2, "extra": extra}
+    """A bench result with one engine row per ``op_tables`` entry, keyed by system or (system, dtype) (fp16)."""
+
+    def row(system: str | tuple[str, str], extra: dict) -> dict:
+        system, dtype = system if isinstance(system, tuple) else (system, "fp16")
+        return {"system": system, "dtype": dtype, "ms_per_step": 0.2, "extra": extra}
 
     engines = [row(system, {"op_table": table}) for system, table in op_tables.items()]
     return {"ceilings": CEILINGS, "results": [row("eager", {}), *engines]}
@@ -128,7 +131,7 @@ def bench_result(op_tables: dict) -> dict:
 
 def test_op_tables_markdown():
     table = {"step": "one full step", **op_table(ROWS, CEILINGS, kernels_per_step=7)}
-    text = op_tables_markdown(bench_result({"engine": table, "engine+fold": {"unavailable": "boom"}}), top=3)
+    text = op_tables_markdown(bench_result({"engine": table, ("engine", "bf16"): {"unavailable": "boom"}}), top=3)
     assert "**engine-fp16** per op (one full step): 5 ops, 7 kernels per step" in text
     assert "0.134 ms of 0.200 ms/step" in text and "100 TFLOP/s (synthetic matmul), 1000 GB/s" in text
     assert "| convolution | 2 | 0.120 | 90% | 17.5 | 17.5 | 167 | 16.7 | 35.0 |" in text
@@ -137,7 +140,7 @@ def test_op_tables_markdown():
     top = [line.split(" | ")[0] for line in lines[header + 2 : header + 6]]
     assert top == ["| big_conv", "| small_conv", "| norm", ""]  # the 3 slowest, slowest first, then the next part
     assert "| big_conv | conv | triton | 100.0 | 2 | 10 | 20 | 100 | compute | 20.0 |" in text
-    assert "**engine+fold-fp16** per-op table unavailable: boom." in text
+    assert "**engine-bf16** per-op table unavailable: boom." in text
     assert op_tables_markdown(bench_result({})) == ""
 
 
@@ -166,7 +169,7 @@ def test_cpu_bench_has_no_op_table(tmp_path):
 def test_cuda_bench_op_table(tmp_path):
     save_tiny_model(tmp_path)
     cfg = BenchConfig(model=str(tmp_path), batch=2, steps=4, timed_steps=4, repeats=1, quality_steps=2,
-                      energy_seconds=0.1, systems=("engine-fp16", "engine+fold-fp16"), device="cuda")  # fmt: skip
+                      energy_seconds=0.1, systems=("engine-fp16", "engine-bf16"), device="cuda")  # fmt: skip
     result = run_bench(cfg)
     ceil = result["ceilings"]
     assert ceil["tflops"] > 0 and ceil["gbps"] > 0

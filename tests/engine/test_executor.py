@@ -44,15 +44,12 @@ def test_fused_matches_eager(tiny_name, tiny_model, impls):
     assert_two_forwards_match_eager(fused, model, seed=7)
 
 
-@pytest.mark.parametrize("fold_norms", [False, True], ids=["plain", "folded_norms"])
-def test_split_k_convs_match_eager(tiny_model, fold_norms):
+def test_split_k_convs_match_eager(tiny_model):
     """Every conv on the split-K gather kernel (``triton-k3``, the implementation autotune may pick where a conv's
     grid leaves SMs idle) and every attention split over its keys (``triton-kv2``), sharing one workspace, two
-    forwards in a row: equal to the eager model. With the GroupNorms folded, the split convs also normalise on
-    load and finish their outputs' statistics."""
+    forwards in a row: equal to the eager model."""
     model = tiny_model("attn_pad0", 9).to(DEVICE)
-    fused = FusedModel(model, 2, torch.float32, DEVICE, "triton", "triton", fold_norms=fold_norms)
-    assert not fold_norms or any("stats" in op.params for op in fused.ops)
+    fused = FusedModel(model, 2, torch.float32, DEVICE, "triton", "triton")
     for op in fused.ops:
         if op.kind == "conv":
             op.impl = "triton-k3"
@@ -60,7 +57,6 @@ def test_split_k_convs_match_eager(tiny_model, fold_norms):
             op.impl = "triton-kv2"
     assert_two_forwards_match_eager(fused, model, seed=8)
     assert fused.split_workspace.counters is not None and not fused.split_workspace.counters.any()
-    assert not any(fold.arrivals.any() for fold in fused.folds.values())
 
 
 @pytest.mark.parametrize("split", ["", "-k3"], ids=["one_program_per_tile", "split_k3"])
@@ -173,7 +169,7 @@ def test_group_norm_statistics_in_conv_epilogue_match_eager(tiny_model, name, im
     fused.arena.view(torch.float32).fill_(float("nan"))
     assert_two_forwards_match_eager(fused, model, seed=14)
     assert all(norm.impl == "apply" for norm in fused.epilogue_stats.values())
-    assert sorted(fused.stat_folds) == sorted(norm.name for norm in fused.epilogue_stats.values())
+    assert sorted(fused.norm_stats) == sorted(norm.name for norm in fused.epilogue_stats.values())
 
 
 def test_epilogue_norms_in_the_shallow_forward(tiny_model):

@@ -128,18 +128,16 @@ def test_fp8_arguments_are_checked_first(tiny_model):
     with pytest.raises(FastdiffError, match="TMA kernel"):
         FusedModel(model, 1, torch.float16, DEVICE, "cudnn", fp8=True)
     with pytest.raises(FastdiffError, match="TMA kernel"):
-        FusedModel(model, 1, torch.float16, DEVICE, fold_norms=True, fp8=True)
-    with pytest.raises(FastdiffError, match="TMA kernel"):
-        Engine(DEVICE, fold_norms=True, fp8=True)
+        Engine(DEVICE, conv_impl="cudnn", fp8=True)
 
 
 def test_fp8_unsupported_names_the_first_problem(monkeypatch):
-    """One home for fp8's preconditions, in order: the device, the activation dtype, the conv implementation and
-    folding; None when all hold (the engine, its step model and the pipeline all ask it)."""
+    """One home for fp8's preconditions, in order: the device, the activation dtype, the conv implementation; None
+    when all hold (the engine, its step model and the pipeline all ask it)."""
     from fastdiff.engine import fp8 as engine_fp8
 
     assert fp8_unsupported(DEVICE, torch.float16) is None
-    assert fp8_unsupported(DEVICE, None, fold_norms=True).endswith("not with conv_impl='cudnn' or fold_norms")
+    assert fp8_unsupported(DEVICE, None, "cudnn").endswith("not with conv_impl='cudnn'")
     reason = fp8_unsupported(DEVICE, torch.float32, "cudnn", role="pipeline")
     assert "the pipeline dtype cannot be torch.float32" in reason
     monkeypatch.setattr(engine_fp8, "fp8_supported", lambda device: "fp8 needs a Hopper-class GPU")

@@ -11,11 +11,9 @@ from fastdiff.errors import FastdiffError
 from fastdiff.kernels.common import SplitWorkspace
 from fastdiff.kernels.conv2d import (
     OP,
-    FoldedGroupNorm,
     GemmTiles,
     conv2d,
     conv2d_ref,
-    group_stats_ref,
     pack_conv_weight,
     padding_pair,
     split_k_choices,
@@ -227,17 +225,6 @@ def test_split_k_choices_on_an_h100_sized_gpu(monkeypatch, shape: tuple, expecte
     assert split_k_choices(n, cin, cout, (hw, hw), k, torch.float16, torch.device("cpu")) == expected
 
 
-def test_split_k_choices_keep_one_step_per_tap_with_a_folded_norm(monkeypatch) -> None:
-    """A conv that normalises its input on load does not flatten its reduction: 4 channels x 9 taps are 9 steps,
-    so splits of 2 and 4 are offered where the flattened 36 rows (one 64-deep step) would offer none."""
-    import fastdiff.kernels.conv2d as conv_module
-
-    monkeypatch.setattr(conv_module, "num_sms", lambda device: 132)
-    args = (1, 4, 128, (32, 32), 3, torch.float16, torch.device("cpu"))
-    assert split_k_choices(*args) == ()
-    assert split_k_choices(*args, folded_norm=True) == (2, 4)
-
-
 @pytest.mark.parametrize(
     "shape, split_k, expected",
     [
@@ -291,26 +278,6 @@ def test_forced_tiles_match_ref(tiles: GemmTiles, split_k: int) -> None:
     for bad in (dict(block_m=24), dict(block_k=8), dict(num_warps=3), dict(num_stages=0)):
         with pytest.raises(FastdiffError, match="bad conv tiles"):
             GemmTiles(**{"block_m": 16, "block_n": 32, "block_k": 64, **bad})
-
-
-def test_split_k_with_folded_group_norm() -> None:
-    """A split-K conv normalises its input on load (``norm=``) and writes its output's statistics (``stats=``)
-    from the summed tile, like the unsplit kernel."""
-    case = dict(n=2, cin=12, cout=24, h=6, w=10, k=3, padding=1, bias=True, temb=True)
-    args, kwargs = make_inputs(case, torch.float32, seed=5)
-    gen = torch.Generator().manual_seed(6)
-    gamma, beta = ((1.0 + 0.3 * torch.randn(12, generator=gen)).to(DEVICE) for _ in range(2))
-    norm, ref_norm = (FoldedGroupNorm(4, t(gamma), t(beta), 1e-5, "silu") for t in (lambda v: v, float64))
-    norm.mean_rstd = group_stats_ref(args[0], 4, 1e-5).float()  # the input's statistics, as a producer would give
-    stats, ref_stats = FoldedGroupNorm(8), FoldedGroupNorm(8)
-    ref = conv2d_ref(*[float64(a) for a in args], **{k: float64(v) for k, v in kwargs.items()}, norm=ref_norm,
-                     stats=ref_stats)  # fmt: skip
-    out = conv2d(*args, **kwargs, norm=norm, stats=stats, split_k=5)
-    assert rel_err(out, ref) < TOLERANCE[torch.float32]
-    assert stats.arrivals.tolist() == [0, 0]  # the finishing tiles reset their images' counters
-    got = stats.mean_rstd.double()  # the statistics of the tensor it stored, finished in the same launch
-    want = group_stats_ref(out.double(), 8, 1e-5)
-    assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
 
 
 @pytest.mark.parametrize("split_k", [2, 5, 9])

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from fastdiff.errors import FastdiffError
-from fastdiff.kernels.common import activation_ref
-from fastdiff.kernels.conv2d import FoldedGroupNorm, OutputGroupNorm, conv2d, conv2d_ref, norm_out_unsupported
+from fastdiff.kernels.common import GroupNormPartials, activation_ref
+from fastdiff.kernels.conv2d import OutputGroupNorm, conv2d, conv2d_ref, norm_out_unsupported
 
 from .conftest import CUDA, DEVICE, needs_cuda, rel_err
 
@@ -121,7 +121,7 @@ def test_norm_out_bad_arguments_raise() -> None:
     w = torch.randn(16, 8, 3, 3, device=DEVICE)
     out = torch.empty(1, 16, 4, 4, device=DEVICE)
     with pytest.raises(FastdiffError, match="does not combine"):
-        conv2d(x, w, padding=1, norm_out=OutputGroupNorm(4, out), stats=FoldedGroupNorm(4))
+        conv2d(x, w, padding=1, norm_out=OutputGroupNorm(4, out), stats=GroupNormPartials(4))
     with pytest.raises(FastdiffError, match=r"norm_out.out must be a \[1, 16, 4, 4\]"):
         conv2d(x, w, padding=1, norm_out=OutputGroupNorm(4, out[:, :8]))
     with pytest.raises(FastdiffError, match="overlaps"):  # the normalised output over the raw one

@@ -17,7 +17,6 @@ EXPECTED = {
     "conv2d_tma",
     "tap_sum_conv2d",
     "depthwise_conv2d",
-    "winograd_conv3x3",
     "group_norm_act",
     "layer_norm",
     "linear",

@@ -39,11 +39,8 @@ ALL_SYSTEMS = (
     "engine-bf16",
     "engine-fp8",
 )
-OPTIONAL_SYSTEMS = ("engine+fold-fp16", "engine+fold-bf16") + tuple(
-    f"{name}-fp16" for name in COMPILE_CONFIGS if f"{name}-fp16" not in ALL_SYSTEMS
-)
-"""Systems that run only when named in ``--systems``: the engine with GroupNorm folded into the convs, and the
-torch.compile configurations not in the default set."""
+OPTIONAL_SYSTEMS = tuple(f"{name}-fp16" for name in COMPILE_CONFIGS if f"{name}-fp16" not in ALL_SYSTEMS)
+"""Systems that run only when named in ``--systems``: the torch.compile configurations not in the default set."""
 
 
 @dataclass
@@ -124,8 +121,8 @@ def build_system(
         return DiffusersSystem(make_model, dtype, device, schedule)
     if kind == "diffusers+compile":
         return DiffusersSystem(make_model, dtype, device, schedule, compile_warmup=warmup_x)
-    if kind in ("engine", "engine+fold"):
-        return EngineSystem(make_model, dtype, device, warmup_x, cache_interval, fold_norms=kind == "engine+fold")
+    if kind == "engine":
+        return EngineSystem(make_model, dtype, device, warmup_x, cache_interval)
     raise FastdiffError(f"unknown bench system {name!r}: choose from {', '.join(ALL_SYSTEMS + OPTIONAL_SYSTEMS)}")
 
 

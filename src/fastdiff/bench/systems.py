@@ -202,16 +202,13 @@ class EngineSystem(System):
         device: torch.device,
         warmup_batch: torch.Tensor | None = None,
         cache_interval: int = 1,
-        fold_norms: bool = False,
         fp8: bool = False,
     ) -> None:
         super().__init__(dtype, cache_interval)
         self.make_model, self.device, self.warmup_batch = make_model, torch.device(device), warmup_batch
-        self.fold_norms, self.fp8 = fold_norms, fp8
-        self.name = "engine+fold" if fold_norms else "engine"
+        self.fp8 = fp8
+        self.name = "engine"
         self.notes = f"fused kernels + planned buffers + CUDA graphs of {DEFAULT_STEPS_PER_GRAPH} steps"
-        if fold_norms:
-            self.notes += "; GroupNorms folded into the convs around them (fold_norms=True)"
         if fp8:
             self.notes += "; e4m3 convs after each GroupNorm, fp16 elsewhere (fp8=True)"
         if cache_interval > 1:
@@ -220,7 +217,7 @@ class EngineSystem(System):
     def prepare(self) -> None:
         cache = kernel_cache_state()
         self.model = self.make_model().eval()
-        self.engine = Engine(self.device, fold_norms=self.fold_norms, fp8=self.fp8)
+        self.engine = Engine(self.device, fp8=self.fp8)
         if self.warmup_batch is not None:
             step = self.engine.step_model(self.model, self.warmup_batch.shape[0], self.dtype)
             if getattr(step, "ops_timed", 0):  # the files existed but not for these shapes: it timed and compiled

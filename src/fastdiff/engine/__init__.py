@@ -100,7 +100,6 @@ class Engine:
         attention_impl: str = "auto",
         steps_per_graph: int | None = DEFAULT_STEPS_PER_GRAPH,
         use_graphs: bool = True,
-        fold_norms: bool = False,
         fp8: bool = False,
     ) -> None:
         self.device = normalize_device(device)
@@ -108,12 +107,10 @@ class Engine:
             raise FastdiffError("the engine needs a CUDA GPU (or TRITON_INTERPRET=1 for its CPU test mode)")
         if unet_impl not in ("fused", "eager"):
             raise FastdiffError(f"unet_impl must be 'fused' or 'eager', got {unet_impl!r}")
-        if fold_norms and conv_impl == "cudnn":
-            raise FastdiffError("fold_norms needs the Triton conv kernel: conv_impl 'auto' or 'triton', not 'cudnn'")
-        if fp8 and (reason := fp8_unsupported(self.device, None, conv_impl, fold_norms)) is not None:
+        if fp8 and (reason := fp8_unsupported(self.device, None, conv_impl)) is not None:
             raise FastdiffError(reason)
         self.unet_impl, self.conv_impl, self.attention_impl = unet_impl, conv_impl, attention_impl
-        self.fold_norms, self.fp8 = fold_norms, fp8
+        self.fp8 = fp8
         self.steps_per_graph, self.use_graphs = steps_per_graph, use_graphs
         self.step_models: dict[tuple, FusedModel | EagerStepModel] = {}
         self.loops: dict[tuple, tuple[Sampler, SamplingLoop, FusedModel | EagerStepModel]] = {}
@@ -140,7 +137,7 @@ class Engine:
         t0 = time.perf_counter()
         fused = FusedModel(
             model, batch, dtype, self.device, self.conv_impl, self.attention_impl, WeightStreamer(self.device),
-            size=size, context_tokens=context_tokens, fold_norms=self.fold_norms, fp8=self.fp8 and role == "step",
+            size=size, context_tokens=context_tokens, fp8=self.fp8 and role == "step",
         )  # fmt: skip
         x_in = channels_last_empty(fused.x_in_value.shape, dtype, self.device).normal_()
         if fused.context is not None:

@@ -8,14 +8,13 @@ the norm at its best (see ``FusedModel.autotune``):
   16x16 levels of the DDPM U-Net), the conv stores its output and the norm's; the norm launches nothing;
 * the norm's statistics in the epilogue (``epilogue_stats``; impls ``triton[-sc]-st[-k<N>]``), for images of at
   most :data:`STATS_MAX_PIXELS`: the conv writes per-tile partial (count, mean, M2) of its output
-  (``FoldedGroupNorm(finish=False)``), and the norm runs as one elementwise pass that merges them
+  (:class:`fastdiff.kernels.common.GroupNormPartials`), and the norm runs as one elementwise pass that merges them
   (``group_norm_act(..., stats=)``, impl ``apply``) instead of reading its input for the statistics first. The
-  norm's readers read a plain tensor in both (unlike the folded norm of :mod:`fastdiff.engine.fold`, whose consumers
-  normalise on load). The engine offers the second only where the first does not apply.
+  norm's readers read a plain tensor in both. The engine offers the second only where the first does not apply.
 
-Left alone: norms writing a concat part, norms of the step cache's kept feature, producers with a folded norm or
-fp8 input, and every norm but the first qualifying one of a conv output several norms read; the whole norm in the
-epilogue also leaves norms writing fp8 (an fp8 conv reads them).
+Left alone: norms writing a concat part, norms of the step cache's kept feature, producers with fp8 input, and every
+norm but the first qualifying one of a conv output several norms read; the whole norm in the epilogue also leaves
+norms writing fp8 (an fp8 conv reads them).
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ def _pairs(ops: list[Op], accept: Callable[[Op], bool]) -> dict[str, Op]:
         conv = producer.get(id(x))
         if conv is None or conv.kind != "conv" or conv.stage != "step" or conv.name in pairs:
             continue
-        if any(key in conv.params for key in ("stats", "norm", "fp8_scale")):
+        if "fp8_scale" in conv.params:
             continue
         if y.concat is not None or x.persistent or (x.concat is not None and x.concat.persistent):
             continue

@@ -67,7 +67,6 @@ from triton.runtime.errors import OutOfResources
 from fastdiff.atomic import write_text_atomic
 from fastdiff.devices import normalize_device
 from fastdiff.engine.epilogue_norm import epilogue_norms, epilogue_stats
-from fastdiff.engine.fold import fold_group_norms
 from fastdiff.engine.fp8 import fp8_unsupported, mark_fp8_convs
 from fastdiff.engine.ir import GraphBuilder, Op, Value
 from fastdiff.engine.lower import lowering_for
@@ -77,8 +76,8 @@ from fastdiff.engine.weights import WeightStreamer
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.attention import ROWS_MAX_KEYS, attention, split_kv_choices
 from fastdiff.kernels.attention_gate import attention_gate
-from fastdiff.kernels.common import SplitWorkspace, activation_ref
-from fastdiff.kernels.conv2d import FoldedGroupNorm, OutputGroupNorm, conv2d, pack_conv_weight, split_k_choices
+from fastdiff.kernels.common import GroupNormPartials, SplitWorkspace, activation_ref
+from fastdiff.kernels.conv2d import OutputGroupNorm, conv2d, pack_conv_weight, split_k_choices
 from fastdiff.kernels.conv2d_gluon import conv2d_gluon, default_gluon_config, gluon_conv_unsupported
 from fastdiff.kernels.conv2d_tma import (
     conv2d_tma,
@@ -151,7 +150,7 @@ def tokens(t: torch.Tensor) -> torch.Tensor:
 
 
 WEIGHT_ROLES: dict[tuple[str, str], set[str]] = {
-    ("conv", "triton"): {"packed", "bias", "norm_weight", "norm_bias"},
+    ("conv", "triton"): {"packed", "bias"},
     ("conv", "triton-tma"): {"packed", "packed_up2", "bias"},
     ("conv", "triton-tma-fp8"): {"packed_fp8", "weight_scale", "bias"},
     ("conv", "triton-taps"): {"weight", "packed_taps", "bias"},
@@ -211,7 +210,6 @@ class FusedModel:
         *,
         size: tuple[int, int] | None = None,
         context_tokens: int | None = None,
-        fold_norms: bool = False,
         fp8: bool = False,
     ) -> None:
         family = lowering_for(model)
@@ -220,11 +218,9 @@ class FusedModel:
                 f"conv_impl must be one of {CONV_IMPLS} and attention_impl one of {ATTENTION_IMPLS}, "
                 f"got {conv_impl!r}, {attention_impl!r}"
             )
-        if fold_norms and conv_impl == "cudnn":
-            raise FastdiffError("fold_norms needs the Triton conv kernel: conv_impl 'auto' or 'triton', not 'cudnn'")
         self.device = normalize_device(device)
         if fp8:
-            reason = fp8_unsupported(self.device, dtype, conv_impl, fold_norms)
+            reason = fp8_unsupported(self.device, dtype, conv_impl)
             if reason is not None:
                 raise FastdiffError(reason)
         self.dtype, self.batch = dtype, batch
@@ -240,10 +236,7 @@ class FusedModel:
         if graph.output is None:
             raise FastdiffError(f"internal: the {type(model).__name__} lowering set no output")
         self.values, self.ops, self.inputs, self.out_value = graph.values, graph.ops, graph.inputs, graph.output
-        if fold_norms:  # GroupNorms into the convs around them (engine/fold.py), before anything reads the op list
-            self.ops = fold_group_norms(self.ops)
         self.fp8_convs = mark_fp8_convs(self.ops) if fp8 else 0  # engine/fp8.py, while the fp32 weights are here
-        self.folds: dict[str, FoldedGroupNorm] = {}  # by norm name: shared by the producing and consuming convs
         self.shortcuts = fusable_shortcuts(self.ops)  # engine/shortcut.py: conv2 name -> its 1x1 conv_shortcut op
         self.split_workspace = SplitWorkspace()  # shared by the split kernels: the ops run one after another
         self.tap_partials: dict[str, torch.Tensor] = {}  # by op name: the triton-taps convs' stage-1 buffers
@@ -267,7 +260,7 @@ class FusedModel:
             }
             for pairs in (epilogue_norms, epilogue_stats)
         )
-        self.stat_folds: dict[str, FoldedGroupNorm] = {}  # by norm name: the partials of a -st conv for its norm
+        self.norm_stats: dict[str, GroupNormPartials] = {}  # by norm name: the partials of a -st conv for its norm
         self._time_features = graph.time_features
         self._temb_channels = graph.temb_channels
         self.temb_row = torch.zeros((1, self._temb_channels), dtype=dtype, device=self.device)
@@ -407,9 +400,6 @@ class FusedModel:
                 out["weight"] = weight.to(self.dtype).contiguous(memory_format=torch.channels_last)
             if "bias" in op.weights:
                 out["bias"] = op.weights["bias"].to(self.dtype)
-            for role in ("norm_weight", "norm_bias"):  # a folded GroupNorm's affine (engine/fold.py)
-                if role in op.weights:
-                    out[role] = op.weights[role].to(self.dtype)
         elif op.kind == "linear":  # one layout, W^T [K, N], read by both kernels.linear and cuBLAS
             out["packed"] = pack_linear_weight(op.weights["weight"], op.params["geglu"]).to(self.dtype)
             if "bias" in op.weights:
@@ -425,21 +415,11 @@ class FusedModel:
         return out
 
     # ----------------------------------------------------------------------------------------------- calls
-    def _fold(self, spec: tuple | None) -> FoldedGroupNorm | None:
-        """The folded GroupNorm of a conv's ``stats`` / ``norm`` param (one object per norm, shared by both)."""
-        if spec is None:
-            return None
-        name, groups, eps, act = spec
-        if name not in self.folds:
-            self.folds[name] = FoldedGroupNorm(groups, eps=eps, activation=act)
-        return self.folds[name]
-
-    def _stat_fold(self, norm: Op) -> FoldedGroupNorm:
+    def _norm_partials(self, norm: Op) -> GroupNormPartials:
         """The buffers of the partial statistics a ``-st`` conv writes for ``norm`` (which merges them)."""
-        if norm.name not in self.stat_folds:
-            p = norm.params
-            self.stat_folds[norm.name] = FoldedGroupNorm(p["groups"], eps=p["eps"], activation=p["act"], finish=False)
-        return self.stat_folds[norm.name]
+        if norm.name not in self.norm_stats:
+            self.norm_stats[norm.name] = GroupNormPartials(norm.params["groups"])
+        return self.norm_stats[norm.name]
 
     def _summed_bias(self, op: Op, sc: Op) -> torch.Tensor | None:
         """conv2's bias + its shortcut's (the fused pair's one bias), made once per pair."""
@@ -502,14 +482,12 @@ class FusedModel:
                 norm_out = OutputGroupNorm(gp["groups"], self._tensor(gn.output), gw.get("weight"), gw.get("bias"),
                                            gp["eps"], gp["act"])  # fmt: skip
             packed = w["packed"]
-            stats, norm = (self._fold(p.get(key)) for key in ("stats", "norm"))
+            stats = None
             if "-st" in impl:  # -st: the partial statistics of the output for its GroupNorm
-                stats = self._stat_fold(self.epilogue_stats[op.name])
-            if norm is not None and "norm_weight" in w:
-                norm.weight, norm.bias = w["norm_weight"], w["norm_bias"]
+                stats = self._norm_partials(self.epilogue_stats[op.name])
             return lambda: conv2d(
                 x, packed, bias, stride=stride, padding=padding, time_emb=temb, residual=residual,
-                activation=act, out_scale=scale, out=out, upsample=up, norm=norm, stats=stats, split_k=split_k,
+                activation=act, out_scale=scale, out=out, upsample=up, stats=stats, split_k=split_k,
                 workspace=workspace, shortcut=shortcut, shortcut_weight=shortcut_weight, norm_out=norm_out,
             )  # fmt: skip
         weight = w["weight"]
@@ -608,7 +586,7 @@ class FusedModel:
         if op.kind == "group_norm":  # "triton" (the kernel's own plan), "triton-c<lanes>" or "apply" (a -st conv's
             w, p = self._device_weights[op.name], op.params  # statistics)
             lanes = int(impl.removeprefix("triton-c")) if impl.startswith("triton-c") else None
-            stats = self._stat_fold(op) if impl == "apply" else None
+            stats = self._norm_partials(op) if impl == "apply" else None
             return lambda: group_norm_act(
                 x, p["groups"], w["weight"], w["bias"], p["eps"], activation=p["act"], out=out,
                 fp8_scale=p.get("fp8_scale"), lanes=lanes, stats=stats,
@@ -623,11 +601,6 @@ class FusedModel:
 
     def _candidates(self, op: Op) -> tuple[str, ...]:
         """The implementations ``op`` may run: two to time, or the one forced / the only one."""
-        if op.kind == "conv" and ("stats" in op.params or "norm" in op.params):
-            # a folded GroupNorm lives in the gather kernel's epilogue / prologue: it, split or not
-            splits = self._split_k_choices(op) if self.device.type == "cuda" else ()
-            fused = ("", "-sc") if op.name in self.shortcuts and self.device.type == "cuda" else ("",)
-            return tuple(f"triton{sc}{k}" for sc in fused for k in ("", *(f"-k{split}" for split in splits)))
         if op.kind == "conv" and "fp8_scale" in op.params:  # the TMA kernel, also split-K where its grid leaves SMs
             return ("triton-tma-fp8", *(f"triton-tma-fp8-k{split}" for split in self._tma_split_choices(op)))
         if op.kind in ("conv", "depthwise", "linear"):
@@ -666,8 +639,7 @@ class FusedModel:
     def _split_k_choices(self, op: Op) -> tuple[int, ...]:
         """The split-K factors of the gather conv worth timing for ``op`` (its grid leaves SMs idle)."""
         (n, cin, *_), (_, cout, ho, wo) = op.inputs[0].shape, op.output.shape
-        folded = "norm" in op.params  # normalised on load: one reduction step per tap
-        return split_k_choices(n, cin, cout, (ho, wo), op.params["ksize"], self.dtype, self.device, folded)
+        return split_k_choices(n, cin, cout, (ho, wo), op.params["ksize"], self.dtype, self.device)
 
     def _tma_split_choices(self, op: Op) -> tuple[int, ...]:
         """The split-K factors of the fp8 TMA conv worth timing for ``op`` (:func:`tma_split_k_choices`; CUDA only).
@@ -686,7 +658,7 @@ class FusedModel:
             return False
         if any(p.get(key) is not None for key in ("temb", "act", "scale")) or len(op.inputs) > 1:  # + a residual
             return False
-        if "fp8_scale" in p or "stats" in p or "norm" in p:
+        if "fp8_scale" in p:
             return False
         x = op.inputs[0]
         probe = torch.empty(x.shape, device="meta")
@@ -704,9 +676,9 @@ class FusedModel:
 
     def _gluon_fits(self, op: Op) -> bool:
         """Whether :func:`conv2d_gluon` can run ``op`` (the TMA conv's domain in fp16/bf16, no activation or
-        upsampling, no folded GroupNorm)."""
+        upsampling)."""
         p = op.params
-        if not self._tma_fits(op) or p["upsample"] != 1 or "fp8_scale" in p or "stats" in p or "norm" in p:
+        if not self._tma_fits(op) or p["upsample"] != 1 or "fp8_scale" in p:
             return False
         if op.output.shape[1] < 64:  # tiles at least 64 channels wide (the shapes it was measured on)
             return False
@@ -732,8 +704,6 @@ class FusedModel:
         return tma_conv_unsupported(shortcut, op.output.shape[1], 1) is None
 
     def _default_why(self, op: Op) -> str:
-        if op.kind == "conv" and ("stats" in op.params or "norm" in op.params):
-            return "GroupNorm folded in (Triton only)"
         if op.kind == "conv" and "fp8_scale" in op.params:
             return "fp8 (e4m3) input: the TMA kernel only"
         if op.kind in ("conv", "depthwise", "linear"):

@@ -1,7 +1,7 @@
 """The engine's fp8 (``fp8=True``): which GroupNorm -> conv pairs run in e4m3, as a transform of the op list.
 
 A GroupNorm (+ activation) whose every reader is a conv that the TMA kernel runs in fp8 (stride 1, no Upsample2D,
-no folded norm, input and output channels multiples of 16, the norm's output as its input and never as its
+input and output channels multiples of 16, the norm's output as its input and never as its
 residual) writes its output in e4m3 at the scale of its affine (:func:`fastdiff.kernels.fp8.norm_output_scale`),
 and those convs multiply it with e4m3 weights (per-output-channel scales) on the fp8 tensor cores. In a U-Net that
 is both 3x3 convs of every ResNet block (most of a step's FLOPs), and in DDPMUNet also each attention's q|k|v conv.
@@ -21,11 +21,10 @@ FP8_ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def fp8_unsupported(
-    device: torch.device, dtype: torch.dtype | None, conv_impl: str = "auto", fold_norms: bool = False,
-    role: str = "engine",
-) -> str | None:  # fmt: skip
+    device: torch.device, dtype: torch.dtype | None, conv_impl: str = "auto", role: str = "engine"
+) -> str | None:
     """Why the engine cannot run fp8 with these settings (one line, checked in this order: the device, the
-    activation ``dtype`` when given, the conv implementation and folding), or None. ``role`` names the dtype's
+    activation ``dtype`` when given, the conv implementation), or None. ``role`` names the dtype's
     owner in the message ("engine", "pipeline"). The one home of fp8's preconditions: the engine, its step model
     and the pipeline all ask it."""
     reason = fp8_supported(device)
@@ -33,8 +32,8 @@ def fp8_unsupported(
         return reason
     if dtype is not None and dtype not in FP8_ACTIVATION_DTYPES:
         return f"fp8 convs read and write fp16 or bf16 activations: the {role} dtype cannot be {dtype}"
-    if conv_impl == "cudnn" or fold_norms:
-        return "fp8 runs its convs on the TMA kernel: not with conv_impl='cudnn' or fold_norms"
+    if conv_impl == "cudnn":
+        return "fp8 runs its convs on the TMA kernel: not with conv_impl='cudnn'"
     return None
 
 
@@ -46,8 +45,6 @@ def _fp8_reader(op: Op, value: Value) -> bool:
         and all(v is not value for v in op.inputs[1:])
         and p["stride"] == 1
         and p["upsample"] == 1
-        and "stats" not in p
-        and "norm" not in p
         and value.shape[1] % 16 == 0
         and op.output.shape[1] % 16 == 0  # not a 3-channel conv_out: cheap, and its error is the model output's
     )

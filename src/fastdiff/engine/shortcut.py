@@ -15,7 +15,7 @@ from fastdiff.engine.ir import Op
 
 def fusable_shortcuts(ops: list[Op]) -> dict[str, Op]:
     """``{name of the adding conv: its shortcut conv}`` for every step-stage conv whose residual is written by a
-    plain 1x1 conv (stride 1, no padding, upsampling, activation, scale, time embedding, fp8 or folded norm) that
+    plain 1x1 conv (stride 1, no padding, upsampling, activation, scale, time embedding or fp8) that
     nothing else reads, when the adding conv has no activation and no fp8 input."""
     producer = {id(op.output): op for op in ops}
     readers: dict[int, int] = {}
@@ -34,10 +34,9 @@ def fusable_shortcuts(ops: list[Op]) -> dict[str, Op]:
             continue
         p = sc.params
         plain = p["ksize"] == 1 and p["stride"] == 1 and p["padding"] == 0 and p["upsample"] == 1 and "pad_end" not in p
-        extras = ("stats", "norm", "fp8_scale")
         if not plain or p["act"] is not None or p["scale"] is not None or p["temb"] is not None:
             continue
-        if any(key in p for key in extras) or len(sc.inputs) > 1 or residual.concat is not None:
+        if "fp8_scale" in p or len(sc.inputs) > 1 or residual.concat is not None:
             continue
         if residual.persistent or sc.inputs[0].shape[2:] != op.output.shape[2:]:
             continue

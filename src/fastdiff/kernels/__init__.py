@@ -21,7 +21,6 @@ from fastdiff.kernels import (
     philox_noise,
     sampler_step,
     tap_sum_conv2d,
-    winograd_conv3x3,
 )
 from fastdiff.kernels.registry import KernelOp
 
@@ -32,7 +31,6 @@ REGISTRY: dict[str, KernelOp] = {
         conv2d_tma,
         tap_sum_conv2d,
         depthwise_conv2d,
-        winograd_conv3x3,
         group_norm_act,
         layer_norm,
         linear,

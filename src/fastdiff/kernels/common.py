@@ -1,6 +1,6 @@
 """Helpers every kernel module shares: the fused activations (codes, Triton and torch forms), the SM count that
-sizes launch grids, programmatic dependent launch, the scratch of reductions split over programs, and
-channels-last example tensors."""
+sizes launch grids, programmatic dependent launch, the scratch of reductions split over programs, the GroupNorm
+partials a conv's epilogue writes for the norm of its output, and channels-last example tensors."""
 
 from __future__ import annotations
 
@@ -119,6 +119,30 @@ class SplitWorkspace:
             self.partials = torch.empty(partial_elems, device=device, dtype=torch.float32)
         if self.counters is None or self.counters.numel() < counters or self.counters.device != device:
             self.counters = torch.zeros(counters, device=device, dtype=torch.int32)
+
+
+@dataclass(eq=False)
+class GroupNormPartials:
+    """Partial GroupNorm statistics of a conv's output, written by the conv's epilogue for the norm that reads that
+    output: ``conv2d(..., stats=p)`` fills ``partials`` (fp32 [N, G, row-tile slots, channel-tile parts, (count,
+    mean, M2)], laid out by that call's tiles, kept in ``tiles``: (BLOCK_M, BLOCK_N, Ho*Wo, Cout)), and
+    ``group_norm_act(y, ..., stats=p)`` merges them per program while it normalises: one pass over ``y`` instead
+    of a statistics pass and an output pass (the engine's ``-st`` convs and ``apply`` norms,
+    ``fastdiff.engine.epilogue_norm``). ``groups`` is the norm's. The buffer is allocated by the first conv call
+    and reused while the shapes stay the same (CUDA-graph safe)."""
+
+    groups: int
+    partials: torch.Tensor | None = field(default=None, init=False, repr=False)
+    tiles: tuple[int, int, int, int] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.groups, bool) or not isinstance(self.groups, int) or self.groups < 1:
+            raise FastdiffError(f"GroupNorm groups must be a positive int, got {self.groups!r}")
+
+    def check_channels(self, channels: int) -> None:
+        """FastdiffError unless the norm's groups divide ``channels``."""
+        if channels % self.groups:
+            raise FastdiffError(f"stats: {self.groups} GroupNorm groups do not divide {channels} channels")
 
 
 @triton.jit

@@ -18,26 +18,13 @@ Epilogue order, in fp32, per output element ``(n, c, h, w)``::
     y = y + residual[n, c, h, w]          # conv2: hidden + shortcut ...
     y = y * out_scale                     # ... then x 1/output_scale_factor
 
-GroupNorm folded into the convs (:class:`FoldedGroupNorm`; a ResnetBlock2D's ``GroupNorm -> SiLU -> conv`` without
-the standalone norm pass)::
-
-    conv2d(x, w1, ..., stats=fold)   # producer: after the epilogue, partial statistics of the output
-    conv2d(h, w2, ..., norm=fold)    # consumer: conv(act(group_norm(h) * gamma + beta)), normalised on load
-
-* Statistics (producer): per (row tile, image, group) the (count, mean, M2) of the values *as stored* (rounded to
-  the output dtype: exactly the tensor the consumer normalises): a corrected two-pass mean / M2 per channel over
-  the tile's rows of each image (a row tile may hold rows of several images), then Chan's combination over the
-  group's channels in the tile (a group may be narrower than the channel tile, or wider: then its channel tiles
-  each write a part). No atomics, no sum of squares: robust when ``|mean| >> std``.
-* Finalize (producer, same launch): each tile counts itself in on its images' arrival counters; the last tile of
-  an image to arrive merges that image's partials of every group (Chan, in slot order: the result does not depend
-  on which tile came last) into ``mean_rstd`` [N, G, 2] fp32 and resets the counter. The consumer reads
-  ``mean_rstd`` as it is: a fold costs no launch of its own. With ``FoldedGroupNorm(finish=False)`` there is no
-  finalize: the partials are left for ``group_norm_act(y, ..., stats=fold)``, a standalone norm that merges them
-  per program and makes one pass over y (the engine's ``-st`` convs, ``engine/epilogue_norm.py``).
-* Prologue (consumer): each A element is ``act((x - mean[n, g]) * rstd[n, g] * gamma[c] + beta[c])`` in fp32,
-  rounded to the input dtype for the dot; padding taps stay exactly 0 (the reference pads the normalised tensor);
-  with ``upsample`` the low-resolution pixel is normalised (nearest upsampling keeps the group statistics).
+GroupNorm statistics of the output (``stats=``, a :class:`fastdiff.kernels.common.GroupNormPartials`): after the
+epilogue, per (row tile, image, group) the (count, mean, M2) of the values *as stored* (rounded to the output dtype:
+exactly the tensor the norm reads): a corrected two-pass mean / M2 per channel over the tile's rows of each image (a
+row tile may hold rows of several images), then Chan's combination over the group's channels in the tile (a group
+may be narrower than the channel tile, or wider: then its channel tiles each write a part). No atomics, no sum of
+squares: robust when ``|mean| >> std``. ``group_norm_act(y, ..., stats=)`` merges the partials per program and
+makes one pass over y (the engine's ``-st`` convs, ``engine/epilogue_norm.py``).
 
 GroupNorm of the output in the epilogue (:class:`OutputGroupNorm`, ``norm_out=``): where every output tile holds
 whole images (``Ho*Wo`` a power of two, at most :data:`NORM_OUT_MAX_PIXELS`; the row tile grows to it) and whole
@@ -49,7 +36,7 @@ answer at batch 1 (4x4 to 16x16 images), where a standalone GroupNorm is a 2-3 u
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,6 +48,7 @@ from fastdiff.errors import FastdiffError
 from fastdiff.kernels import cost_model
 from fastdiff.kernels.common import (
     ACTIVATIONS,
+    GroupNormPartials,
     SplitWorkspace,
     activation_ref,
     apply_activation,
@@ -72,7 +60,6 @@ from fastdiff.kernels.common import (
     pdl_launch,
     reset_arrivals,
 )
-from fastdiff.kernels.group_norm_act import merge_stats
 from fastdiff.kernels.registry import KernelOp
 
 
@@ -99,56 +86,6 @@ def _packed_kernel_size(packed: torch.Tensor, cin: int) -> int:
             f"packed conv weight shape {tuple(packed.shape)} does not match [KH*KW*Cin, Cout] for Cin={cin}"
         )
     return ksize
-
-
-@dataclass(eq=False)
-class FoldedGroupNorm:
-    """A GroupNorm (+ activation) folded into the conv that produces its input and the conv that consumes it.
-
-    ``groups``, ``eps``, ``activation`` and the affine ``weight``/``bias`` ([C], both or neither, contiguous, on
-    the conv's device; read as fp32) are the norm's. ``conv2d(..., stats=fold)`` fills ``partials`` (fp32 [N, G,
-    row-tile slots, channel-tile parts, (count, mean, M2)], laid out by that call's tiles, kept in ``tiles``);
-    and, in the same launch, merges them into ``mean_rstd`` (fp32 [N, G, (mean, 1/sqrt(var + eps))]; ``arrivals``
-    int32 [N] counts the finished tiles of each image, 0 between calls); ``conv2d(..., norm=fold)`` normalises its
-    input with ``mean_rstd``. The buffers are allocated on the first call and reused while the shapes stay the same
-    (CUDA-graph safe). :func:`conv2d_ref` with ``stats=fold`` sets ``mean_rstd`` directly (``partials``
-    None); so may any other source of the input's statistics.
-    """
-
-    groups: int
-    weight: torch.Tensor | None = None
-    bias: torch.Tensor | None = None
-    eps: float = 1e-5
-    activation: str | None = None
-    partials: torch.Tensor | None = field(default=None, init=False, repr=False)
-    mean_rstd: torch.Tensor | None = field(default=None, init=False, repr=False)
-    arrivals: torch.Tensor | None = field(default=None, init=False, repr=False)
-    finish: bool = True
-    """Whether the producing conv also merges its partials into ``mean_rstd`` (for a ``norm=fold`` consumer). False:
-    it only writes ``partials``, which :func:`fastdiff.kernels.group_norm_act.group_norm_act` (``stats=fold``)
-    merges per program while it normalises (the GroupNorm then costs its output pass only, and the conv no serial
-    finish on its last tile)."""
-    tiles: tuple[int, int, int, int] | None = field(default=None, init=False, repr=False)
-    """(BLOCK_M, BLOCK_N, Ho*Wo, Cout) of the conv that wrote ``partials``."""
-
-    def __post_init__(self) -> None:
-        check_activation(self.activation)
-        if isinstance(self.groups, bool) or not isinstance(self.groups, int) or self.groups < 1:
-            raise FastdiffError(f"GroupNorm groups must be a positive int, got {self.groups!r}")
-        if (self.weight is None) != (self.bias is None):
-            raise FastdiffError("GroupNorm weight and bias must be given together (or neither)")
-        if self.eps < 0:
-            raise FastdiffError(f"GroupNorm eps must be >= 0, got {self.eps}")
-
-    def check_channels(self, channels: int, role: str) -> None:
-        """FastdiffError unless the norm fits a tensor of ``channels`` channels (``role``: 'stats' or 'norm')."""
-        if channels % self.groups:
-            raise FastdiffError(f"{role}: {self.groups} GroupNorm groups do not divide {channels} channels")
-        if self.weight is not None and (self.weight.shape != (channels,) or self.bias.shape != (channels,)):
-            raise FastdiffError(
-                f"{role}: GroupNorm weight/bias shapes {tuple(self.weight.shape)}/{tuple(self.bias.shape)} do not "
-                f"fit {channels} channels"
-            )
 
 
 NORM_OUT_MAX_PIXELS = 256
@@ -180,14 +117,6 @@ def norm_out_unsupported(n: int, cout: int, out_hw: tuple[int, int], groups: int
     if width & (width - 1) or width > 128:
         return f"the group width {width} is not a power of two <= 128 (the channel tile holds whole groups)"
     return None
-
-
-def group_stats_ref(y: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
-    """``[N, G, 2]``: each (image, group)'s mean and ``1/sqrt(var + eps)`` (biased variance) of ``y`` [N, C, H, W],
-    in ``y``'s dtype: what ``F.group_norm`` normalises with."""
-    yg = y.reshape(y.shape[0], groups, -1)
-    var, mean = torch.var_mean(yg, dim=-1, unbiased=False)
-    return torch.stack([mean, torch.rsqrt(var + eps)], dim=-1)
 
 
 def epilogue_ref(
@@ -234,26 +163,21 @@ def conv2d_ref(
     out_scale: float | None = None,
     out: torch.Tensor | None = None,
     upsample: int = 1,
-    norm: FoldedGroupNorm | None = None,
-    stats: FoldedGroupNorm | None = None,
+    stats: GroupNormPartials | None = None,
     shortcut: torch.Tensor | None = None,
     shortcut_weight: torch.Tensor | None = None,
     norm_out: OutputGroupNorm | None = None,
 ) -> torch.Tensor:
-    """Plain torch definition of :func:`conv2d`: (``F.group_norm`` + activation of the input,) (nearest
-    upsampling,) ``F.conv2d`` (+ the 1x1 ``F.conv2d`` of ``shortcut``), then the epilogue; raw or packed weights.
-    With ``stats``, sets ``stats.mean_rstd`` to :func:`group_stats_ref` of the result as stored (in ``out``'s dtype
-    when given); with ``norm_out``, writes ``F.group_norm`` + activation of the result as stored to
-    ``norm_out.out``."""
+    """Plain torch definition of :func:`conv2d`: (nearest upsampling,) ``F.conv2d`` (+ the 1x1 ``F.conv2d`` of
+    ``shortcut``), then the epilogue; raw or packed weights. With ``norm_out``, writes ``F.group_norm`` +
+    activation of the result as stored to ``norm_out.out``. ``stats`` is accepted and left as it is (its partials
+    are laid out by the kernel's tiles; the norm they serve is ``group_norm_act_ref`` of the result)."""
     if weight.dim() == 2:
         weight = unpack_conv_weight(weight, x.shape[1])
     conv_sc = None
     if shortcut is not None:
         w_sc = unpack_conv_weight(shortcut_weight, shortcut.shape[1]) if shortcut_weight.dim() == 2 else shortcut_weight
         conv_sc = F.conv2d(shortcut, w_sc)
-    if norm is not None:
-        affine = [None if t is None else t.to(x.dtype) for t in (norm.weight, norm.bias)]
-        x = activation_ref(F.group_norm(x, norm.groups, *affine, norm.eps), norm.activation)
     if upsample > 1:
         x = F.interpolate(x, scale_factor=upsample, mode="nearest")
     before, after = padding_pair(padding)
@@ -268,9 +192,6 @@ def conv2d_ref(
     )
     if out is not None:
         y = out.copy_(y)
-    if stats is not None:
-        stats.partials, stats.tiles = None, None
-        stats.mean_rstd = group_stats_ref(y, stats.groups, stats.eps)
     if norm_out is not None:
         stored = y.to(norm_out.out.dtype)
         affine = [None if t is None else t.to(stored.dtype) for t in (norm_out.weight, norm_out.bias)]
@@ -315,33 +236,6 @@ def fused_epilogue(
 
 
 @triton.jit
-def _group_norm_tile(
-    a, mask, n_idx, n_first, n_last, offs_k, k_mask, mr_ptr, nw_ptr, nb_ptr, G,
-    CG: tl.constexpr, NPT: tl.constexpr, ACT: tl.constexpr, AFFINE: tl.constexpr,
-):  # fmt: skip
-    """A-tile prologue: input tile ``a`` [rows, channels] -> ``act((a - mean) * rstd * gamma + beta)`` in ``a``'s
-    dtype, with the statistics ``mr_ptr[n, c // CG]`` of each row's sample; masked elements (padding) are 0.
-
-    The tile's rows belong to at most NPT samples from ``n_first`` (clamped to ``n_last``): their statistics are
-    loaded as channel vectors and selected per row (a 2-D gather would be staged through shared memory).
-    """
-    g_k = offs_k // CG
-    mean = tl.load(mr_ptr + (n_first * G + g_k) * 2, mask=k_mask, other=0.0)[None, :]
-    scale = tl.load(mr_ptr + (n_first * G + g_k) * 2 + 1, mask=k_mask, other=0.0)[None, :]
-    for s in tl.static_range(1, NPT):
-        n_s = tl.minimum(n_first + s, n_last)
-        here = (n_idx == n_s)[:, None]
-        mean = tl.where(here, tl.load(mr_ptr + (n_s * G + g_k) * 2, mask=k_mask, other=0.0)[None, :], mean)
-        scale = tl.where(here, tl.load(mr_ptr + (n_s * G + g_k) * 2 + 1, mask=k_mask, other=0.0)[None, :], scale)
-    if AFFINE:
-        scale = scale * tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-    y = (a.to(tl.float32) - mean) * scale
-    if AFFINE:
-        y += tl.load(nb_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-    return apply_activation(tl.where(mask, y, 0.0), ACT).to(a.dtype)  # every activation keeps 0 at 0
-
-
-@triton.jit
 def _tile_group_stats(
     y, n_idx, offs_n, m_mask, n_mask, pid_m, pid_n, M, HWo, part_ptr, G, S, P,
     CG: tl.constexpr, GPT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -382,45 +276,6 @@ def _tile_group_stats(
 
 
 @triton.jit
-def _finish_group_stats(
-    part_ptr, mr_ptr, arrive_ptr, pid_m, num_pid_n, M, HWo, G, S, P, eps,
-    CG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_P2: tl.constexpr, CHUNK: tl.constexpr,
-):  # fmt: skip
-    """After a tile stored its partials: count it in on each of its images' arrival counters; for an image whose
-    last tile this is, merge the image's partials of every group (Chan, in slot order) into ``mr_ptr[n, g]`` =
-    (mean, 1/sqrt(var + eps)) and reset the image's counter."""
-    row0 = pid_m * BLOCK_M
-    n_first = row0 // HWo
-    n_last = (tl.minimum(row0 + BLOCK_M, M) - 1) // HWo
-    g = tl.arange(0, GROUPS_P2)
-    g_ok = g < G
-    parts = ((g + 1) * CG - 1) // BLOCK_N - (g * CG) // BLOCK_N + 1  # channel tiles that hold group g
-    for n in range(n_first, n_last + 1):
-        slots = ((n + 1) * HWo - 1) // BLOCK_M - (n * HWo) // BLOCK_M + 1  # row tiles that hold image n
-        if finish_arrival(arrive_ptr, n, slots * num_pid_n):
-            run_n = tl.zeros([GROUPS_P2], dtype=tl.float32)
-            run_mean = tl.zeros([GROUPS_P2], dtype=tl.float32)
-            run_m2 = tl.zeros([GROUPS_P2], dtype=tl.float32)
-            base = part_ptr + (n * G + g).to(tl.int64)[:, None] * (S * P * 3)
-            for i0 in range(0, slots * P, CHUNK):
-                offs = i0 + tl.arange(0, CHUNK)
-                ok = g_ok[:, None] & (offs < slots * P)[None, :] & ((offs % P)[None, :] < parts[:, None])
-                ptrs = base + offs[None, :] * 3
-                cnt = tl.load(ptrs, mask=ok, other=0.0, cache_modifier=".cg")
-                means = tl.load(ptrs + 1, mask=ok, other=0.0, cache_modifier=".cg")
-                m2s = tl.load(ptrs + 2, mask=ok, other=0.0, cache_modifier=".cg")
-                c_n = tl.where(g_ok, tl.sum(cnt, axis=1), 1.0)  # lanes past G: a dummy count, never stored
-                c_mean = tl.sum(cnt * means, axis=1) / c_n
-                dev = means - c_mean[:, None]
-                c_m2 = tl.sum(m2s + cnt * dev * dev, axis=1)
-                run_n, run_mean, run_m2 = merge_stats(run_n, run_mean, run_m2, c_n, c_mean, c_m2)
-            out = mr_ptr + (n * G + g) * 2
-            tl.store(out, run_mean, mask=g_ok)
-            tl.store(out + 1, tl.math.rsqrt(run_m2 / run_n + eps), mask=g_ok)
-            reset_arrivals(arrive_ptr, n)
-
-
-@triton.jit
 def _group_norm_of_tile(
     y, mask, offs_n, n_mask, out_ptrs, w_ptr, b_ptr, eps,
     IPT: tl.constexpr, HW: tl.constexpr, GPT: tl.constexpr, CG: tl.constexpr, ACT: tl.constexpr,
@@ -453,12 +308,7 @@ def _conv2d_kernel(
     temb_ptr,
     res_ptr,
     out_ptr,
-    mr_ptr,
-    nw_ptr,
-    nb_ptr,
     part_ptr,
-    stats_mr_ptr,
-    arrive_ptr,
     ws_ptr,
     count_ptr,
     sc_ptr,
@@ -498,11 +348,9 @@ def _conv2d_kernel(
     stride_onw,
     on_eps,
     out_scale,
-    NORM_G,
     STATS_G,
     STATS_S,
     STATS_P,
-    stats_eps,
     STRIDE: tl.constexpr,
     PAD: tl.constexpr,
     KSIZE: tl.constexpr,
@@ -514,17 +362,9 @@ def _conv2d_kernel(
     HAS_SCALE: tl.constexpr,
     HAS_SHORTCUT: tl.constexpr,
     FLAT_K: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-    NORM_CG: tl.constexpr,
-    NORM_NPT: tl.constexpr,
-    NORM_ACT: tl.constexpr,
-    NORM_AFFINE: tl.constexpr,
     HAS_STATS: tl.constexpr,
     STATS_CG: tl.constexpr,
     STATS_GPT: tl.constexpr,
-    STATS_GP2: tl.constexpr,
-    STATS_CHUNK: tl.constexpr,
-    STATS_FINISH: tl.constexpr,
     HAS_NORM_OUT: tl.constexpr,
     NORM_OUT_IPT: tl.constexpr,
     NORM_OUT_HW: tl.constexpr,
@@ -561,8 +401,6 @@ def _conv2d_kernel(
     ih0 = oh * STRIDE - PAD
     iw0 = ow * STRIDE - PAD
     x_rows = x_ptr + n_idx.to(tl.int64) * stride_xn
-    n_first = (pid_m * BLOCK_M) // (Ho * Wo)  # the samples of this row tile: n_first .. at most n_last
-    n_last = (M - 1) // (Ho * Wo)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_chunks = tl.cdiv(Cin, BLOCK_K)
@@ -582,7 +420,7 @@ def _conv2d_kernel(
         step_lo = tl.program_id(1) * per_split
         step_hi = tl.minimum(step_lo + per_split, all_steps)
     for step in range(step_lo, tl.minimum(step_hi, steps)):
-        if FLAT_K:  # this step's BLOCK_K weight rows, each its own (tap, channel); no folded norm here
+        if FLAT_K:  # this step's BLOCK_K weight rows, each its own (tap, channel)
             offs_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
             k_mask = offs_k < KSIZE * KSIZE * Cin
             tap_k = offs_k // Cin
@@ -605,11 +443,6 @@ def _conv2d_kernel(
             a_ptrs = (x_rows + (ih // UP) * stride_xh + (iw // UP) * stride_xw)[:, None] + offs_k[None, :] * stride_xc
             a_mask = row_ok[:, None] & k_mask[None, :]
             a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-            if HAS_NORM:
-                a = _group_norm_tile(
-                    a, a_mask, n_idx, n_first, n_last, offs_k, k_mask, mr_ptr, nw_ptr, nb_ptr, NORM_G,
-                    NORM_CG, NORM_NPT, NORM_ACT, NORM_AFFINE,
-                )  # fmt: skip
             b_ptrs = w_ptr + (tap * Cin + offs_k)[:, None] * Cout + offs_n[None, :]
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc)
@@ -631,11 +464,10 @@ def _conv2d_kernel(
                                        SPLIT_K, BLOCK_M, BLOCK_N)  # fmt: skip
     if is_last:
         y = _conv_epilogue(
-            acc, out_ptr, bias_ptr, temb_ptr, res_ptr, part_ptr, stats_mr_ptr, arrive_ptr, n_idx, oh, ow, offs_n,
-            m_mask, n_mask, pid_m, pid_n, num_pid_n, M, Ho, Wo, stride_tn, stride_tc, stride_rn, stride_rc, stride_rh,
-            stride_rw, stride_on, stride_oc, stride_oh, stride_ow, out_scale, STATS_G, STATS_S, STATS_P, stats_eps,
-            HAS_BIAS, HAS_TEMB, HAS_RES, ACT, HAS_SCALE, HAS_STATS, STATS_CG, STATS_GPT, STATS_GP2, STATS_CHUNK,
-            STATS_FINISH, BLOCK_M, BLOCK_N,
+            acc, out_ptr, bias_ptr, temb_ptr, res_ptr, part_ptr, n_idx, oh, ow, offs_n, m_mask, n_mask, pid_m, pid_n,
+            M, Ho, Wo, stride_tn, stride_tc, stride_rn, stride_rc, stride_rh, stride_rw, stride_on, stride_oc,
+            stride_oh, stride_ow, out_scale, STATS_G, STATS_S, STATS_P, HAS_BIAS, HAS_TEMB, HAS_RES, ACT, HAS_SCALE,
+            HAS_STATS, STATS_CG, STATS_GPT, BLOCK_M, BLOCK_N,
         )  # fmt: skip
         if HAS_NORM_OUT:  # the tile holds whole images and groups (the wrapper sized it so)
             on_ptrs = (on_ptr + n_idx.to(tl.int64)[:, None] * stride_onn + (oh * stride_onh + ow * stride_onw)[:, None]
@@ -670,17 +502,15 @@ def _split_k_reduce(
 
 @triton.jit
 def _conv_epilogue(
-    acc, out_ptr, bias_ptr, temb_ptr, res_ptr, part_ptr, stats_mr_ptr, arrive_ptr, n_idx, oh, ow, offs_n, m_mask,
-    n_mask, pid_m, pid_n, num_pid_n, M, Ho, Wo, stride_tn, stride_tc, stride_rn, stride_rc, stride_rh, stride_rw,
-    stride_on, stride_oc, stride_oh, stride_ow, out_scale, STATS_G, STATS_S, STATS_P, stats_eps,
+    acc, out_ptr, bias_ptr, temb_ptr, res_ptr, part_ptr, n_idx, oh, ow, offs_n, m_mask, n_mask, pid_m, pid_n, M, Ho,
+    Wo, stride_tn, stride_tc, stride_rn, stride_rc, stride_rh, stride_rw, stride_on, stride_oc, stride_oh, stride_ow,
+    out_scale, STATS_G, STATS_S, STATS_P,
     HAS_BIAS: tl.constexpr, HAS_TEMB: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_STATS: tl.constexpr, STATS_CG: tl.constexpr, STATS_GPT: tl.constexpr,
-    STATS_GP2: tl.constexpr, STATS_CHUNK: tl.constexpr, STATS_FINISH: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """The fused epilogue of a finished accumulator tile, its store and (``HAS_STATS``) its GroupNorm partials,
-    (``STATS_FINISH``) merged into the statistics by the last tile of each image; returns the tile as stored (in the
-    output dtype)."""
+    """The fused epilogue of a finished accumulator tile, its store and (``HAS_STATS``) its GroupNorm partials;
+    returns the tile as stored (in the output dtype)."""
     res_rows = res_ptr + n_idx.to(tl.int64) * stride_rn + oh * stride_rh + ow * stride_rw
     acc = fused_epilogue(
         acc, n_idx, offs_n, m_mask, n_mask, bias_ptr, temb_ptr, stride_tn, stride_tc, res_rows, stride_rc,
@@ -695,11 +525,6 @@ def _conv_epilogue(
             y.to(tl.float32), n_idx, offs_n, m_mask, n_mask, pid_m, pid_n, M, Ho * Wo, part_ptr, STATS_G, STATS_S,
             STATS_P, STATS_CG, STATS_GPT, BLOCK_M, BLOCK_N,
         )  # fmt: skip
-        if STATS_FINISH:
-            _finish_group_stats(
-                part_ptr, stats_mr_ptr, arrive_ptr, pid_m, num_pid_n, M, Ho * Wo, STATS_G, STATS_S, STATS_P,
-                stats_eps, STATS_CG, BLOCK_M, BLOCK_N, STATS_GP2, STATS_CHUNK,
-            )  # fmt: skip
     return y
 
 
@@ -777,7 +602,7 @@ def _gemm_blocks(
 
 
 FLAT_K_MAX_CIN = 16
-"""Below this many input channels (and without a folded GroupNorm) the reduction runs over the (tap, channel) rows
+"""Below this many input channels the reduction runs over the (tap, channel) rows
 of the packed weight in BLOCK_K steps instead of one step per tap: a U-Net's first conv (3 channels, 3x3) takes one
 32-deep step instead of nine 16-deep ones of which 13 of 16 columns are padding."""
 
@@ -793,20 +618,18 @@ def split_k_choices(
     ksize: int,
     dtype: torch.dtype,
     device: torch.device,
-    folded_norm: bool = False,
 ) -> tuple[int, ...]:
     """The ``split_k`` values worth timing for a conv of this shape: none when its unsplit grid already has two
     programs per SM; otherwise those of :data:`SPLIT_K_CHOICES` that leave every split at least two reduction steps
     and the grid at most eight programs per SM (on the H100 at batch 1 a 32x32 conv of 18 steps in 256 programs
-    still gains from 2-4 splits: its time is the latency of the serial reduction, not the SMs' throughput).
-    ``folded_norm``: the conv normalises its input on load (``norm=``), which keeps one step per tap."""
+    still gains from 2-4 splits: its time is the latency of the serial reduction, not the SMs' throughput)."""
     rows = n * out_hw[0] * out_hw[1]
     sms = num_sms(device)
     block_m, block_n, block_k, *_ = _gemm_blocks(rows, cout, cin, dtype, device)
     if triton.cdiv(rows, block_m) * triton.cdiv(cout, block_n) >= 2 * sms:
         return ()
     steps = ksize * ksize * triton.cdiv(cin, block_k)
-    if cin < FLAT_K_MAX_CIN and not folded_norm:  # the wrapper's flattened reduction
+    if cin < FLAT_K_MAX_CIN:  # the wrapper's flattened reduction
         steps = triton.cdiv(ksize * ksize * cin, flat_k_block(ksize, cin))
     choices = []
     for split in SPLIT_K_CHOICES:
@@ -831,60 +654,17 @@ def _stats_layout(n: int, hw: int, cout: int, groups: int, block_m: int, block_n
     return slots, parts, triton.next_power_of_2(per_tile)
 
 
-def _reserve_stats(fold: FoldedGroupNorm, partials_shape: tuple[int, ...], device: torch.device) -> None:
-    """The producer's buffers of ``fold``: partials of this shape, ``mean_rstd`` [N, G, 2] and zeroed arrival
-    counters [N] (kept while the shapes stay: fixed addresses for CUDA graphs)."""
-    n, groups = partials_shape[:2]
-    if fold.partials is None or fold.partials.shape != partials_shape or fold.partials.device != device:
-        fold.partials = torch.empty(partials_shape, device=device, dtype=torch.float32)
-    mr = fold.mean_rstd
-    if mr is None or mr.shape != (n, groups, 2) or mr.dtype != torch.float32 or mr.device != device:
-        fold.mean_rstd = torch.empty((n, groups, 2), device=device, dtype=torch.float32)
-    if fold.arrivals is None or fold.arrivals.shape != (n,) or fold.arrivals.device != device:
-        fold.arrivals = torch.zeros(n, device=device, dtype=torch.int32)
+def _check_stats(stats: Any, channels: int) -> None:
+    if not isinstance(stats, GroupNormPartials):
+        raise FastdiffError(f"stats must be a GroupNormPartials, got {type(stats).__name__}")
+    stats.check_channels(channels)
 
 
-def _stats_chunk(groups: int, entries: int) -> int:
-    """Partials merged per step by the finishing tile: about 4096 (group, entry) pairs a step."""
-    return max(1, min(triton.next_power_of_2(entries), 4096 // triton.next_power_of_2(groups)))
-
-
-def _samples_per_tile(n: int, hw: int, block_m: int) -> int:
-    """Most samples the rows of one ``block_m`` row tile can belong to (``hw`` rows per sample)."""
-    if hw % block_m == 0:
-        return 1
-    if block_m % hw == 0:
-        return min(n, block_m // hw)
-    return min(n, (block_m - 1) // hw + 2)
-
-
-def _check_fold(fold: Any, role: str, channels: int, device: torch.device) -> None:
-    if not isinstance(fold, FoldedGroupNorm):
-        raise FastdiffError(f"{role} must be a FoldedGroupNorm, got {type(fold).__name__}")
-    fold.check_channels(channels, role)
-    if fold.weight is not None and (fold.weight.device != device or fold.bias.device != device):
-        raise FastdiffError(f"{role}: GroupNorm weight/bias are on {fold.weight.device} but the input is on {device}")
-    if fold.weight is not None and not (fold.weight.is_contiguous() and fold.bias.is_contiguous()):
-        raise FastdiffError(f"{role}: GroupNorm weight and bias must be contiguous")
-
-
-def _check_norm_input(
-    norm: FoldedGroupNorm, stats: FoldedGroupNorm | None, n: int, cin: int, device: torch.device
-) -> None:
-    """FastdiffError unless ``norm`` fits the input and holds statistics of an [n, cin, ...] tensor."""
-    _check_fold(norm, "norm", cin, device)
-    if norm is stats:
-        raise FastdiffError("norm and stats must be different FoldedGroupNorms (the input's and the output's)")
-    if norm.mean_rstd is None or not norm.finish:
-        raise FastdiffError(
-            "norm= needs its input's finished statistics (finish=True): run the conv producing it with stats= first"
-        )
-    if tuple(norm.mean_rstd.shape[:2]) != (n, norm.groups) or (norm.tiles is not None and norm.tiles[3] != cin):
-        channels = norm.tiles[3] if norm.tiles is not None else "?"
-        raise FastdiffError(
-            f"norm: its statistics are of {norm.mean_rstd.shape[0]} samples x {channels} channels in "
-            f"{norm.mean_rstd.shape[1]} groups, the input has {n} x {cin} in {norm.groups}"
-        )
+def _reserve_stats(stats: GroupNormPartials, partials_shape: tuple[int, ...], device: torch.device) -> None:
+    """The partials buffer of ``stats`` in this shape (kept while the shape stays: a fixed address for CUDA
+    graphs)."""
+    if stats.partials is None or stats.partials.shape != partials_shape or stats.partials.device != device:
+        stats.partials = torch.empty(partials_shape, device=device, dtype=torch.float32)
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
@@ -895,7 +675,7 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
 
 def _check_norm_out(
     norm_out: OutputGroupNorm,
-    folded: bool,
+    with_stats: bool,
     n: int,
     cout: int,
     out_hw: tuple[int, int],
@@ -907,8 +687,8 @@ def _check_norm_out(
     normalised values there could overwrite what another tile still reads."""
     if not isinstance(norm_out, OutputGroupNorm):
         raise FastdiffError(f"norm_out must be an OutputGroupNorm, got {type(norm_out).__name__}")
-    if folded:
-        raise FastdiffError("norm_out does not combine with a folded GroupNorm (norm= / stats=)")
+    if with_stats:
+        raise FastdiffError("norm_out does not combine with stats= (both are the output's GroupNorm)")
     why = norm_out_unsupported(n, cout, out_hw, norm_out.groups)
     if why is not None:
         raise FastdiffError(f"norm_out: {why}")
@@ -1001,8 +781,7 @@ def conv2d(
     out_scale: float | None = None,
     out: torch.Tensor | None = None,
     upsample: int = 1,
-    norm: FoldedGroupNorm | None = None,
-    stats: FoldedGroupNorm | None = None,
+    stats: GroupNormPartials | None = None,
     split_k: int = 1,
     workspace: SplitWorkspace | None = None,
     shortcut: torch.Tensor | None = None,
@@ -1020,10 +799,8 @@ def conv2d(
     x``k`` upsampling of ``x`` without materialising it (the U-Net's Upsample2D: interpolate then conv, in one
     launch).
 
-    GroupNorm folding (module docstring): ``norm=fold`` convolves ``act(group_norm(x))`` instead of ``x``, with
-    the statistics a ``stats=fold`` conv wrote for ``x``; ``stats=fold`` writes the statistics of this conv's
-    output (as stored) for the ``norm=fold`` conv that consumes it, finished in the same launch (or, with
-    ``stats.finish`` False, left as partials for ``group_norm_act(..., stats=stats)``). ``norm_out``
+    ``stats`` (:class:`fastdiff.kernels.common.GroupNormPartials`) writes the partial GroupNorm statistics of the
+    output (as stored) for ``group_norm_act(..., stats=stats)`` (module docstring). ``norm_out``
     (:class:`OutputGroupNorm`; where :func:`norm_out_unsupported` is None) also writes the output's GroupNorm and
     activation to ``norm_out.out``, from the tile in registers (module docstring).
 
@@ -1069,21 +846,15 @@ def conv2d(
     check_epilogue_args(n, cout, (ho, wo), x.device, bias, time_emb, residual, activation, out)
     if shortcut is not None or shortcut_weight is not None:
         shortcut_weight = _check_shortcut(shortcut, shortcut_weight, x, n, cout, (ho, wo))
-    if norm is not None:
-        _check_norm_input(norm, stats, n, cin, x.device)
     if stats is not None:
-        _check_fold(stats, "stats", cout, x.device)
+        _check_stats(stats, cout)
     if norm_out is not None:
-        folded = norm is not None or stats is not None
-        _check_norm_out(norm_out, folded, n, cout, (ho, wo), x.device, (x, residual, shortcut, out))
-    mean_rstd = None
-    if norm is not None:
-        mean_rstd = norm.mean_rstd.to(device=x.device, dtype=torch.float32).contiguous()
+        _check_norm_out(norm_out, stats is not None, n, cout, (ho, wo), x.device, (x, residual, shortcut, out))
     if out is None:
         out = torch.empty((n, cout, ho, wo), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
     rows = n * ho * wo
     block_m, block_n, block_k, num_warps, num_stages = _gemm_blocks(rows, cout, cin, x.dtype, x.device, split_k)
-    flat_k = cin < FLAT_K_MAX_CIN and norm is None
+    flat_k = cin < FLAT_K_MAX_CIN
     if flat_k:  # one reduction over all K*K*Cin weight rows (the first conv of a U-Net: 1-4 channels)
         block_k = flat_k_block(ksize, cin)
     if tiles is not None:
@@ -1111,33 +882,23 @@ def conv2d(
     res = residual if residual is not None else out
     grid = (tiles, split_k)
     temb_strides = time_emb.stride() if time_emb is not None else (0, 0)
-    norm_affine = norm is not None and norm.weight is not None
     on = norm_out.out if norm_out is not None else out
     on_affine = norm_out is not None and norm_out.weight is not None
     on_width = cout // norm_out.groups if norm_out is not None else 1
     _conv2d_kernel[grid](
-        x, weight, bias if bias is not None else out, temb, res, out,
-        mean_rstd if norm is not None else out, norm.weight if norm_affine else out, norm.bias if norm_affine else out,
-        *((stats.partials, stats.mean_rstd, stats.arrivals) if stats is not None else (out, out, out)),
+        x, weight, bias if bias is not None else out, temb, res, out, stats.partials if stats is not None else out,
         workspace.partials if split_k > 1 else out, workspace.counters if split_k > 1 else out,
         shortcut if shortcut is not None else out, shortcut_weight if shortcut is not None else out,
         on, norm_out.weight if on_affine else out, norm_out.bias if on_affine else out,
         rows, h, w, cin, cin_sc, ho, wo, cout,
         *x.stride(), *temb_strides, *res.stride(), *out.stride(), *(shortcut if shortcut is not None else out).stride(),
         *on.stride(), float(norm_out.eps) if norm_out is not None else 0.0,
-        1.0 if out_scale is None else float(out_scale),
-        norm.groups if norm is not None else 1, stats.groups if stats is not None else 1, *stats_layout[:2],
-        float(stats.eps) if stats is not None else 0.0,
+        1.0 if out_scale is None else float(out_scale), stats.groups if stats is not None else 1, *stats_layout[:2],
         STRIDE=stride, PAD=pad, KSIZE=ksize, UP=upsample,
         HAS_BIAS=bias is not None, HAS_TEMB=time_emb is not None, HAS_RES=residual is not None,
         ACT=ACTIVATIONS[activation], HAS_SCALE=out_scale is not None, HAS_SHORTCUT=shortcut is not None,
-        FLAT_K=flat_k, HAS_NORM=norm is not None, NORM_CG=cin // norm.groups if norm is not None else 1,
-        NORM_NPT=_samples_per_tile(n, ho * wo, block_m) if norm is not None else 1,
-        NORM_ACT=ACTIVATIONS[norm.activation] if norm is not None else 0, NORM_AFFINE=norm_affine,
-        HAS_STATS=stats is not None, STATS_CG=cout // stats.groups if stats is not None else 1,
-        STATS_GPT=stats_layout[2], STATS_GP2=triton.next_power_of_2(stats.groups) if stats is not None else 1,
-        STATS_CHUNK=_stats_chunk(stats.groups, stats_layout[0] * stats_layout[1]) if stats is not None else 1,
-        STATS_FINISH=stats is not None and stats.finish,
+        FLAT_K=flat_k, HAS_STATS=stats is not None, STATS_CG=cout // stats.groups if stats is not None else 1,
+        STATS_GPT=stats_layout[2],
         HAS_NORM_OUT=norm_out is not None, NORM_OUT_IPT=block_m // (ho * wo) if norm_out is not None else 1,
         NORM_OUT_HW=ho * wo if norm_out is not None else 1, NORM_OUT_GPT=block_n // on_width, NORM_OUT_CG=on_width,
         NORM_OUT_ACT=ACTIVATIONS[norm_out.activation] if norm_out is not None else 0, NORM_OUT_AFFINE=on_affine,
@@ -1181,8 +942,8 @@ def conv2d_example_inputs(
 
 def conv2d_cost(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float, float]:
     """(FLOPs, bytes) of one call by :func:`fastdiff.kernels.cost_model.conv2d_cost`: the input read at its stored
-    resolution, the output at the (upsampled) conv's, the epilogue operands that are given, a folded GroupNorm's
-    prologue (``norm``) and statistics (``stats``)."""
+    resolution, the output at the (upsampled) conv's, the epilogue operands that are given, the GroupNorm statistics
+    of the output (``stats``)."""
     x, weight = args[0], args[1]
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
     n, cin, h, w = x.shape
@@ -1191,15 +952,13 @@ def conv2d_cost(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float, f
     ksize = round(taps**0.5)
     stride, upsample = kwargs.get("stride", 1), kwargs.get("upsample", 1)
     pads = sum(padding_pair(kwargs.get("padding", 0)))
-    norm, stats = kwargs.get("norm"), kwargs.get("stats")
+    stats = kwargs.get("stats")
     ho = (h * upsample + pads - ksize) // stride + 1
     wo = (w * upsample + pads - ksize) // stride + 1
     cost = cost_model.conv2d_cost(
         n, cin, cout, ho, wo, ksize, 1, x.element_size(), h, w, bias=bias is not None,
         residual=kwargs.get("residual") is not None, temb=kwargs.get("time_emb") is not None,
         act=kwargs.get("activation"), scale=kwargs.get("out_scale") is not None,
-        norm_groups=norm.groups if norm is not None else 0, norm_act=norm.activation if norm is not None else None,
-        norm_affine=norm is not None and norm.weight is not None,
         stats_groups=stats.groups if stats is not None else 0,
     )  # fmt: skip
     return cost.flops, cost.bytes

@@ -3,7 +3,7 @@ A and B tiles brought in by bulk tensor copies instead of per-thread gathers.
 
 Same op, same definition (:func:`fastdiff.kernels.conv2d.conv2d_ref`), same packed weights ``[K*K*Cin, Cout]``
 and the same fused epilogue (bias, time embedding, activation, residual, scale) as :func:`conv2d`; a narrower
-domain: stride 1, no upsampling except the U-Net's Upsample2D (below), no folded GroupNorm, and the layout
+domain: stride 1, no upsampling except the U-Net's Upsample2D (below), no GroupNorm in the epilogue, and the layout
 constraints of a TMA descriptor (16-byte aligned base and strides, unit channel stride).
 :func:`tma_conv_unsupported` says why a call is out of it, and the engine then keeps the gather kernel or cuDNN.
 

@@ -44,10 +44,10 @@ def conv2d_cost(
     batch: int, c_in: int, c_out: int, h_out: int, w_out: int, kernel: int | tuple[int, int], groups: int = 1,
     elem_bytes: int = 2, h_in: int | None = None, w_in: int | None = None, bias: bool = True,
     residual: bool = False, temb: bool = False, act: str | None = None, scale: bool = False,
-    norm_groups: int = 0, norm_act: str | None = None, norm_affine: bool = True, stats_groups: int = 0,
+    stats_groups: int = 0,
 ) -> Cost:  # fmt: skip
     """A 2-D convolution with the conv2d kernel's fused epilogue (bias, time embedding, activation, residual,
-    scale) and, optionally, a GroupNorm folded in (a prologue normalising the input, statistics of the output).
+    scale) and, optionally, the GroupNorm statistics of its output.
 
     FLOPs = 2*B*Cout*Hout*Wout*(Cin/groups)*kh*kw, plus B*Cout*Hout*Wout for each epilogue add or multiply
     (``bias``, ``temb``: a per-(sample, channel) time-embedding addend, ``residual``, ``scale``) and
@@ -55,16 +55,9 @@ def conv2d_cost(
     + output B*Cout*Hout*Wout + residual (the output's size) + bias Cout + temb B*Cout) * elem_bytes.
     ``h_in``/``w_in`` default to ``h_out``/``w_out`` (a stride-1 'same' conv).
 
-    Folded GroupNorm (:class:`fastdiff.kernels.conv2d.FoldedGroupNorm`), counted as :func:`group_norm_cost` counts
-    the pass it replaces, without that pass's activation read and write:
-
-    * ``norm_groups`` > 0, the input normalised on load: per input element normalise 2 + affine 2 (0 without
-      ``norm_affine``) + ``act_flops(norm_act)`` (once per stored element; the kernel recomputes it per tap, as it
-      re-reads the input, which is not counted either); bytes + gamma and beta 2*Cin * elem_bytes + the fp32
-      mean and rstd 2*B*``norm_groups`` * 4.
-    * ``stats_groups`` > 0, statistics of the output: 3 FLOPs per output element; bytes + one fp32 (count, mean,
-      M2) per (sample, group) 3*B*``stats_groups`` * 4 (the minimum; the per-tile partials and their merge are
-      per-group scalar work).
+    ``stats_groups`` > 0 (``conv2d(..., stats=)``), statistics of the output: 3 FLOPs per output element; bytes + one
+    fp32 (count, mean, M2) per (sample, group) 3*B*``stats_groups`` * 4 (the minimum; the per-tile partials and
+    their merge are per-group scalar work).
     """
     kh, kw = (kernel, kernel) if isinstance(kernel, int) else kernel
     h_in, w_in = h_out if h_in is None else h_in, w_out if w_in is None else w_in
@@ -74,10 +67,7 @@ def conv2d_cost(
     epilogue = int(bias) + int(temb) + int(residual) + int(scale) + act_flops(act) + 3 * (stats_groups > 0)
     flops = 2 * out * (c_in // groups) * kh * kw + out * epilogue
     elems = inputs + weights + out * (1 + int(residual)) + c_out * bias + batch * c_out * temb
-    stat_bytes = 4 * batch * (3 * stats_groups + 2 * norm_groups)
-    if norm_groups:
-        flops += inputs * (2 + 2 * int(norm_affine) + act_flops(norm_act))
-        elems += 2 * c_in * int(norm_affine)
+    stat_bytes = 4 * batch * 3 * stats_groups
     return Cost(float(flops), float(elems * elem_bytes + stat_bytes))
 
 

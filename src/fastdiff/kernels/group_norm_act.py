@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,7 @@ from fastdiff.errors import FastdiffError
 from fastdiff.kernels import cost_model
 from fastdiff.kernels.common import (
     ACTIVATIONS,
+    GroupNormPartials,
     activation_ref,
     apply_activation,
     channels_last_randn,
@@ -49,9 +50,6 @@ from fastdiff.kernels.common import (
 )
 from fastdiff.kernels.fp8 import FP8_DTYPE, quantize_e4m3_ref, to_e4m3
 from fastdiff.kernels.registry import KernelOp
-
-if TYPE_CHECKING:  # conv2d imports this module's merge_stats
-    from fastdiff.kernels.conv2d import FoldedGroupNorm
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +119,8 @@ def group_norm_act_ref(
 
 @triton.jit
 def merge_stats(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
-    """Chan's merge of two (count, mean, M2) summaries; ``n_a + n_b`` > 0. Also merges conv2d's GroupNorm partials."""
+    """Chan's merge of two (count, mean, M2) summaries; ``n_a + n_b`` > 0. Also merges conv2d's GroupNorm partials
+    (``stats=``)."""
     n = n_a + n_b
     delta = mean_b - mean_a
     frac = n_b / n
@@ -531,8 +530,8 @@ def _check_conv_stats(stats: Any, x: torch.Tensor, num_groups: int, design: str,
     n, channels, h, w = x.shape
     if design != "auto" or lanes is not None:
         raise FastdiffError("stats= takes the conv's statistics: design and lanes do not apply")
-    if stats.partials is None or stats.tiles is None or stats.finish:
-        raise FastdiffError("stats= needs the partials of a conv run with stats=FoldedGroupNorm(..., finish=False)")
+    if not isinstance(stats, GroupNormPartials) or stats.partials is None or stats.tiles is None:
+        raise FastdiffError("stats= needs the GroupNormPartials a conv wrote (conv2d(..., stats=))")
     if stats.groups != num_groups or stats.partials.device != x.device:
         raise FastdiffError(f"stats: {stats.groups} groups on {stats.partials.device}, the norm has {num_groups} on "
                             f"{x.device}")  # fmt: skip
@@ -556,7 +555,7 @@ def group_norm_act(
     design: Design = "auto",
     fp8_scale: float | None = None,
     lanes: int | None = None,
-    stats: FoldedGroupNorm | None = None,
+    stats: GroupNormPartials | None = None,
 ) -> torch.Tensor:
     """``activation(group_norm(x) * weight + bias) + residual`` in one (or two) launches, fp32 statistics.
     With ``fp8_scale`` the output is e4m3 ``y / fp8_scale`` (round to nearest even, saturating at 448): the
@@ -569,7 +568,7 @@ def group_norm_act(
     use the others). ``lanes`` (one of ``LANE_CHOICES``, at least a group wide) forces the channels one program
     covers, whole groups at a time; None: the size-based plan.
 
-    ``stats`` (a :class:`fastdiff.kernels.conv2d.FoldedGroupNorm` with ``finish=False``) takes the statistics
+    ``stats`` (a :class:`fastdiff.kernels.common.GroupNormPartials`) takes the statistics
     from the partials that the conv producing ``x`` wrote in its epilogue (``conv2d(..., out=x, stats=stats)``):
     one launch that makes one pass over x, each program first merging its channels' partials (one per row tile of
     the image and channel tile of the group: their number grows with the image). ``design`` and ``lanes`` do not
