@@ -1,7 +1,10 @@
-"""Regenerate the README's result tables from benchmarks/results/*.json (never edit those tables by hand).
+"""Regenerate the result tables of the documentation from benchmarks/results/*.json (never edit them by hand).
 
-python benchmarks/readme_tables.py          # rewrite README.md between the <!-- NAME:begin/end --> markers
-python benchmarks/readme_tables.py --check  # exit 1 if README.md is out of date (the test suite runs this)
+python benchmarks/readme_tables.py          # rewrite every table between its <!-- NAME:begin/end --> markers
+python benchmarks/readme_tables.py --check  # exit 1 if a document is out of date (the test suite runs this)
+
+``DOCUMENTS`` says which tables live in which file: the README's one headline table, every result table in
+docs/results.md, the kernel benchmark in docs/kernels.md. The prose around the markers is written by hand.
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ import ast
 import functools
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,15 +34,17 @@ MEASURED_CODE = {
     "compile": ("src/fastdiff/models", "src/fastdiff/bench/systems.py", "src/fastdiff/devices.py",
                 "benchmarks/sweep_compile.py"),
     "parity": ("src/fastdiff/samplers", "src/fastdiff/engine", "src/fastdiff/kernels", "src/fastdiff/models"),
-    "profile": ("src/fastdiff/samplers", "src/fastdiff/engine", "src/fastdiff/kernels", "src/fastdiff/profile"),
+    "profile": ("src/fastdiff/samplers", "src/fastdiff/engine", "src/fastdiff/kernels", "src/fastdiff/profile",
+                "src/fastdiff/bench/counts.py", "src/fastdiff/bench/roofline.py", "src/fastdiff/bench/breakdown.py"),
     "serve": ("src/fastdiff/serve", "src/fastdiff/samplers", "src/fastdiff/engine", "src/fastdiff/kernels"),
     "t2i": ("src/fastdiff/samplers", "src/fastdiff/engine", "src/fastdiff/kernels", "src/fastdiff/models",
-            "src/fastdiff/text_to_image.py", "src/fastdiff/bench/text_to_image.py"),
+            "src/fastdiff/pipelines", "src/fastdiff/bench/text_to_image.py"),
     "t2i-quality": ("src/fastdiff/samplers", "src/fastdiff/engine", "src/fastdiff/kernels", "src/fastdiff/models",
-                    "src/fastdiff/text_to_image.py", "src/fastdiff/weights/fashion-mnist-t2i",
-                    "benchmarks/t2i_quality.py"),
+                    "src/fastdiff/pipelines", "src/fastdiff/weights/fashion-mnist-t2i", "benchmarks/t2i_quality.py"),
 }  # fmt: skip
-"""Per table, the code its numbers depend on: a table is older than the code when these paths changed since."""
+"""Per table, the code its numbers depend on: a table is older than the code when these paths changed since. A
+file that moved counts by its code, as if it had not moved (the diff follows renames across the whole tree)."""
+MEASURED_CODE["headline"] = MEASURED_CODE["bench"]
 
 
 def without_docstrings(source: str) -> str:
@@ -57,37 +64,79 @@ def without_docstrings(source: str) -> str:
     return ast.dump(tree)
 
 
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+@functools.cache
+def tree_diff(sha: str) -> tuple[tuple[str, str | None, str | None], ...] | None:
+    """Every file that differs between commit ``sha`` and the working tree, as (git's status letter and score, path
+    at ``sha``, path now), renames paired up across the whole tree (a path is None where the file does not exist
+    on that side); None for a commit this clone does not have."""
+    diff = _git("diff", "--name-status", "-M", "--no-color", sha)
+    if diff.returncode:
+        return None
+    entries = []
+    for line in diff.stdout.splitlines():
+        status, *names = line.split("\t")
+        old, new = names[0], names[-1]
+        entries.append((status, None if status == "A" else old, None if status == "D" else new))
+    return tuple(entries)
+
+
+def under(name: str | None, paths: tuple[str, ...]) -> bool:
+    """Whether file ``name`` is one of ``paths`` or lies in one of them."""
+    return name is not None and any(name == p or name.startswith(p.rstrip("/") + "/") for p in paths)
+
+
+@functools.cache
+def same_code(sha: str, old: str, new: str) -> bool:
+    """Whether Python file ``old`` at commit ``sha`` and file ``new`` in the working tree hold the same code (their
+    syntax trees without docstrings are equal); False for anything that is not Python on both sides."""
+    if not (old.endswith(".py") and new.endswith(".py") and (ROOT / new).is_file()):
+        return False
+    before = _git("show", f"{sha}:{old}")
+    return before.returncode == 0 and without_docstrings(before.stdout) == without_docstrings((ROOT / new).read_text())
+
+
 def changed_code(sha: str, paths: tuple[str, ...]) -> tuple[list[str], list[str]]:
-    """(files under ``paths`` whose code changed since ``sha``, files where only docstrings, comments or formatting
-    did), against the working tree, so regenerating before a commit gives what the committed tree will give."""
-    diff = subprocess.run(["git", "diff", "--name-only", sha, "--", *paths], cwd=ROOT, capture_output=True, text=True)
-    if diff.returncode:  # a commit this clone does not have
-        return list(paths), []
+    """(files under ``paths`` whose code changed since ``sha``, files where only docstrings, comments, formatting or
+    the file's location did), against the working tree, so regenerating before a commit gives what the committed
+    tree will give (a new file counts once it is staged: git diff does not see untracked files). A file counts if it
+    lies under ``paths`` now or did at ``sha``; a watched path that exists in neither is never reported. For a commit
+    this clone does not have, every watched path that exists counts."""
+    entries = tree_diff(sha)
+    if entries is None:
+        return [p for p in paths if (ROOT / p).exists()], []
     code, docs = [], []
-    for name in diff.stdout.split():
-        old = subprocess.run(["git", "show", f"{sha}:{name}"], cwd=ROOT, capture_output=True, text=True)
-        new = ROOT / name
-        same = (
-            name.endswith(".py") and old.returncode == 0 and new.is_file()
-            and without_docstrings(old.stdout) == without_docstrings(new.read_text())
-        )  # fmt: skip
-        (docs if same else code).append(name)
+    for status, old, new in entries:
+        if not (under(old, paths) or under(new, paths)):
+            continue
+        name = new if under(new, paths) else old
+        intact = status == "R100" or (old is not None and new is not None and same_code(sha, old, new))
+        (docs if intact else code).append(name)
     return code, docs
 
 
 def freshness(sha: str | None, table: str) -> str:
     """A sentence saying whether the run's commit still has the code the table measures (per ``MEASURED_CODE``;
-    docstrings, comments and formatting are not code)."""
+    docstrings, comments, formatting and file moves are not code)."""
     if not sha:
         return "**The commit of this run is unknown: the table is older than the code it measures.**"
     paths = MEASURED_CODE[table]
     code, docs = changed_code(sha, paths)
     if code:
-        changed = [p for p in paths if any(f == p or f.startswith(p.rstrip("/") + "/") for f in code)]
+        changed = [p for p in paths if any(under(f, (p,)) for f in code)]
         return f"**Older than the code it measures: {', '.join(changed)} changed since {sha}.**"
     if docs:
-        return f"The measured code ({', '.join(paths)}) is unchanged since {sha} (docstrings and comments aside)."
+        aside = "docstrings, comments and moves aside"
+        return f"The measured code ({', '.join(paths)}) is unchanged since {sha} ({aside})."
     return f"The measured code ({', '.join(paths)}) is unchanged since {sha}."
+
+
+def is_stale(sha: str | None, table: str) -> bool:
+    """Whether the code ``table`` measures changed since commit ``sha`` (see ``freshness``)."""
+    return not sha or bool(changed_code(sha, MEASURED_CODE[table])[0])
 
 
 def kernels_table() -> str:
@@ -249,7 +298,7 @@ def profile_table() -> str:
         d = json.loads(path.read_text())
         modes = d["load_to_first_step"]["modes"]
         load = " / ".join(num(m.get("avg_ms"), ".0f") for m in modes.values())
-        link = f"[{path.parent.name}]({path.parent.relative_to(ROOT)}/report.md)"
+        link = f"[{path.parent.name}]({link_to('profile', path.parent / 'report.md')})"
         for name, b in d["backends"].items():
             bd = b["breakdown"]
             e2e = bd["end_to_end_ms"]
@@ -490,7 +539,55 @@ def t2i_quality_tables() -> str:
     return "\n\n".join(parts) or "_No text-to-image quality grid committed yet._"
 
 
-SECTIONS = {
+def headline_table() -> str:
+    """The README's one table: per ``fastdiff bench`` run, the engine's step against the fastest torch.compile
+    configuration and diffusers + torch.compile of the same run."""
+    from fastdiff.bench.report import is_compiled
+
+    lines = [
+        "| model | batch | GPU | engine fp16 ms/step | engine fp8 ms/step | fastest torch.compile ms/step "
+        "| diffusers + torch.compile ms/step | engine fp16 × fastest compile | engine fp16 × diffusers + compile "
+        "| run |",
+        "| --- | ---: | --- | ---: | ---: | --- | ---: | ---: | ---: | --- |",
+    ]
+    stale = []
+    for path in sorted(RESULTS.glob("bench-*.json")):
+        d = json.loads(path.read_text())
+        cfg, env = d["config"], d["env"]
+        ok = [r for r in d["results"] if not r.get("error") and r.get("ms_per_step")]
+        rows = {f"{r['system']}-{r['dtype']}": r for r in ok}
+        engine, fp8, diffusers = (rows.get(k) for k in ("engine-fp16", "engine-fp8", "diffusers+compile-fp16"))
+        compiled = [r for r in ok if is_compiled(r["system"])]
+        if engine is None or not compiled:
+            continue
+        fastest = min(compiled, key=lambda r: r["ms_per_step"])
+        ms = engine["ms_per_step"]
+        cells = [
+            cfg["model"], str(cfg["batch"]), env["gpu"], f"{ms:.3f}",
+            _num(fp8["ms_per_step"] if fp8 else None, ".3f"),
+            f"{fastest['ms_per_step']:.3f} (`{fastest['system']}`)",
+            _num(diffusers["ms_per_step"] if diffusers else None, ".3f"),
+            f"**{fastest['ms_per_step'] / ms:.2f}×**",
+            "—" if diffusers is None else f"{diffusers['ms_per_step'] / ms:.2f}×",
+            f"git {env['git_sha']}, {env['date'][:10]}",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+        if is_stale(env["git_sha"], "headline"):
+            stale.append(env["git_sha"])
+    if len(lines) == 2:
+        return "_No `fastdiff bench` result committed yet._"
+    if stale:
+        results = link_to("headline", ROOT / "docs" / "results.md")
+        lines += [
+            "",
+            f"The engine, kernel, model, sampler or bench code has changed since run(s) {', '.join(stale)}: "
+            f"[{results}]({results}#end-to-end-fastdiff-bench) says what.",
+        ]
+    return "\n".join(lines)
+
+
+SECTIONS: dict[str, Callable[[], str]] = {
+    "headline": headline_table,
     "kernels": kernels_table,
     "fd": fd_table,
     "parity": parity_table,
@@ -502,32 +599,52 @@ SECTIONS = {
     "t2i-model": t2i_model_table,
     "t2i-quality": t2i_quality_tables,
 }
+"""Each generated table by its marker name."""
+
+DOCUMENTS = {
+    "README.md": ("headline",),
+    "docs/results.md": ("t2i-model", "t2i-quality", "parity", "fd", "compile", "bench", "t2i", "profile", "serve"),
+    "docs/kernels.md": ("kernels",),
+}
+"""Which tables each document holds (every table in exactly one), by its path from the repository root."""
 
 
-def render(readme: str) -> str:
-    for name, make in SECTIONS.items():
+def link_to(section: str, target: Path) -> str:
+    """The relative link from the document that holds ``section`` to file ``target``."""
+    document = next(ROOT / doc for doc, names in DOCUMENTS.items() if section in names)
+    return Path(os.path.relpath(target, document.parent)).as_posix()
+
+
+def render(text: str, names: tuple[str, ...], document: str) -> str:
+    """``text`` (the contents of ``document``) with the tables ``names`` regenerated between their markers."""
+    for name in names:
         begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-        if begin not in readme or end not in readme:
-            raise SystemExit(f"README.md lacks the markers {begin} ... {end}")
-        head, rest = readme.split(begin, 1)
+        if text.count(begin) != 1 or text.count(end) != 1:
+            raise SystemExit(f"{document} needs the markers {begin} ... {end} once each")
+        head, rest = text.split(begin, 1)
         _, tail = rest.split(end, 1)
-        readme = f"{head}{begin}\n{make()}\n{end}{tail}"
-    return readme
+        text = f"{head}{begin}\n{SECTIONS[name]()}\n{end}{tail}"
+    return text
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="only check that README.md is up to date")
+    parser.add_argument("--check", action="store_true", help="only check that every document is up to date")
     args = parser.parse_args()
-    path = ROOT / "README.md"
-    current = path.read_text()
-    fresh = render(current)
-    if args.check:
-        if fresh != current:
-            print("README.md tables are out of date: run python benchmarks/readme_tables.py", file=sys.stderr)
-            return 1
-        return 0
-    path.write_text(fresh)
+    stale = []
+    for document, names in DOCUMENTS.items():
+        path = ROOT / document
+        current = path.read_text()
+        fresh = render(current, names, document)
+        if fresh == current:
+            continue
+        if args.check:
+            stale.append(document)
+        else:
+            path.write_text(fresh)
+    if stale:
+        print(f"out of date: {', '.join(stale)}; run python benchmarks/readme_tables.py", file=sys.stderr)
+        return 1
     return 0
 
 

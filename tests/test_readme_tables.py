@@ -1,4 +1,5 @@
-"""The README's result tables are generated from benchmarks/results/*.json and must be up to date."""
+"""The documentation's result tables (README.md, docs/results.md, docs/kernels.md) are generated from
+benchmarks/results/*.json and must be up to date."""
 
 import importlib.util
 import json
@@ -12,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_readme_tables_are_generated_from_results():
+    """``--check`` regenerates every table of every document in memory and compares."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "readme_tables.py"), "--check"], capture_output=True, text=True
     )
@@ -127,3 +129,73 @@ def test_compile_table_marks_the_fastest_and_keeps_failed_configurations(tmp_pat
     assert "| compile+autotune (mode=b) | **1.500** (200 s) |" in lines
     assert "| compile+freeze (mode=c) | failed |" in lines
     assert any("median of 3 timed runs of 10" in line for line in lines)
+
+
+def test_every_table_lives_in_exactly_one_document():
+    module = _readme_tables()
+    placed = [name for names in module.DOCUMENTS.values() for name in names]
+    assert sorted(placed) == sorted(module.SECTIONS)
+    assert set(module.MEASURED_CODE) >= set(module.SECTIONS) - {"t2i-model"}
+    for document in module.DOCUMENTS:
+        assert (ROOT / document).is_file(), document
+
+
+def test_readme_is_a_user_guide_of_at_most_300_lines():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+
+
+def test_links_from_a_table_are_relative_to_its_document():
+    module = _readme_tables()
+    assert module.link_to("profile", ROOT / "docs" / "profile" / "x" / "report.md") == "profile/x/report.md"
+    assert module.link_to("headline", ROOT / "docs" / "results.md") == "docs/results.md"
+
+
+def test_headline_table_compares_the_engine_with_the_fastest_compile_of_its_run(tmp_path, monkeypatch):
+    module = _readme_tables()
+    env = {"gpu": "NVIDIA H100 80GB HBM3", "git_sha": "abc1234", "date": "2026-11-26T00"}
+    rows = [{"system": "compile", "dtype": "fp16", "ms_per_step": 1.2},
+            {"system": "compile+autotune", "dtype": "fp16", "ms_per_step": 1.0},
+            {"system": "diffusers+compile", "dtype": "fp16", "ms_per_step": 2.0},
+            {"system": "engine", "dtype": "fp16", "ms_per_step": 0.5},
+            {"system": "engine", "dtype": "fp8", "ms_per_step": None, "error": "RuntimeError: boom"}]  # fmt: skip
+    result = {"env": env, "config": {"model": "m", "batch": 4}, "results": rows}
+    (tmp_path / "bench-m-b4-h100-2026-11-26.json").write_text(json.dumps(result))
+    monkeypatch.setattr(module, "RESULTS", tmp_path)
+    monkeypatch.setattr(module, "is_stale", lambda sha, table: False)
+    lines = module.headline_table().splitlines()
+    assert lines[2] == (
+        "| m | 4 | NVIDIA H100 80GB HBM3 | 0.500 | — | 1.000 (`compile+autotune`) | 2.000 | **2.00×** | 4.00× "
+        "| git abc1234, 2026-11-26 |"
+    )
+    assert len(lines) == 3
+    monkeypatch.setattr(module, "is_stale", lambda sha, table: True)
+    assert "changed since run(s) abc1234" in module.headline_table()
+
+
+def _commit(repo: Path, message: str) -> str:
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com", "-c", "commit.gpgsign=false"]
+    subprocess.run([*git, "add", "-A"], check=True, capture_output=True)
+    subprocess.run([*git, "commit", "-q", "-m", message], check=True, capture_output=True)
+    return subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_changed_code_follows_moves_and_ignores_paths_without_history(tmp_path, monkeypatch):
+    """A file that moved with its code unchanged is not a change, under its old or its new watched path; an edit of
+    its code is; a watched path that exists neither then nor now is never reported."""
+    module = _readme_tables()
+    monkeypatch.setattr(module, "ROOT", tmp_path)
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "area.py").write_text(CODE)
+    (tmp_path / "old" / "other.py").write_text("X = 1\n")
+    sha = _commit(tmp_path, "first")
+    (tmp_path / "new").mkdir()
+    (tmp_path / "old" / "area.py").rename(tmp_path / "new" / "area.py")
+    (tmp_path / "new" / "area.py").write_text(CODE.replace("Docs of area.", "Area of a disc."))
+    (tmp_path / "old" / "other.py").write_text("X = 2\n")
+    subprocess.run(["git", "-C", str(tmp_path), "add", "-A"], check=True)  # staged, not committed: git diff sees it
+    assert module.changed_code(sha, ("new", "missing")) == ([], ["new/area.py"])
+    assert module.changed_code(sha, ("old/area.py",)) == ([], ["old/area.py"])
+    assert module.changed_code(sha, ("old",)) == (["old/other.py"], ["old/area.py"])
+    assert module.changed_code(sha, ("missing",)) == ([], [])
+    assert module.changed_code("0" * 40, ("new", "missing")) == (["new"], [])  # a commit the clone lacks
