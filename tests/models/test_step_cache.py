@@ -5,6 +5,8 @@ same step's feature gives the full output bit for bit; one-line errors."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from sd_fixtures import make_diffusers_unet
@@ -145,6 +147,20 @@ def test_convnext_cut():
     assert torch.equal(out, expected) and torch.equal(deep, seen[0]) and torch.equal(shallow, expected)
     assert not calls and not torch.equal(other, expected)
     assert deep.shape == (2, 6, 8, 8)
+
+
+def test_convnext_cut_of_a_one_level_model():
+    """One level: no downsample and a single decoder level, so the deep feature is the middle's output."""
+    torch.manual_seed(5)
+    model = ConvNeXtUNet(dataclasses.replace(CONVNEXT, dim_mults=(1,))).eval()
+    x, t = torch.randn(2, 2, 8, 8), torch.tensor([300, 300])
+    with torch.no_grad():
+        out, deep = cached_forward(model, x, t)
+        shallow, _ = cached_forward(model, x, t, deep)
+        _, temb = model.embed(x, t)
+        skip = model.shallow_in(x, temb)
+        middle = model.mid_block2(model.mid_attn(model.mid_block1(skip, temb)), temb)
+    assert torch.equal(out, model(x, t)) and torch.equal(shallow, out) and torch.equal(deep, middle)
 
 
 def test_errors_are_one_line():

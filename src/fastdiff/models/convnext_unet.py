@@ -174,9 +174,23 @@ class ConvNeXtUNet(nn.Module):
 
     def forward(self, x: Tensor, t: Tensor | float | int) -> Tensor:
         x, temb = self.embed(x, t)
-        h = self.init_conv(x)
-        skips = []
-        for level in self.downs:
+        skip = self.shallow_in(x, temb)
+        return self.shallow_out(self.deep_path(skip, temb), skip, temb)
+
+    # The forward in three parts, cut where step caching (``fastdiff.models.step_cache``) cuts it: a shallow step
+    # runs ``shallow_in`` and ``shallow_out`` on the deep feature (``deep_path``'s output) of an earlier full step.
+
+    def shallow_in(self, x: Tensor, temb: Tensor) -> Tensor:
+        """``init_conv`` and the first encoder level's two blocks: the skip the last decoder level reads."""
+        first = self.downs[0]
+        return first["block2"](first["block1"](self.init_conv(x), temb), temb)
+
+    def deep_path(self, skip: Tensor, temb: Tensor) -> Tensor:
+        """From the first level's ``skip`` to the input of the last decoder level (the step cache's deep feature):
+        the first level's downsample, the deeper encoder levels, the middle, every decoder level but the last."""
+        skips = [skip]
+        h = self.downs[0]["downsample"](skip) if "downsample" in self.downs[0] else skip
+        for level in self.downs[1:]:
             h = level["block2"](level["block1"](h, temb), temb)
             skips.append(h)
             if "downsample" in level:
@@ -185,8 +199,13 @@ class ConvNeXtUNet(nn.Module):
         if self.mid_attn is not None:
             h = self.mid_attn(h)
         h = self.mid_block2(h, temb)
-        for level in self.ups:
+        for level in self.ups[:-1]:
             h = self.up_level(level, h, skips.pop(), temb)
+        return h
+
+    def shallow_out(self, deep: Tensor, skip: Tensor, temb: Tensor) -> Tensor:
+        """The last decoder level on (``deep``, the first level's ``skip``), ``final_block`` and ``final_conv``."""
+        h = self.up_level(self.ups[-1], deep, skip, temb)
         return self.final_conv(self.final_block(h, temb))
 
     def embed(self, x: Tensor, t: Tensor | float | int) -> tuple[Tensor, Tensor]:

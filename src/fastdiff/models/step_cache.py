@@ -18,7 +18,8 @@ first level) and the DDPM experiments' ``branch=layers_per_block - 1``. Per fami
   ``conv_norm_out`` + SiLU + ``conv_out``.
 * ``ConvNeXtUNet``: deep = ``ups[-2]``'s output (after its upsample conv); shallow = ``embed``, ``init_conv``,
   ``downs[0]``'s two blocks (the skip), ``ups[-1]`` (its attention gate driven by the deep feature, two blocks),
-  ``final_block``, ``final_conv``.
+  ``final_block``, ``final_conv``. The model's forward is built from these parts (``shallow_in``, ``deep_path``,
+  ``shallow_out``), so the cache calls them rather than restating it.
 
 The engine marks the same value in each family's lowering (``fastdiff.engine.ir.GraphBuilder.cache``) and runs the
 ops the output needs given it (``fastdiff.engine.executor.FusedModel.shallow_ops``).
@@ -93,24 +94,10 @@ def cached_forward(
 
 
 def _convnext(model: ConvNeXtUNet, x: Tensor, t: Tensor | int | float, deep: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The model's own forward (``ConvNeXtUNet.forward``: ``shallow_in``, ``deep_path``, ``shallow_out``), with
+    ``deep_path`` skipped when ``deep`` is given."""
     x, temb = model.embed(x, t)
-    h = model.init_conv(x)
-    skips = []
+    skip = model.shallow_in(x, temb)
     if deep is None:
-        for level in model.downs:
-            h = level["block2"](level["block1"](h, temb), temb)
-            skips.append(h)
-            if "downsample" in level:
-                h = level["downsample"](h)
-        h = model.mid_block1(h, temb)
-        if model.mid_attn is not None:
-            h = model.mid_attn(h)
-        h = model.mid_block2(h, temb)
-        for level in model.ups[:-1]:
-            h = model.up_level(level, h, skips.pop(), temb)
-        deep = h
-    else:
-        first = model.downs[0]
-        skips.append(first["block2"](first["block1"](h, temb), temb))
-    h = model.up_level(model.ups[-1], deep, skips.pop(), temb)
-    return model.final_conv(model.final_block(h, temb)), deep
+        deep = model.deep_path(skip, temb)
+    return model.shallow_out(deep, skip, temb), deep
