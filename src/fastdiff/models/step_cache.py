@@ -18,8 +18,10 @@ first level) and the DDPM experiments' ``branch=layers_per_block - 1``. Per fami
   ``conv_norm_out`` + SiLU + ``conv_out``.
 * ``ConvNeXtUNet``: deep = ``ups[-2]``'s output (after its upsample conv); shallow = ``embed``, ``init_conv``,
   ``downs[0]``'s two blocks (the skip), ``ups[-1]`` (its attention gate driven by the deep feature, two blocks),
-  ``final_block``, ``final_conv``. The model's forward is built from these parts (``shallow_in``, ``deep_path``,
-  ``shallow_out``), so the cache calls them rather than restating it.
+  ``final_block``, ``final_conv``.
+
+Each family's forward is built from these parts (``shallow_in``, ``deep_path``, ``shallow_out``), so the cache
+calls them rather than restating it.
 
 The engine marks the same value in each family's lowering (``fastdiff.engine.ir.GraphBuilder.cache``) and runs the
 ops the output needs given it (``fastdiff.engine.executor.FusedModel.shallow_ops``).
@@ -27,7 +29,6 @@ ops the output needs given it (``fastdiff.engine.executor.FusedModel.shallow_ops
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fastdiff.errors import FastdiffError
@@ -67,8 +68,6 @@ def cached_forward(
     ``UNet2DConditionModel``): a full forward when ``deep`` is None (its output equals ``model(x, t)``), else a
     shallow one that reuses ``deep`` (returned as is) from an earlier full forward."""
     check_supported(model)
-    if isinstance(model, ConvNeXtUNet):
-        return _convnext(model, x, t, deep)
     if isinstance(model, UNet2DConditionModel):
         if context is None:
             raise FastdiffError("a UNet2DConditionModel needs text states (context)")
@@ -77,27 +76,7 @@ def cached_forward(
     else:
         x, temb = model.embed(x, t)
         cond = (temb,)
-    h = model.conv_in(x)
-    skips = [h]
+    skips = model.shallow_in(x, *cond)
     if deep is None:
-        for block in model.down_blocks:
-            h = block(h, *cond, skips)
-        if model.mid_block is not None:
-            h = model.mid_block(h, *cond)
-        for block in model.up_blocks[:-1]:
-            h = block(h, *cond, skips)
-        deep = h
-    else:
-        model.down_blocks[0](h, *cond, skips, downsample=False)
-    h = model.up_blocks[-1](deep, *cond, skips)
-    return model.conv_out(F.silu(model.conv_norm_out(h))), deep
-
-
-def _convnext(model: ConvNeXtUNet, x: Tensor, t: Tensor | int | float, deep: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The model's own forward (``ConvNeXtUNet.forward``: ``shallow_in``, ``deep_path``, ``shallow_out``), with
-    ``deep_path`` skipped when ``deep`` is given."""
-    x, temb = model.embed(x, t)
-    skip = model.shallow_in(x, temb)
-    if deep is None:
-        deep = model.deep_path(skip, temb)
-    return model.shallow_out(deep, skip, temb), deep
+        deep = model.deep_path(skips, *cond)
+    return model.shallow_out(deep, skips, *cond), deep

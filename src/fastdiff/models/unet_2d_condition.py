@@ -342,9 +342,14 @@ class DownBlock(nn.Module):
             if self.attentions is not None:
                 x = self.attentions[i](x, context)
             skips.append(x)
-        if downsample and self.downsamplers is not None:
-            x = self.downsamplers[0](x)
-            skips.append(x)
+        return self.downsample(x, skips) if downsample else x
+
+    def downsample(self, x: Tensor, skips: list[Tensor]) -> Tensor:
+        """The downsampler on the last output ``x`` (appended to ``skips``); ``x`` itself in the last block."""
+        if self.downsamplers is None:
+            return x
+        x = self.downsamplers[0](x)
+        skips.append(x)
         return x
 
 
@@ -441,14 +446,34 @@ class UNet2DConditionModel(nn.Module):
         """
         x, temb = self.embed(sample, timestep, encoder_hidden_states)
         context = encoder_hidden_states
-        h = self.conv_in(x)
-        skips = [h]
-        for block in self.down_blocks:
+        skips = self.shallow_in(x, temb, context)
+        return self.shallow_out(self.deep_path(skips, temb, context), skips, temb, context)
+
+    # The forward in three parts, cut where step caching (``fastdiff.models.step_cache``) cuts it: a shallow step
+    # runs ``shallow_in`` and ``shallow_out`` on the deep feature (``deep_path``'s output) of an earlier full step.
+
+    def shallow_in(self, x: Tensor, temb: Tensor, context: Tensor) -> list[Tensor]:
+        """``conv_in`` and the first down block without its downsampler: the skips the last up block reads."""
+        skips = [self.conv_in(x)]
+        self.down_blocks[0](skips[0], temb, context, skips, downsample=False)
+        return skips
+
+    def deep_path(self, skips: list[Tensor], temb: Tensor, context: Tensor) -> Tensor:
+        """From the first block's ``skips`` to the input of the last up block (the step cache's deep feature): the
+        first downsampler, the deeper down blocks, the mid block, every up block but the last (``skips`` is left as
+        it came: what the deeper blocks push, the up blocks pop)."""
+        h = self.down_blocks[0].downsample(skips[-1], skips)
+        for block in self.down_blocks[1:]:
             h = block(h, temb, context, skips)
         if self.mid_block is not None:
             h = self.mid_block(h, temb, context)
-        for block in self.up_blocks:
+        for block in self.up_blocks[:-1]:
             h = block(h, temb, context, skips)
+        return h
+
+    def shallow_out(self, deep: Tensor, skips: list[Tensor], temb: Tensor, context: Tensor) -> Tensor:
+        """The last up block on (``deep``, ``skips``; it pops them) and the output head."""
+        h = self.up_blocks[-1](deep, temb, context, skips)
         return self.conv_out(F.silu(self.conv_norm_out(h)))
 
     def embed(
