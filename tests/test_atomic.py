@@ -7,7 +7,15 @@ import stat
 
 import pytest
 
-from fastdiff.atomic import check_output_location, write_atomic, write_bytes_atomic, write_text_atomic
+import fastdiff.atomic
+from fastdiff.atomic import (
+    AtomicOutputs,
+    check_output_location,
+    write_all_atomic,
+    write_atomic,
+    write_bytes_atomic,
+    write_text_atomic,
+)
 from fastdiff.errors import FastdiffError
 
 
@@ -112,3 +120,85 @@ def test_write_folder_atomic_replaces_whole_and_respects_umask(tmp_path):
         write_folder_atomic(dest, failing)
     assert sorted(p.name for p in dest.iterdir()) == ["b.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]  # no temporary folder left
+
+
+@pytest.mark.parametrize("root", ["/proc", "/sys"])
+def test_check_output_location_where_no_file_can_be_created(root):
+    """/proc and /sys take no new files, for root neither (``os.access`` says yes to root there): the check
+    proves it with a probe file, for a file output, a folder output and a missing folder below."""
+    for path, folder in ((f"{root}/x.png", False), (f"{root}/images", True), (f"{root}/a/b/c.json", False)):
+        with pytest.raises(FastdiffError) as info:
+            check_output_location(path, "--flag", folder=folder)
+        message = str(info.value)
+        assert message.startswith(f"--flag {path}: cannot write in {root} (") and "\n" not in message, message
+
+
+def test_check_output_location_probes_with_data(tmp_path, monkeypatch):
+    """A full disk may still take a file name: the probe writes a byte, and leaves nothing behind."""
+    check_output_location(tmp_path / "a.png", "--out")
+    assert os.listdir(tmp_path) == []
+
+    def full(fd, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fastdiff.atomic.os, "write", full)
+    with pytest.raises(FastdiffError, match=r"--out .*a.png: cannot write in .* \(no space left on device\)"):
+        check_output_location(tmp_path / "a.png", "--out")
+    assert os.listdir(tmp_path) == []
+
+
+def test_atomic_outputs_commit_all_at_once(tmp_path, umask):
+    (tmp_path / "old.txt").write_text("old")
+    with AtomicOutputs() as outputs:
+        outputs.add(tmp_path / "new" / "deep" / "a.txt", lambda tmp: tmp.write_text("a"))
+        outputs.add(tmp_path / "old.txt", lambda tmp: tmp.write_text("b"))
+        assert not (tmp_path / "new" / "deep" / "a.txt").exists()
+        assert (tmp_path / "old.txt").read_text() == "old"  # nothing visible before the commit
+    assert (tmp_path / "new" / "deep" / "a.txt").read_text() == "a" and (tmp_path / "old.txt").read_text() == "b"
+    assert mode(tmp_path / "old.txt") == 0o666 & ~umask
+    assert sorted(os.listdir(tmp_path)) == ["new", "old.txt"] and os.listdir(tmp_path / "new" / "deep") == ["a.txt"]
+
+
+@pytest.mark.parametrize("error", [OSError("disk full"), KeyboardInterrupt()], ids=["OSError", "KeyboardInterrupt"])
+def test_atomic_outputs_failing_write_leaves_nothing(tmp_path, error):
+    (tmp_path / "kept.txt").write_text("old")
+
+    def fail(tmp):
+        tmp.write_text("half")
+        raise error
+
+    with pytest.raises(type(error)), AtomicOutputs() as outputs:
+        outputs.add(tmp_path / "kept.txt", lambda tmp: tmp.write_text("new"))
+        outputs.add(tmp_path / "made" / "b.txt", fail)
+    assert os.listdir(tmp_path) == ["kept.txt"] and (tmp_path / "kept.txt").read_text() == "old"
+
+
+def test_atomic_outputs_failing_rename_undoes_the_earlier_ones(tmp_path, monkeypatch):
+    """The third rename fails: the first (a new file) is removed, the second (a replaced file) put back, the
+    folder made for them removed, no temporary or backup file left."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "b.txt").write_text("old b")
+    real_replace = os.replace
+    calls = []
+
+    def replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device", str(dst))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(fastdiff.atomic.os, "replace", replace)
+    with pytest.raises(OSError, match="No space left"), AtomicOutputs() as outputs:
+        outputs.add(out / "each" / "a.txt", lambda tmp: tmp.write_text("new a"))
+        outputs.add(out / "b.txt", lambda tmp: tmp.write_text("new b"))
+        outputs.add(out / "c.txt", lambda tmp: tmp.write_text("new c"))
+    assert os.listdir(out) == ["b.txt"] and (out / "b.txt").read_text() == "old b"
+    assert os.listdir(tmp_path) == ["out"]
+
+
+def test_write_all_atomic_is_all_or_nothing_at_the_renames_too(tmp_path):
+    (tmp_path / "config.json").mkdir()  # the last rename cannot replace a folder
+    with pytest.raises(OSError):
+        write_all_atomic({tmp_path / "weights.bin": lambda t: t.write_bytes(b"w"), tmp_path / "config.json": str})
+    assert os.listdir(tmp_path) == ["config.json"]

@@ -172,11 +172,14 @@ def test_version(capsys):
     assert fastdiff.__version__ == importlib.metadata.version("fastdiff")  # one version, the package's
 
 
-@pytest.mark.parametrize("command", ["sample", "train", "fid", "bench", "profile"])
+@pytest.mark.parametrize(
+    "command", ["sample", "generate", "train", "fid", "bench", "profile", "serve", "loadtest", "export"]
+)
 def test_help_names_each_default_once(command):
     """ "(default: X)" once for every flag that has a default; never "(default: None)", never twice."""
     commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
-    parser = commands[command]
+    parser = commands[command].complete()  # the flags are added on first use
+    assert len(parser._actions) > 3
     formatter = parser._get_formatter()
     for action in parser._actions:
         if action.help in (None, argparse.SUPPRESS):

@@ -215,11 +215,11 @@ def test_unusable_out_dir_is_an_error_before_sampling(tiny_model, tmp_path, monk
     out = tmp_path / "out"
     if case == "file":
         out.write_text("x")
-        message = "exists and is not a directory"
+        message = f"--out-dir {out} is a file, not a folder"
     elif case == "under-a-file":
         (tmp_path / "file").write_text("x")
         out = tmp_path / "file" / "out"
-        message = "cannot write to --out-dir"
+        message = f"--out-dir {out}: {tmp_path / 'file'} is a file, not a folder"
     elif case == "images-without-manifest":
         out.mkdir()
         (out / "000001.png").write_bytes(b"")

@@ -4,7 +4,12 @@
 name), flushes it to disk, then renames it onto ``path``: readers see the old file or the new one, never half of
 one, and any exception (KeyboardInterrupt included) removes the temporary file. The file gets the mode
 ``open(path, "w")`` would give it, ``0o666 & ~umask``, whatever the writer does (``mkstemp`` and safetensors
-create 0600 files).
+create 0600 files). ``AtomicOutputs`` does the same for several files as one unit (a command's outputs),
+``write_folder_atomic`` for a whole folder.
+
+``check_output_location`` proves, before a command does any work, that it can create files where its outputs go:
+it creates, writes and removes a temporary file there, so /proc, /sys, read-only mounts and full disks fail up
+front, for root too (``os.access`` says yes to root everywhere).
 """
 
 from __future__ import annotations
@@ -68,23 +73,125 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[Path], object]) 
     return path
 
 
-def write_all_atomic(files: dict[Path, Callable[[Path], object]]) -> None:
-    """Write several files all or nothing: every ``write(tmp)`` first, then the renames in the given order (put
-    the file readers look for first, e.g. a config, last). A failing write leaves every old file in place."""
-    temps: dict[Path, Path] = {}
-    try:
-        for path, write in files.items():
-            path.parent.mkdir(parents=True, exist_ok=True)
+class AtomicOutputs:
+    """Several output files written as one unit: all of them, or none.
+
+    ``add(path, write)`` has ``write(tmp)`` fill a temporary file beside ``path`` at once (creating missing
+    folders); ``commit()`` renames every staged file onto its path, in the order added (add the file readers look
+    for first, e.g. a config, last). If a rename fails, the ones before it are undone: a file that was replaced is
+    put back, a new one removed. A failing ``write``, ``discard()`` or leaving the ``with`` block by an exception
+    (KeyboardInterrupt included) removes every temporary file, and the folders created for them while they are
+    empty. On success the ``with`` block commits. Each file gets the mode ``open(path, "w")`` would give it.
+    """
+
+    def __init__(self) -> None:
+        self._staged: list[tuple[Path, Path]] = []  # (path, temporary file)
+        self._created: list[Path] = []  # folders made for the outputs, outermost first
+        self._done = False
+
+    def __enter__(self) -> AtomicOutputs:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.discard()
+
+    def add(self, path: str | os.PathLike[str], write: Callable[[Path], object]) -> Path:
+        """Stage ``path``: ``write(tmp)`` fills its temporary file now (see ``write_atomic``). Returns ``path``."""
+        if self._done:
+            raise RuntimeError("AtomicOutputs: add after commit or discard")
+        path = Path(path)
+        try:
+            self._make_folder(path.parent)
             tmp, mode = _create_temporary(path)
-            temps[path] = tmp
+            self._staged.append((path, tmp))
             write(tmp)
             os.chmod(tmp, mode)
             _fsync(tmp, os.O_RDWR)
-        for path, tmp in temps.items():
-            os.replace(tmp, path)
-    finally:
-        for tmp in temps.values():
-            tmp.unlink(missing_ok=True)
+        except BaseException:
+            self.discard()
+            raise
+        return path
+
+    def commit(self) -> None:
+        """Rename every staged file into place, or, if one rename fails, none (the earlier ones are undone)."""
+        if self._done:
+            return
+        done: list[tuple[Path, Path | None]] = []  # (path, the file it replaced, kept under another name)
+        try:
+            for path, tmp in self._staged:
+                backup = _keep_old(path)
+                try:
+                    os.replace(tmp, path)
+                except BaseException:
+                    if backup is not None:
+                        backup.unlink(missing_ok=True)
+                    raise
+                done.append((path, backup))
+        except BaseException:
+            for path, backup in reversed(done):
+                with contextlib.suppress(OSError):
+                    if backup is not None:
+                        os.replace(backup, path)
+                    else:
+                        path.unlink(missing_ok=True)
+            self.discard()
+            raise
+        self._done = True
+        for _, backup in done:
+            if backup is not None:
+                backup.unlink(missing_ok=True)
+        if hasattr(os, "O_DIRECTORY"):  # make the renames themselves durable (POSIX)
+            for folder in dict.fromkeys(path.parent for path, _ in done):
+                with contextlib.suppress(OSError):
+                    _fsync(folder, os.O_RDONLY | os.O_DIRECTORY)
+
+    def discard(self) -> None:
+        """Remove the staged files and the (empty) folders made for them; nothing committed is touched."""
+        self._done = True
+        for _, tmp in self._staged:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+        for folder in reversed(self._created):
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only while empty
+
+    def _make_folder(self, folder: Path) -> None:
+        missing = []
+        while not folder.exists() and folder.parent != folder:
+            missing.append(folder)
+            folder = folder.parent
+        for new in reversed(missing):
+            new.mkdir(exist_ok=True)
+            self._created.append(new)
+
+
+def _keep_old(path: Path) -> Path | None:
+    """A second name for the file at ``path`` (a hard link, else a copy) so that a commit can put it back; None
+    where there is no file."""
+    if not path.is_file() or path.is_symlink():
+        return None
+    while True:
+        backup = path.with_name(f".{path.name}.{secrets.token_hex(6)}.old")
+        try:
+            os.link(path, backup)
+            return backup
+        except FileExistsError:
+            continue
+        except OSError:  # no hard links here
+            shutil.copy2(path, backup)
+            return backup
+
+
+def write_all_atomic(files: dict[Path, Callable[[Path], object]]) -> None:
+    """Write several files all or nothing (``AtomicOutputs``): every ``write(tmp)`` first, then the renames in the
+    given order (put the file readers look for first, e.g. a config, last). A failing write or rename leaves
+    every old file in place."""
+    with AtomicOutputs() as outputs:
+        for path, write in files.items():
+            outputs.add(path, write)
 
 
 def write_folder_atomic(path: str | os.PathLike[str], fill: Callable[[Path], object]) -> Path:
@@ -130,9 +237,12 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
 
 
 def check_output_location(path: str | os.PathLike[str], flag: str, folder: bool = False) -> None:
-    """Raise a FastdiffError now if a file (or, with ``folder``, files inside a folder) could not be written at
-    ``path`` later: a part of the path is a file, the target has the wrong kind, or the folder that would hold it
-    is not writable. Creates nothing."""
+    """Raise a one-line FastdiffError now if a file (or, with ``folder``, files inside a folder) could not be
+    written at ``path`` later: a part of the path is a file, the target has the wrong kind, or no file can be
+    created in the folder that would hold it (``folder``: ``path`` itself if it exists, else its parent), or in
+    the nearest existing folder above a missing one. That is proven by creating, writing one byte to and removing
+    a temporary file there, so it holds for root too (/proc, /sys, read-only mounts, a full disk). Leaves nothing
+    behind."""
     path = Path(path)
     if path.exists():
         if folder and not path.is_dir():
@@ -147,5 +257,27 @@ def check_output_location(path: str | os.PathLike[str], flag: str, folder: bool 
         existing = existing.parent
     if existing.exists() and not existing.is_dir():
         raise FastdiffError(f"{flag} {path}: {existing} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise FastdiffError(f"{flag} {path}: cannot write in {existing} (permission denied)")
+    try:
+        _probe(existing)
+    except OSError as exc:
+        reason = (exc.strerror or str(exc)).lower()
+        raise FastdiffError(f"{flag} {path}: cannot write in {existing} ({reason})") from None
+
+
+def _probe(folder: Path) -> None:
+    """Create a temporary file in ``folder``, write one byte (a full disk may take a name, not data), remove it."""
+    while True:
+        tmp = folder / f".fastdiff-probe.{secrets.token_hex(6)}.tmp"
+        try:
+            fd = os.open(tmp, _CREATE_FLAGS, 0o600)
+            break
+        except FileExistsError:
+            continue
+    try:
+        try:
+            os.write(fd, b"\0")
+        finally:
+            os.close(fd)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)

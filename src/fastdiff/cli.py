@@ -1,4 +1,9 @@
-"""The ``fastdiff`` command line: sample, train, fid, bench, profile. User errors: one line, exit code 2."""
+"""The ``fastdiff`` command line: sample, generate, train, fid, bench, profile, serve, loadtest, export. User
+errors: one line, exit code 2, before any model loads.
+
+Building the parser imports no torch: a command's module (and its flags) load only when that command runs or
+shows its help (``fastdiff.cli_args.COMMANDS``), and ``sample`` imports torch inside ``run_sample``.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +14,27 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from fastdiff import __version__
-from fastdiff.cli_args import DEFAULT_MODEL, HelpFormatter, positive_int
+from fastdiff.cli_args import (
+    COMMANDS,
+    DEFAULT_MODEL,
+    DTYPES,
+    KARRAS_SAMPLERS,
+    SAMPLER_SCHEDULERS,
+    SAMPLERS,
+    CommandParser,
+    add_command,
+    check_seed_range,
+    finite_nonnegative_float,
+    positive_int,
+    seed_int,
+)
 from fastdiff.errors import FastdiffError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("fastdiff")
 
@@ -25,18 +44,15 @@ state and the U-Net's activations): 450 to 940 copies measured for the bundled p
 room for slimmer models, so that ``--batch`` refuses only batches that cannot fit."""
 
 
-def add_sample_parser(subparsers: argparse._SubParsersAction) -> None:
-    from fastdiff.samplers import KARRAS_SAMPLERS, SAMPLER_SCHEDULERS, SAMPLERS
-
-    p = subparsers.add_parser(
-        "sample",
-        help="generate images and write a PNG grid",
-        description="Generate images with a U-Net and a sampler; writes a PNG grid (and optionally one PNG per "
+def add_sample_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``fastdiff sample`` (sets ``func=run_sample``)."""
+    p.description = (
+        "Generate images with a U-Net and a sampler; writes a PNG grid (and optionally one PNG per "
         "image). Image k uses seed SEED+k, so an image depends on its seed only, not on the batch size. A "
         "text-to-image model (fashion-mnist-t2i or a Stable Diffusion directory) needs --prompt; with several "
         "--prompt, each prompt is one grid row of --batch images. Each PNG holds its generation "
-        "parameters as JSON in its 'parameters' text chunk.",
-        formatter_class=HelpFormatter,
+        "parameters as JSON in its 'parameters' text chunk. The grid and the --save-dir images are written "
+        "together or not at all."
     )
     p.add_argument(
         "--model",
@@ -68,8 +84,8 @@ def add_sample_parser(subparsers: argparse._SubParsersAction) -> None:
         help="number of denoising steps (default: 100; 50 for a text-to-image model)",
     )
     p.add_argument("--batch", type=positive_int, default=16, help="number of images (of each prompt, with --prompt)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the first image (image k uses SEED+k)")
-    p.add_argument("--eta", type=float, default=0.0, help="DDIM noise scale (0 = deterministic)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the first image (image k uses SEED+k)")
+    p.add_argument("--eta", type=finite_nonnegative_float, default=0.0, help="DDIM noise scale (0 = deterministic)")
     p.add_argument(
         "--cache-interval",
         type=int,
@@ -81,9 +97,10 @@ def add_sample_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype",
         default="fp32",
-        choices=("fp32", "fp16", "bf16", "fp8"),
-        help="model precision; fp8: fp16 activations with e4m3 convs after each GroupNorm (Hopper GPUs, engine "
-        "backend; unconditional pixel U-Nets only)",
+        choices=DTYPES,
+        help="model precision (on the CPU fp32 is the fast one: fp16/bf16 run many times slower there); fp8: fp16 "
+        "activations with e4m3 convs after each GroupNorm (Hopper GPUs, engine backend; unconditional pixel "
+        "U-Nets only)",
     )
     p.add_argument("--device", default="auto", help="auto (GPU if present, else CPU), cpu, cuda or cuda:N")
     p.add_argument("--out", type=Path, default=Path("samples/grid.png"), help="output PNG grid")
@@ -104,9 +121,9 @@ def add_sample_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--negative-prompt", default=None, help="what to steer away from (classifier-free guidance)")
     p.add_argument(
         "--guidance",
-        type=float,
+        type=finite_nonnegative_float,
         default=None,
-        help="classifier-free guidance scale; <= 1 turns guidance off (default: 7.5)",
+        help="classifier-free guidance scale, >= 0; <= 1 turns guidance off, as in diffusers (default: 7.5)",
     )
     size_help = "image {}, a multiple of 8 (default: the model's sample size x the VAE's scale factor, 8 for SD)"
     p.add_argument("--height", type=positive_int, default=None, help=size_help.format("height"))
@@ -130,6 +147,8 @@ def add_sample_parser(subparsers: argparse._SubParsersAction) -> None:
 def memory_bytes(device: torch.device) -> int:
     """Memory the samples can use: free memory of a CUDA device, else the machine's physical memory."""
     if device.type == "cuda":
+        import torch
+
         return torch.cuda.mem_get_info(device)[0]
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
@@ -193,16 +212,15 @@ def check_text_flags(args: argparse.Namespace) -> Any:
 
 
 def run_sample(args: argparse.Namespace) -> int:
-    from fastdiff.atomic import check_output_location
-    from fastdiff.images import make_grid, save_png_atomic
+    from fastdiff.atomic import AtomicOutputs, check_output_location
+    from fastdiff.images import make_grid, png_writer
     from fastdiff.pipelines import Pipeline
     from fastdiff.samplers import check_cache_interval
 
     if args.out.suffix.lower() != ".png":
         raise FastdiffError(f"--out must be a .png file, got {args.out}")
-    if args.eta < 0:
-        raise FastdiffError(f"--eta must be >= 0, got {args.eta}")
     check_cache_interval(args.cache_interval, "--cache-interval")
+    check_seed_range(args.seed, args.batch * len(args.prompt or [None]))
     check_output_location(args.out, "--out")
     if args.save_dir is not None:
         check_output_location(args.save_dir, "--save-dir", folder=True)
@@ -254,11 +272,17 @@ def run_sample(args: argparse.Namespace) -> int:
     prompts = args.prompt or [None]
     seeds = [args.seed + k for k in range(args.batch * len(prompts))]
     nrow = args.nrow or (args.batch if len(prompts) > 1 else None)
-    save_png_atomic(make_grid(images, nrow=nrow), args.out, {**params, "seeds": seeds})
-    if args.save_dir is not None:
-        for k, (seed, image) in enumerate(zip(seeds, images, strict=True)):
-            own = params if len(prompts) == 1 else {**params, "prompt": prompts[k // args.batch]}
-            save_png_atomic(image, args.save_dir / f"{seed:06d}.png", {**own, "seed": seed})
+    grid = make_grid(images, nrow=nrow)
+    try:
+        with AtomicOutputs() as outputs:  # the images and the grid: all written, or none
+            if args.save_dir is not None:
+                for k, (seed, image) in enumerate(zip(seeds, images, strict=True)):
+                    own = params if len(prompts) == 1 else {**params, "prompt": prompts[k // args.batch]}
+                    outputs.add(args.save_dir / f"{seed:06d}.png", png_writer(image, {**own, "seed": seed}))
+            outputs.add(args.out, png_writer(grid, {**params, "seeds": seeds}))
+    except OSError as exc:
+        where = exc.filename or args.out
+        raise FastdiffError(f"nothing written: cannot write {where}: {exc.strerror or exc}") from None
     log.info(
         "wrote %s: %d images, %s %d steps on %s (%s) in %.1f s",
         args.out,
@@ -272,8 +296,10 @@ def run_sample(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser(complete: bool = False) -> argparse.ArgumentParser:
+    """The ``fastdiff`` parser. A command's flags are added when it is parsed or its help is shown (its module
+    imported then, not here); ``complete``: add every command's flags now."""
+    parser = CommandParser(
         prog="fastdiff",
         description="Fast diffusion U-Net sampling on the GPU, measured against diffusers and torch.compile. "
         "Run 'fastdiff COMMAND --help' for the flags of each command.",
@@ -282,22 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
     parser.add_argument("-q", "--quiet", action="store_true", help="log only warnings and errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    add_sample_parser(sub)
-    from fastdiff.bench.cli import register as register_bench
-    from fastdiff.export import register as register_export
-    from fastdiff.generate import register as register_generate
-    from fastdiff.profile.cli import register as register_profile
-    from fastdiff.quality.cli import register as register_quality
-    from fastdiff.serve.cli import register as register_serve
-    from fastdiff.train.cli import register as register_train
-
-    register_generate(sub)
-    register_train(sub)
-    register_quality(sub)
-    register_bench(sub)
-    register_profile(sub)
-    register_serve(sub)
-    register_export(sub)
+    for name in COMMANDS:
+        add_command(sub, name, add_sample_arguments if name == "sample" else None)
+    if complete:
+        for command in sub.choices.values():
+            command.complete()
     return parser
 
 

@@ -3,12 +3,15 @@ measurement uses."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 import torch
 
 from fastdiff.errors import FastdiffError
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 """The model dtypes fastdiff runs, by their command-line names."""
@@ -39,6 +42,17 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype in DTYPES:
         return DTYPES[dtype]
     raise FastdiffError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+
+
+def warn_slow_dtype(device: torch.device, dtype: torch.dtype) -> None:
+    """Log one warning when a model is to run in fp16 or bf16 on the CPU: PyTorch's CPU convolutions and matmuls
+    in those dtypes are many times slower than in fp32, which is the CPU's fast path (the run goes on as asked)."""
+    names = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+    if device.type == "cpu" and dtype in names:
+        log.warning(
+            "%s on the CPU is slow (many times slower than fp32, the CPU's fast path): use dtype fp32 there",
+            names[dtype],
+        )
 
 
 def normalize_device(device: torch.device | str) -> torch.device:

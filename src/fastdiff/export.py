@@ -4,7 +4,7 @@ The graph is traced by torch's TorchScript-based ONNX exporter (``dynamo=False``
 offline) at batch 2 with a dynamic batch axis. Before anything is kept, ONNX Runtime (CPU) runs it at
 ``CHECK_BATCHES`` against the eager fp32 model: max |diff| must be at most ``TOLERANCE``. The output folder is
 built beside its destination and renamed into place, so it is either complete or absent; it holds ``unet.onnx``
-and ``model.json`` (inputs, outputs, the check, the scheduler config).
+and ``model.json`` (inputs, outputs, the check, the scheduler config). torch is imported where it is used.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ import json
 import logging
 import warnings
 from pathlib import Path
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from fastdiff.atomic import check_output_location, write_folder_atomic
 from fastdiff.errors import FastdiffError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,8 @@ OUTPUT_NAMES = ("model_output",)
 
 def load_fp32_unet(model: str) -> nn.Module:
     """The U-Net of ``model`` (preset or directory) in fp32 on the CPU; a preset without weights is seeded."""
+    import torch
+
     from fastdiff.pipelines import Pipeline
 
     with torch.random.fork_rng(devices=[]):
@@ -46,6 +50,8 @@ def load_fp32_unet(model: str) -> nn.Module:
 
 def example_inputs(unet: nn.Module, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Seeded (sample [B, C, H, W] fp32, timestep [B] int64) for the U-Net."""
+    import torch
+
     cfg = unet.config
     size = cfg.sample_size
     height, width = (size, size) if isinstance(size, int) else tuple(size)
@@ -57,6 +63,8 @@ def example_inputs(unet: nn.Module, batch: int, seed: int) -> tuple[torch.Tensor
 
 def write_onnx(unet: nn.Module, path: Path, opset: int) -> None:
     """Trace ``unet`` to ``path`` with a dynamic batch axis on every input and output."""
+    import torch
+
     dynamic_axes = {name: {0: "batch"} for name in (*INPUT_NAMES, *OUTPUT_NAMES)}
     with warnings.catch_warnings():
         # the TorchScript exporter warns that it is the legacy path and about traced shape checks; both expected
@@ -77,6 +85,7 @@ def check_onnx(unet: nn.Module, path: Path, batches: tuple[int, ...], tolerance:
     """Max |ONNX Runtime - eager| per batch size; FastdiffError above ``tolerance``."""
     import onnx
     import onnxruntime as ort
+    import torch
 
     onnx.checker.check_model(str(path))
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -100,6 +109,7 @@ def check_onnx(unet: nn.Module, path: Path, batches: tuple[int, ...], tolerance:
 def model_description(model: str, unet: nn.Module, opset: int, diffs: dict[str, float]) -> dict:
     """The ``model.json`` record: what the ONNX file takes and returns, and how it was checked."""
     import onnxruntime as ort
+    import torch
 
     sample, _ = example_inputs(unet, 1, seed=0)
     _, channels, height, width = sample.shape
@@ -137,6 +147,7 @@ def export_onnx(model: str, out_dir: Path, opset: int = OPSET, overwrite: bool =
         import onnxruntime  # noqa: F401
     except ImportError as exc:
         raise FastdiffError(f"fastdiff export needs {exc.name}: pip install 'fastdiff[onnx]'") from None
+    check_opset(opset)
     unet = load_fp32_unet(model)
     results: dict = {}
 
@@ -152,21 +163,37 @@ def export_onnx(model: str, out_dir: Path, opset: int = OPSET, overwrite: bool =
     return record
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    from fastdiff.cli_args import DEFAULT_MODEL, HelpFormatter
+def check_opset(opset: int) -> None:
+    """``opset`` must be one that torch's TorchScript exporter writes (7..20 in torch 2.13): checked before any
+    loading."""
+    from torch.onnx import _constants
 
-    p = subparsers.add_parser(
-        "export",
-        help="export the U-Net as ONNX (dynamic batch), checked in ONNX Runtime",
-        description="Export the U-Net unet(sample, timestep) -> model_output as ONNX with a dynamic batch axis "
+    low = getattr(_constants, "ONNX_MIN_OPSET", 7)
+    high = getattr(_constants, "ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET", None)
+    if isinstance(opset, bool) or not isinstance(opset, int) or opset < low or (high is not None and opset > high):
+        raise FastdiffError(f"--opset must be in {low}..{high if high is not None else ''}, got {opset!r}")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``export`` subcommand (sets ``func=run_export``)."""
+    from fastdiff.cli_args import add_command
+
+    add_command(subparsers, "export", add_arguments)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``fastdiff export`` (sets ``func=run_export``)."""
+    from fastdiff.cli_args import DEFAULT_MODEL, positive_int
+
+    p.description = (
+        "Export the U-Net unet(sample, timestep) -> model_output as ONNX with a dynamic batch axis "
         f"into --out ({ONNX_FILE} + {INFO_FILE}). ONNX Runtime (CPU) must match eager fp32 within {TOLERANCE:g} "
-        f"at batch sizes {', '.join(map(str, CHECK_BATCHES))}, else nothing is written.",
-        formatter_class=HelpFormatter,
+        f"at batch sizes {', '.join(map(str, CHECK_BATCHES))}, else nothing is written."
     )
     p.add_argument("--format", default="onnx", choices=FORMATS, help="export format")
     p.add_argument("--model", default=DEFAULT_MODEL, help="preset name or model directory")
     p.add_argument("--out", type=Path, required=True, help="output folder")
-    p.add_argument("--opset", type=int, default=OPSET, help="ONNX opset version")
+    p.add_argument("--opset", type=positive_int, default=OPSET, help="ONNX opset version")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.set_defaults(func=run_export)
 

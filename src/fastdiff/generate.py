@@ -10,6 +10,8 @@ is refused. Rank 0 writes ``manifest.json`` and ``summary.json`` (images/s per r
 
 Under ``torchrun`` (RANK, WORLD_SIZE, LOCAL_RANK set) each rank joins torch.distributed (NCCL on GPUs, gloo on
 CPUs) and uses ``cuda:LOCAL_RANK``; the output folder must be one that every node sees.
+
+The module imports torch and numpy where they are used, so ``fastdiff generate --help`` answers at once.
 """
 
 from __future__ import annotations
@@ -31,22 +33,21 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
-
-import numpy as np
-import torch
-import torch.distributed as dist
-from tqdm.auto import tqdm
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import fastdiff
-from fastdiff.atomic import write_bytes_atomic, write_text_atomic
+from fastdiff.atomic import check_output_location, write_bytes_atomic, write_text_atomic
+from fastdiff.cli_args import DTYPES, MAX_SEED, SAMPLERS
 from fastdiff.errors import FastdiffError
 from fastdiff.images import save_png_atomic, to_pil, to_uint8
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("png", "npz")
-DTYPES = ("fp32", "fp16", "bf16", "fp8")
 MANIFEST = "manifest.json"
 SUMMARY = "summary.json"
 RANDOM_INIT_SEED = 0
@@ -175,6 +176,8 @@ def write_json_atomic(path: Path, record: dict[str, Any]) -> None:
 
 def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
     """An uncompressed ``.npz`` whose bytes depend on the arrays only (``np.savez`` stamps the current time)."""
+    import numpy as np
+
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_STORED) as archive:
         for name, array in arrays.items():
@@ -201,6 +204,9 @@ class Ranks:
         """Join torch.distributed when launched by torchrun (RANK/WORLD_SIZE set); else a single process."""
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             return cls(0, 1, device, owns_group=False)
+        import torch
+        import torch.distributed as dist
+
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -225,6 +231,8 @@ class Ranks:
         """Every rank's ``obj``, in rank order."""
         if self.world_size == 1:
             return [obj]
+        import torch.distributed as dist
+
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, obj)
         return gathered
@@ -241,6 +249,8 @@ class Ranks:
                 log.exception("rank 0 failed while preparing the job")
                 outcome = [None, f"rank 0 failed while preparing the job: {one_line(exc)}"]
         if self.world_size > 1:
+            import torch.distributed as dist
+
             dist.broadcast_object_list(outcome, src=0)
         if outcome[1] is not None:
             raise JobError(outcome[1])
@@ -253,8 +263,11 @@ class Ranks:
                 raise JobError(message if self.world_size == 1 else f"rank {rank}: {message}")
 
     def close(self) -> None:
-        if self.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        if self.owns_group:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def one_line(exc: BaseException) -> str:
@@ -453,6 +466,8 @@ def folder_contents(out_dir: Path) -> dict[str, Any]:
 
 def load_pipeline(config: GenerateConfig, device: str):
     """The pipeline; presets without weights are initialised from a fixed seed (same model on every rank)."""
+    import torch
+
     from fastdiff.pipelines import Pipeline
 
     with torch.random.fork_rng(devices=[]):
@@ -467,6 +482,8 @@ def load_pipeline(config: GenerateConfig, device: str):
 
 def sample_unit(pipe, unit: Unit, batch: int) -> torch.Tensor:
     """[n, C, H, W] in [-1, 1] on the CPU for the unit's seeds, sampled chunk by chunk."""
+    import torch
+
     images = [
         pipe(batch_size=len(seeds), seeds=seeds, output_type="tensor", progress=False).cpu()
         for seeds in unit.chunks(batch)
@@ -493,6 +510,8 @@ def start_writes(
 ) -> Writes:
     """Hand a unit's files to ``pool``, each written atomically (PNGs already there are left as they are)."""
     if image_format == "npz":
+        import numpy as np
+
         seeds = np.arange(unit.start, unit.stop, dtype=np.int64)
         data = npz_bytes({"images": to_uint8(images), "seeds": seeds})
         return Writes(unit, [pool.submit(write_bytes_atomic, out_dir / shard_name(unit), data)], len(seeds))
@@ -508,6 +527,8 @@ def run_units(config: GenerateConfig, pipe, ranks: Ranks, plan: Plan) -> list[Ra
     """Sample this rank's share of ``plan.pending`` round by round while the previous unit's files are written;
     after each round all ranks report their counts (for the one progress bar) and failures (so that no rank
     waits for a dead one)."""
+    from tqdm.auto import tqdm
+
     mine = plan.pending[ranks.rank :: ranks.world_size]
     rounds = math.ceil(len(plan.pending) / ranks.world_size)
     bar = tqdm(
@@ -555,6 +576,8 @@ def run_units(config: GenerateConfig, pipe, ranks: Ranks, plan: Plan) -> list[Ra
 
 def device_name(device: torch.device) -> str:
     """``cuda:1 (NVIDIA H100 80GB HBM3)`` or ``cpu``."""
+    import torch
+
     return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
 
 
@@ -570,12 +593,14 @@ def generate(config: GenerateConfig) -> GenerateSummary:
 
 
 def validate(config: GenerateConfig) -> None:
-    from fastdiff.samplers import SAMPLERS
-
+    """Every setting, and that files can be created in ``out_dir``: one-line errors before any work."""
     if config.num_images <= 0:
         raise FastdiffError(f"--num-images must be positive, got {config.num_images}")
-    if config.first_seed < 0:
-        raise FastdiffError(f"--first-seed must be >= 0, got {config.first_seed}")
+    last = config.first_seed + config.num_images - 1
+    if config.first_seed < 0 or last > MAX_SEED:
+        raise FastdiffError(f"seeds must be in 0..{MAX_SEED}, got --first-seed {config.first_seed} to {last}")
+    if not (isinstance(config.timeout_s, (int, float)) and 0 < config.timeout_s < float("inf")):
+        raise FastdiffError(f"--timeout must be a positive number of seconds, got {config.timeout_s}")
     if config.batch <= 0 or config.shard_size <= 0 or config.steps <= 0:
         raise FastdiffError("--batch, --shard-size and --steps must be positive")
     if config.image_format not in FORMATS:
@@ -584,6 +609,7 @@ def validate(config: GenerateConfig) -> None:
         raise FastdiffError(f"unknown sampler {config.sampler!r}: use one of {', '.join(SAMPLERS)}")
     if config.dtype not in DTYPES:
         raise FastdiffError(f"unknown dtype {config.dtype!r}: use one of {', '.join(DTYPES)}")
+    check_output_location(config.out_dir, "--out-dir", folder=True)
 
 
 def generate_on(config: GenerateConfig, ranks: Ranks) -> GenerateSummary:
@@ -635,6 +661,8 @@ def generate_on(config: GenerateConfig, ranks: Ranks) -> GenerateSummary:
 
 def job_identity(config: GenerateConfig, sample_shape: tuple[int, int, int]) -> dict[str, Any]:
     """The manifest's record of what makes the images (``IDENTITY_KEYS``) plus the model as given."""
+    import torch
+
     channels, height, width = sample_shape
     return {
         "model": config.model,
@@ -666,30 +694,34 @@ def run_settings(config: GenerateConfig) -> dict[str, Any]:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``generate`` subcommand (sets ``func=run_generate``)."""
-    from fastdiff.cli_args import HelpFormatter, positive_int
-    from fastdiff.samplers import SAMPLERS
+    from fastdiff.cli_args import add_command
+
+    add_command(subparsers, "generate", add_arguments)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``fastdiff generate`` (sets ``func=run_generate``)."""
+    from fastdiff.cli_args import positive_float, positive_int, seed_int
 
     defaults = GenerateConfig(model="", num_images=1, out_dir=Path())
-    p = subparsers.add_parser(
-        "generate",
-        help="generate many images into a folder (resumable; one process or many under torchrun)",
-        description="Generate seeds FIRST_SEED .. FIRST_SEED+N-1 into OUT_DIR as SEED.png files (or .npz shards "
+    p.description = (
+        "Generate seeds FIRST_SEED .. FIRST_SEED+N-1 into OUT_DIR as SEED.png files (or .npz shards "
         "of a fixed seed range). Run alone or as 'torchrun --nproc-per-node G -m fastdiff.cli generate ...': "
         "the files are byte-identical whatever the number of processes. Rerunning the same command skips the "
-        "images already written; OUT_DIR/manifest.json must match the settings. Rank 0 writes summary.json.",
-        formatter_class=HelpFormatter,
+        "images already written; OUT_DIR/manifest.json must match the settings. Rank 0 writes summary.json."
     )
     p.add_argument("--model", required=True, help="preset name or a local diffusers/fastdiff model directory")
     p.add_argument("--num-images", type=positive_int, required=True, help="number of images (seeds)")
     p.add_argument("--out-dir", type=Path, required=True, help="output folder (created; shared by all nodes)")
-    p.add_argument("--first-seed", type=int, default=defaults.first_seed, help="seed of the first image")
+    p.add_argument("--first-seed", type=seed_int, default=defaults.first_seed, help="seed of the first image")
     p.add_argument("--sampler", default=defaults.sampler, choices=SAMPLERS, help="sampling algorithm")
     p.add_argument("--steps", type=positive_int, default=defaults.steps, help="number of denoising steps")
     p.add_argument(
         "--dtype",
         default=defaults.dtype,
         choices=DTYPES,
-        help="model precision; fp8: fp16 activations with e4m3 convs after each GroupNorm (Hopper GPUs)",
+        help="model precision (fp32 on the CPU: fp16/bf16 run many times slower there); fp8: fp16 activations with "
+        "e4m3 convs after each GroupNorm (Hopper GPUs)",
     )
     p.add_argument(
         "--device", default=defaults.device, help="auto, cpu, cuda or cuda:N (under torchrun: cuda:LOCAL_RANK)"
@@ -697,7 +729,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=positive_int, default=defaults.batch, help="seeds per batch on each process")
     p.add_argument("--format", dest="image_format", default=defaults.image_format, choices=FORMATS, help="file type")
     p.add_argument("--shard-size", type=positive_int, default=defaults.shard_size, help="seeds per .npz shard")
-    p.add_argument("--timeout", type=float, default=defaults.timeout_s, help="seconds a process waits for the others")
+    p.add_argument(
+        "--timeout", type=positive_float, default=defaults.timeout_s, help="seconds a process waits for the others"
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run_generate)
 

@@ -1,23 +1,29 @@
-"""Turning sample tensors into PIL images and PNG grids, written atomically (no half-written files)."""
+"""Turning sample tensors into PIL images and PNG grids, written atomically (no half-written files).
+
+Imports no torch (a tensor argument brings it along), so the command modules that write images load fast."""
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from fastdiff.atomic import write_atomic
 
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
     """[B, C, H, W] in [-1, 1] -> uint8 [B, H, W, C] (rounded, clipped)."""
+    import torch
+
     x = ((images.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
     return x.permute(0, 2, 3, 1).numpy()
 
@@ -50,17 +56,27 @@ PNG_PARAMETERS_KEY = "parameters"
 """The PNG text chunk (iTXt, UTF-8) that holds an image's generation parameters as a JSON object."""
 
 
+def png_writer(image: Image.Image, parameters: Mapping[str, Any] | None = None) -> Callable[[Path], None]:
+    """``write(path)``: save ``image`` as a PNG at ``path``, ``parameters`` (JSON-serializable: prompt, seed,
+    sampler, ...) in its ``PNG_PARAMETERS_KEY`` text chunk; for ``fastdiff.atomic``'s writers."""
+    info = None
+    if parameters is not None:
+        info = PngInfo()
+        info.add_itxt(PNG_PARAMETERS_KEY, json.dumps(dict(parameters), ensure_ascii=False))
+
+    def write(path: Path) -> None:
+        image.save(path, format="PNG", pnginfo=info)
+
+    return write
+
+
 def save_png_atomic(image: Image.Image, path: Path, parameters: Mapping[str, Any] | None = None) -> None:
     """Write ``image`` as a PNG to ``path`` all or nothing (``fastdiff.atomic.write_atomic``).
 
     ``parameters`` (JSON-serializable: prompt, seed, sampler, ...) go into the ``PNG_PARAMETERS_KEY`` text chunk;
     read them back with ``json.loads(Image.open(path).text["parameters"])``.
     """
-    info = None
-    if parameters is not None:
-        info = PngInfo()
-        info.add_itxt(PNG_PARAMETERS_KEY, json.dumps(dict(parameters), ensure_ascii=False))
-    write_atomic(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=info))
+    write_atomic(path, png_writer(image, parameters))
 
 
 def save_figure_atomic(fig: Any, path: Path, dpi: int | None = None) -> None:

@@ -1,46 +1,70 @@
-"""``fastdiff bench``: the CLI front of bench.runner."""
+"""``fastdiff bench``: the CLI front of bench.runner (imported when the command is used, not with this module)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 from pathlib import Path
 
-from fastdiff.atomic import check_output_location, write_text_atomic
-from fastdiff.bench.runner import ALL_SYSTEMS, OPTIONAL_SYSTEMS, BenchConfig, result_path, run_bench
-from fastdiff.cli_args import HelpFormatter
+from fastdiff.atomic import AtomicOutputs, check_output_location, write_text_atomic
+from fastdiff.cli_args import (
+    SAMPLERS,
+    add_command,
+    check_seed_range,
+    finite_nonnegative_float,
+    positive_int,
+    seed_int,
+)
 from fastdiff.errors import FastdiffError
 
 log = logging.getLogger(__name__)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "bench",
-        help="time, memory, energy and quality of fastdiff vs diffusers and torch.compile",
-        description="Run every system on the same model, weights, seeds and x_T in one process: ms/step, "
+    """Add the ``bench`` subcommand (sets ``func=run_bench_cli``)."""
+    add_command(subparsers, "bench", add_arguments)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``fastdiff bench`` (sets ``func=run_bench_cli``). Imports ``bench.runner`` (and torch) for the
+    system names."""
+    from fastdiff.bench.runner import ALL_SYSTEMS, OPTIONAL_SYSTEMS
+
+    p.description = (
+        "Run every system on the same model, weights, seeds and x_T in one process: ms/step, "
         "s/image, images/s, time-to-ready, peak GPU memory, NVML energy per image, and paired PSNR vs "
         "eager-fp32. Writes a JSON result and prints a Markdown table. With a Stable Diffusion preset "
         "(--model sd15 or sd21: random weights) it runs the text-to-image systems instead: diffusers' "
         "StableDiffusionPipeline eager and with a compiled U-Net, fastdiff eager and engine; 512x512 images, DDIM, "
         "guidance 7.5, end-to-end and per-U-Net-step times, memory and PSNR vs diffusers fp32. The same for a "
-        "text-to-image model (fashion-mnist-t2i, or a diffusers pipeline directory) at its own image size.",
-        formatter_class=HelpFormatter,
+        "text-to-image model (fashion-mnist-t2i, or a diffusers pipeline directory) at its own image size."
     )
     p.add_argument(
         "--model",
         default="ddpm-cifar10",
         help="preset name or model directory; sd15, sd21, fashion-mnist-t2i or a pipeline directory: text-to-image",
     )
-    p.add_argument("--batch", type=int, default=1, help="images per batch")
-    p.add_argument("--sampler", default=None, help="sampler whose loop is timed (default ddpm; text-to-image: ddim)")
-    p.add_argument("--steps", type=int, default=None, help="steps of a full sampling run (default 1000; SD: 20)")
-    p.add_argument("--timed-steps", type=int, default=100, help="steps timed per repeat (scaled to --steps)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
-    p.add_argument("--quality-sampler", default="dpmsolver++", help="sampler of the paired-quality run")
-    p.add_argument("--quality-steps", type=int, default=20, help="steps of the paired-quality run")
-    p.add_argument("--energy-seconds", type=float, default=5.0, help="length of the NVML energy window")
+    p.add_argument("--batch", type=positive_int, default=1, help="images per batch")
+    p.add_argument(
+        "--sampler",
+        default=None,
+        choices=SAMPLERS,
+        help="sampler whose loop is timed (default ddpm; text-to-image: ddim)",
+    )
+    p.add_argument(
+        "--steps", type=positive_int, default=None, help="steps of a full sampling run (default 1000; SD: 20)"
+    )
+    p.add_argument("--timed-steps", type=positive_int, default=100, help="steps timed per repeat (scaled to --steps)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats (median reported)")
+    p.add_argument(
+        "--quality-sampler", default="dpmsolver++", choices=SAMPLERS, help="sampler of the paired-quality run"
+    )
+    p.add_argument("--quality-steps", type=positive_int, default=20, help="steps of the paired-quality run")
+    p.add_argument(
+        "--energy-seconds", type=finite_nonnegative_float, default=5.0, help="length of the NVML energy window"
+    )
     p.add_argument(
         "--systems",
         default=",".join(ALL_SYSTEMS),
@@ -67,7 +91,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "bf16 matmul and copy ceilings, measured once per run; kernels per step), its slowest ops printed: about a "
         "second per engine system",
     )
-    p.add_argument("--seed", type=int, default=0, help="first seed (image k uses seed+k)")
+    p.add_argument("--seed", type=seed_int, default=0, help="first seed (image k uses seed+k)")
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"), help="where the JSON goes")
     p.add_argument("--name", default=None, help="result file name stem (default: model-batch-sampler)")
     p.add_argument("--plot", action="store_true", help="also save a bar chart PNG next to the JSON")
@@ -75,6 +99,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_text_to_image_cli(args: argparse.Namespace) -> int:
+    from fastdiff.bench.runner import ALL_SYSTEMS
     from fastdiff.bench.text_to_image import T2I_SYSTEMS, TextToImageBenchConfig, run_text_to_image_bench
 
     if args.sampler not in (None, "ddim"):
@@ -99,11 +124,14 @@ def run_text_to_image_cli(args: argparse.Namespace) -> int:
 
 def run_bench_cli(args: argparse.Namespace) -> int:
     from fastdiff.bench.report import markdown_table, op_tables_markdown, plot_result
+    from fastdiff.bench.runner import ALL_SYSTEMS, OPTIONAL_SYSTEMS, BenchConfig, result_path, run_bench
     from fastdiff.models.stable_diffusion import SD_PRESETS
     from fastdiff.pipelines.text_to_image import is_text_to_image_dir
     from fastdiff.samplers import check_cache_interval
 
     check_cache_interval(args.cache_interval, "--cache-interval")
+    check_output_location(args.out_dir, "--out-dir", folder=True)
+    check_seed_range(args.seed, args.batch)
     if args.model in SD_PRESETS or is_text_to_image_dir(args.model):
         return run_text_to_image_cli(args)
     args.steps = args.steps or 1000
@@ -113,6 +141,11 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     unknown = [s for s in systems if s not in ALL_SYSTEMS + OPTIONAL_SYSTEMS]
     if unknown:
         raise FastdiffError(f"unknown system {unknown[0]!r}: choose from {', '.join(ALL_SYSTEMS + OPTIONAL_SYSTEMS)}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (the chart is drawn after the run: say so now)
+        except ImportError:
+            raise FastdiffError("--plot needs matplotlib: pip install 'fastdiff[bench]'") from None
     cfg = BenchConfig(
         model=args.model,
         batch=args.batch,
@@ -131,9 +164,22 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     )
     result = run_bench(cfg)
     path = result_path(result, args.out_dir, args.name)
-    write_text_atomic(path, json.dumps(result, indent=1) + "\n")
-    if args.plot:
-        plot_result(result, path.with_suffix(".png"))
+
+    def plot(tmp: Path) -> None:  # matplotlib picks the format by suffix: draw to NAME.png, then move it to tmp
+        drawn = tmp.with_name(tmp.name + ".png")
+        try:
+            plot_result(result, drawn)
+            os.replace(drawn, tmp)
+        finally:
+            drawn.unlink(missing_ok=True)
+
+    try:
+        with AtomicOutputs() as outputs:  # the JSON and its chart: both or neither
+            if args.plot:
+                outputs.add(path.with_suffix(".png"), plot)
+            outputs.add(path, lambda tmp: tmp.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8"))
+    except OSError as exc:
+        raise FastdiffError(f"nothing written: cannot write {exc.filename or path}: {exc.strerror or exc}") from None
     print(markdown_table(result))
     ops = op_tables_markdown(result)
     if ops:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from fastdiff.devices import resolve_device, resolve_dtype
+from fastdiff.devices import resolve_device, resolve_dtype, warn_slow_dtype
 from fastdiff.errors import FastdiffError
 from fastdiff.images import to_pil
 from fastdiff.models import step_cache
@@ -159,6 +159,7 @@ class TextToImagePipeline(EnginePipeline):
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype)
         backend = resolve_backend(backend, dev)
+        warn_slow_dtype(dev, torch_dtype)
         # the engine streams its own packed U-Net weights from host memory: the module stays on the CPU
         components = load_stable_diffusion(path, device="cpu" if backend == "engine" else dev, dtype=torch_dtype)
         if backend == "engine":
@@ -226,7 +227,8 @@ class TextToImagePipeline(EnginePipeline):
         """Sample ``num_images_per_prompt`` images for each prompt (image order: prompt-major, as diffusers).
 
         negative_prompt: one for all prompts or one per prompt (default ""); used when ``guidance_scale`` > 1
-        (classifier-free guidance; <= 1 runs the conditional model alone). height/width: multiples of 8 (default
+        (classifier-free guidance; 0 to 1 runs the conditional model alone, as diffusers does; negative values are
+        refused, where diffusers would quietly run without guidance). height/width: multiples of 8 (default
         ``default_size``). seeds: one int per image, or one int ``s`` meaning ``s, s+1, ...`` (default ``0..N-1``).
         latents: unit-variance noise [N, C, h/f, w/f] (f: ``vae_scale``, 8 for SD) replacing the seeded draw: x_T
         for text-to-image (scaled by the sampler's initial noise scale, as diffusers does) or the noise added to the
@@ -259,8 +261,11 @@ class TextToImagePipeline(EnginePipeline):
             isinstance(guidance_scale, bool)
             or not isinstance(guidance_scale, numbers.Real)
             or not math.isfinite(guidance_scale)
+            or guidance_scale < 0
         ):
-            raise FastdiffError(f"guidance_scale must be a finite number, got {guidance_scale!r}")
+            raise FastdiffError(
+                f"guidance_scale must be a finite number >= 0 (<= 1: no guidance), got {guidance_scale!r}"
+            )
         per_prompt = num_images_per_prompt
         if isinstance(per_prompt, bool) or not isinstance(per_prompt, numbers.Integral) or per_prompt <= 0:
             raise FastdiffError(f"num_images_per_prompt must be a positive int, got {per_prompt!r}")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from fastdiff.devices import resolve_device, resolve_dtype
+from fastdiff.devices import resolve_device, resolve_dtype, warn_slow_dtype
 from fastdiff.errors import FastdiffError
 from fastdiff.images import to_pil
 from fastdiff.models import load_unet, step_cache
@@ -109,6 +109,7 @@ class Pipeline(EnginePipeline):
         torch_dtype = torch.float16 if fp8 else resolve_dtype(dtype)
         if fp8:
             backend = check_fp8(dev, torch_dtype, backend)  # before the weights load
+        warn_slow_dtype(dev, torch_dtype)
         unet = load_unet(path_or_preset, device=dev, dtype=torch_dtype)
         schedule = ScheduleConfig.from_diffusers(getattr(unet, "scheduler_config", None))
         return cls(

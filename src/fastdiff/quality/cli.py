@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from fastdiff.atomic import write_text_atomic
-from fastdiff.cli_args import HelpFormatter, positive_int
+from fastdiff.atomic import check_output_location, write_text_atomic
+from fastdiff.cli_args import add_command, positive_int
 from fastdiff.devices import resolve_device
 from fastdiff.errors import FastdiffError
 from fastdiff.quality.classifier import (
@@ -42,14 +42,16 @@ LUMA = (0.299, 0.587, 0.114)
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``fid`` subcommand (sets ``func=run_fid``)."""
-    p = subparsers.add_parser(
-        "fid",
-        help="Fréchet distance of generated images to Fashion-MNIST (FD-FMNIST) or Inception FID",
-        description="Print the Fréchet distance between SAMPLES and a reference set (lower is better). "
+    add_command(subparsers, "fid", add_arguments)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``fastdiff fid`` (sets ``func=run_fid``)."""
+    p.description = (
+        "Print the Fréchet distance between SAMPLES and a reference set (lower is better). "
         "SAMPLES: a folder of PNGs, or an .npz whose 'images' array is uint8 [0, 255] or float [-1, 1] in "
         "layout [N,H,W], [N,H,W,C] or [N,C,H,W]. fd-fmnist uses the bundled Fashion-MNIST classifier's "
-        "128-d features and needs 28x28 or 32x32 images; inception uses the standard FID InceptionV3.",
-        formatter_class=HelpFormatter,
+        "128-d features and needs 28x28 or 32x32 images; inception uses the standard FID InceptionV3."
     )
     p.add_argument("samples", type=Path, metavar="SAMPLES", help="folder of PNGs (or of .npz shards) or .npz of images")
     p.add_argument(
@@ -234,6 +236,8 @@ def compute_fid(args: argparse.Namespace) -> dict:
 
 def run_fid(args: argparse.Namespace) -> int:
     """Print the Fréchet distance (a bare number on stdout); with --json also write the record there."""
+    if args.json is not None:
+        check_output_location(args.json, "--json")
     start = time.perf_counter()
     record = compute_fid(args)
     record["seconds"] = round(time.perf_counter() - start, 2)

@@ -8,7 +8,17 @@ import logging
 from pathlib import Path
 
 from fastdiff.atomic import check_output_location, write_text_atomic
-from fastdiff.cli_args import DEFAULT_MODEL, HelpFormatter, positive_int
+from fastdiff.cli_args import (
+    DEFAULT_MODEL,
+    DTYPES,
+    SAMPLERS,
+    add_command,
+    finite_nonnegative_float,
+    port_int,
+    positive_float,
+    positive_int,
+    seed_int,
+)
 from fastdiff.errors import FastdiffError
 
 log = logging.getLogger(__name__)
@@ -25,21 +35,24 @@ def int_list(text: str) -> list[int]:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``serve`` and ``loadtest``."""
-    from fastdiff.samplers import SAMPLERS
+    add_command(subparsers, "serve", add_serve_arguments)
+    add_command(subparsers, "loadtest", add_loadtest_arguments)
 
-    p = subparsers.add_parser(
-        "serve",
-        help="HTTP image service with dynamic batching, a browser page and Prometheus metrics",
-        description="Serve a model over HTTP: POST /v1/images (JSON), GET /v1/model, /health, /metrics and a "
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``fastdiff serve`` (sets ``func=run_serve``)."""
+    p.description = (
+        "Serve a model over HTTP: POST /v1/images (JSON), GET /v1/model, /health, /metrics and a "
         "page at /. Concurrent requests with the same sampler and steps are sampled together in batches of up "
-        "to --max-batch images; a request's images are the same whether it ran alone or in a batch.",
-        formatter_class=HelpFormatter,
+        "to --max-batch images; a request's images are the same whether it ran alone or in a batch."
     )
     p.add_argument("--model", default=DEFAULT_MODEL, help="preset name or model directory")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--port", type=port_int, default=8000, help="TCP port")
     p.add_argument("--max-batch", type=positive_int, default=16, help="images per batch (and per request)")
-    p.add_argument("--max-wait-ms", type=float, default=10.0, help="longest wait of a request for company")
+    p.add_argument(
+        "--max-wait-ms", type=finite_nonnegative_float, default=10.0, help="longest wait of a request for company"
+    )
     p.add_argument("--queue-size", type=positive_int, default=64, help="waiting requests before 429")
     p.add_argument(
         "--batch-buckets",
@@ -54,29 +67,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype",
         default="fp32",
-        choices=("fp32", "fp16", "bf16", "fp8"),
-        help="model precision; fp8: fp16 activations with e4m3 convs after each GroupNorm (Hopper GPUs)",
+        choices=DTYPES,
+        help="model precision (fp32 on the CPU: fp16/bf16 run many times slower there); fp8: fp16 activations with "
+        "e4m3 convs after each GroupNorm (Hopper GPUs)",
     )
     p.add_argument("--warmup", action="store_true", help="sample every batch size once before serving")
     p.set_defaults(func=run_serve)
 
-    p = subparsers.add_parser(
-        "loadtest",
-        help="load a running fastdiff server: throughput, latency percentiles, 429s and errors",
-        description="K client threads send R requests in all to a running `fastdiff serve`, each sending its "
+
+def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``fastdiff loadtest`` (sets ``func=run_loadtest_cli``)."""
+    p.description = (
+        "K client threads send R requests in all to a running `fastdiff serve`, each sending its "
         "next request when the last one is answered. Reports images/s, requests/s, latency p50/p95/p99 and the "
         "number of 429s and errors; --out also writes them as JSON. Exits with 1 when a request failed (other than "
-        "429) or the server is not healthy afterwards.",
-        formatter_class=HelpFormatter,
+        "429) or the server is not healthy afterwards."
     )
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server address")
     p.add_argument("--concurrency", type=positive_int, default=8, help="client threads (K)")
     p.add_argument("--requests", type=positive_int, default=64, help="requests in all (R)")
     p.add_argument("--n", type=positive_int, default=1, help="images per request")
     p.add_argument("--steps", type=positive_int, default=None, help="steps (default: the server's)")
-    p.add_argument("--sampler", default=None, help="sampler (default: the server's)")
-    p.add_argument("--seed", type=int, default=0, help="request i asks for seeds SEED + i*n ...")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a request counts as an error")
+    p.add_argument("--sampler", default=None, choices=SAMPLERS, help="sampler (default: the server's)")
+    p.add_argument("--seed", type=seed_int, default=0, help="request i asks for seeds SEED + i*n ...")
+    p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds before a request counts as an error")
     p.add_argument("--out", type=Path, default=None, help="write the summary JSON here")
     p.set_defaults(func=run_loadtest_cli)
 
@@ -106,14 +120,21 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_loadtest_cli(args: argparse.Namespace) -> int:
-    try:
-        from fastdiff.serve.loadtest import run_loadtest
-    except ImportError as exc:
-        raise FastdiffError(f"fastdiff loadtest needs {exc.name}: {SERVE_EXTRA}") from None
     if args.out is not None and args.out.suffix != ".json":
         raise FastdiffError(f"--out must be a .json file, got {args.out}")
     if args.out is not None:
         check_output_location(args.out, "--out")
+    try:
+        from fastdiff.serve.loadtest import run_loadtest
+        from fastdiff.serve.schema import MAX_SEED
+    except ImportError as exc:
+        raise FastdiffError(f"fastdiff loadtest needs {exc.name}: {SERVE_EXTRA}") from None
+    last = args.seed + args.requests * args.n - 1
+    if last > MAX_SEED:
+        raise FastdiffError(
+            f"--seed {args.seed}: the requests would ask for seeds up to {last}, past the server's "
+            f"largest seed {MAX_SEED}"
+        )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
     summary = run_loadtest(
         args.url,

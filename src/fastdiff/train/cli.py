@@ -1,5 +1,7 @@
 """``fastdiff train``: train a ConvNeXt U-Net on Fashion-MNIST, resume, and export the EMA weights;
-``fastdiff train text-to-image``: the two-stage Stable Diffusion-format recipe (``fastdiff.train.text_to_image``)."""
+``fastdiff train text-to-image``: the two-stage Stable Diffusion-format recipe (``fastdiff.train.text_to_image``).
+
+Importing this module imports no torch; adding the flags does (their defaults live in the trainers' configs)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import json
 import logging
 from pathlib import Path
 
-from fastdiff.cli_args import HelpFormatter
+from fastdiff.atomic import check_output_location
+from fastdiff.cli_args import HelpFormatter, add_command, add_flags_later, positive_float, seed_int
 from fastdiff.errors import FastdiffError
 
 log = logging.getLogger(__name__)
@@ -18,18 +21,20 @@ EXPORT_DTYPES = ("fp16", "bf16", "fp32")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``train`` command to the ``fastdiff`` parser."""
+    add_command(subparsers, "train", add_arguments)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``fastdiff train`` and its ``text-to-image`` recipe (sets ``func=run_train``)."""
     from fastdiff.data import DEFAULT_DATA_DIR
     from fastdiff.train.trainer import PREDICTIONS, SCHEDULES, TrainConfig
 
     defaults = TrainConfig()
-    p = subparsers.add_parser(
-        "train",
-        help="train a ConvNeXt U-Net on Fashion-MNIST (resumable) and export it",
-        description="Train a ConvNeXt U-Net on the Fashion-MNIST train split with AdamW and an EMA of the "
+    p.description = (
+        "Train a ConvNeXt U-Net on the Fashion-MNIST train split with AdamW and an EMA of the "
         "weights. Writes checkpoint.pt, loss.jsonl, loss.png, summary.json and samples/step_XXXXXX.png (EMA "
         "model, DDIM) to --out; running again with the same --out resumes exactly where the last run stopped "
-        "(--export writes the EMA weights as a model directory for 'fastdiff sample --model DIR').",
-        formatter_class=HelpFormatter,
+        "(--export writes the EMA weights as a model directory for 'fastdiff sample --model DIR')."
     )
     p.add_argument("--model", default=defaults.model, help="ConvNeXt preset to train (architecture)")
     p.add_argument(
@@ -43,12 +48,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=defaults.max_steps, help="total optimizer steps, over all resumes")
     p.add_argument(
         "--max-minutes",
-        type=float,
+        type=positive_float,
         default=None,
         help="stop cleanly with a checkpoint after this many minutes (resume with the same --out)",
     )
     p.add_argument("--batch", type=int, default=defaults.batch_size, help="images per step")
-    p.add_argument("--lr", type=float, default=defaults.lr, help="AdamW peak learning rate")
+    p.add_argument("--lr", type=positive_float, default=defaults.lr, help="AdamW peak learning rate")
     p.add_argument("--warmup", type=int, default=defaults.warmup_steps, help="linear learning-rate warm-up steps")
     p.add_argument("--weight-decay", type=float, default=defaults.weight_decay, help="AdamW weight decay (matrices)")
     p.add_argument("--ema-decay", type=float, default=defaults.ema_decay, help="EMA decay (warmed up as (1+n)/(10+n))")
@@ -72,7 +77,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-samples", type=int, default=defaults.num_samples, help="images per sample grid")
     p.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every, help="steps between checkpoints")
     p.add_argument("--log-every", type=int, default=defaults.log_every, help="steps between loss-log lines")
-    p.add_argument("--seed", type=int, default=defaults.seed, help="seed of initialisation, data order and noise")
+    p.add_argument("--seed", type=seed_int, default=defaults.seed, help="seed of initialisation, data order and noise")
     p.add_argument("--device", default=defaults.device, help="auto (GPU if present, else CPU), cpu, cuda or cuda:N")
     p.add_argument("--no-bf16", action="store_true", help="train in fp32 on CUDA (default: bf16 autocast)")
     p.add_argument("--no-channels-last", action="store_true", help="keep NCHW tensors on CUDA (default: channels_last)")
@@ -98,6 +103,9 @@ def run_train(args: argparse.Namespace) -> int:
 
     if args.export is not None and args.export.resolve() == args.out.resolve():
         raise FastdiffError(f"--export must be another folder than --out ({args.out})")
+    check_output_location(args.out, "--out", folder=True)
+    if args.export is not None:
+        check_output_location(args.export, "--export", folder=True)
     config = TrainConfig(
         model=args.model,
         prediction=args.prediction,
@@ -164,7 +172,18 @@ STAGE_FLAGS = {
 
 
 def register_text_to_image(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``fastdiff train text-to-image``: the two-stage Stable Diffusion recipe on Fashion-MNIST."""
+    """Add ``fastdiff train text-to-image``: the two-stage Stable Diffusion recipe on Fashion-MNIST (its flags
+    when it is used: they import ``fastdiff.train.text_to_image``)."""
+    p = subparsers.add_parser(
+        "text-to-image",
+        help="train a Stable Diffusion-format text-to-image model on Fashion-MNIST (two stages)",
+        formatter_class=HelpFormatter,
+    )
+    add_flags_later(p, add_text_to_image_arguments)
+
+
+def add_text_to_image_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``fastdiff train text-to-image`` (sets ``func=run_text_to_image``)."""
     from fastdiff.data import DEFAULT_DATA_DIR
     from fastdiff.train.text_to_image import PRESETS, UNetStageConfig, VAEStageConfig
 
@@ -174,10 +193,8 @@ def register_text_to_image(subparsers: argparse._SubParsersAction) -> None:
         a, b = getattr(vae, name), getattr(unet, name)
         return f"(default: {a})" if a == b else f"(default: {a} for the vae stage, {b} for the unet stage)"
 
-    p = subparsers.add_parser(
-        "text-to-image",
-        help="train a Stable Diffusion-format text-to-image model on Fashion-MNIST (two stages)",
-        description="Train a text-to-image model of Fashion-MNIST in Stable Diffusion's own directory format, in "
+    p.description = (
+        "Train a text-to-image model of Fashion-MNIST in Stable Diffusion's own directory format, in "
         "two runs. '--stage vae' trains the AutoencoderKL (32x32x1 <-> 8x8x4), sets its scaling_factor from the "
         "latent std and writes OUT/vae/ with summary.json (test PSNR), loss.jsonl and reconstructions.png. "
         "'--stage unet --vae VAE_OUT' trains a CLIP text encoder and the UNet2DConditionModel on the latents "
@@ -185,8 +202,7 @@ def register_text_to_image(subparsers: argparse._SubParsersAction) -> None:
         "StableDiffusionPipeline directory (fp16 safetensors) for 'fastdiff sample --model OUT --prompt ...' "
         "and diffusers, with summary.json (classifier accuracy of its samples), loss.jsonl and samples.png. Each "
         "stage stops at --steps or --max-seconds, whichever comes first (the learning rate's cosine follows "
-        "that budget); OUT is written all or nothing.",
-        formatter_class=HelpFormatter,
+        "that budget); OUT is written all or nothing."
     )
     p.add_argument("--stage", required=True, choices=TEXT_TO_IMAGE_STAGES, help="which networks to train")
     p.add_argument("--out", type=Path, required=True, help="output folder (replaced all or nothing)")
@@ -196,13 +212,13 @@ def register_text_to_image(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=None, help=f"most optimizer steps {both('max_steps')}")
     p.add_argument(
         "--max-seconds",
-        type=float,
+        type=positive_float,
         default=None,
         help="stop training this many seconds after the stage starts (data loading included; saving and "
         "sampling come after)",
     )
     p.add_argument("--batch", type=int, default=None, help=f"images per step {both('batch_size')}")
-    p.add_argument("--lr", type=float, default=None, help=f"AdamW peak learning rate {both('lr')}")
+    p.add_argument("--lr", type=positive_float, default=None, help=f"AdamW peak learning rate {both('lr')}")
     p.add_argument("--warmup", type=int, default=None, help=f"linear warm-up steps {both('warmup_steps')}")
     p.add_argument("--min-lr-ratio", type=float, default=None, help=f"final lr / peak lr {both('min_lr_ratio')}")
     p.add_argument("--weight-decay", type=float, default=None, help=f"AdamW weight decay {both('weight_decay')}")
@@ -243,7 +259,7 @@ def register_text_to_image(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help=f"unet stage: samples.png images per class, 0 = none (default: {unet.grid_per_prompt})",
     )
-    p.add_argument("--seed", type=int, default=vae.seed, help="seed of initialisation, data order and noise")
+    p.add_argument("--seed", type=seed_int, default=vae.seed, help="seed of initialisation, data order and noise")
     p.add_argument("--device", default=vae.device, help="auto (GPU if present, else CPU), cpu, cuda or cuda:N")
     p.add_argument("--no-bf16", action="store_true", help="train in fp32 on CUDA (default: bf16 autocast)")
     p.add_argument("--no-channels-last", action="store_true", help="keep NCHW tensors on CUDA")
@@ -256,6 +272,7 @@ def run_text_to_image(args: argparse.Namespace) -> int:
     """Run one stage of the text-to-image recipe from parsed arguments; returns the exit code."""
     from fastdiff.train.text_to_image import UNetStageConfig, VAEStageConfig, train_text_to_image, train_vae
 
+    check_output_location(args.out, "--out", folder=True)
     stage = args.stage
     for other, flags in STAGE_FLAGS.items():
         if other == stage:
