@@ -27,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``fastdiff profile`` (sets ``func=run_profile_cli``). Imports ``profile.report`` (and torch)
-    for the backend names."""
+    for the backend names. The counts are checked by ``profile.report.validate``, before any loading."""
     from fastdiff.profile.report import BACKENDS
 
     p.description = (
@@ -37,11 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "command measures. On the CPU: the eager backend, times from time.perf_counter."
     )
     p.add_argument("--model", default="ddpm-cifar10", help="preset name or model directory")
-    p.add_argument("--batch", type=positive_int, default=1, help="images per batch")
+    p.add_argument("--batch", type=int, default=1, help="images per batch")
     p.add_argument("--sampler", default="ddpm", choices=SAMPLERS, help="sampler of the profiled loop")
-    p.add_argument(
-        "--steps", type=positive_int, default=1000, help="steps of one end-to-end sample (per-image numbers)"
-    )
+    p.add_argument("--steps", type=int, default=1000, help="steps of one end-to-end sample (per-image numbers)")
     p.add_argument(
         "--dtype",
         default="auto",
@@ -53,9 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--backends", default="auto",
         help=f"comma-separated, from {', '.join(BACKENDS)} (auto: all on CUDA, eager on the CPU)",
     )  # fmt: skip
-    p.add_argument("--loads", type=positive_int, default=20, help="fresh weight loads per mode for load-to-first-step")
-    p.add_argument("--timed-steps", type=positive_int, default=20, help="steps per timed run (scaled to --steps)")
-    p.add_argument("--repeats", type=positive_int, default=3, help="timed runs per backend (median reported)")
+    p.add_argument("--loads", type=int, default=20, help="fresh weight loads per mode for load-to-first-step")
+    p.add_argument("--timed-steps", type=int, default=20, help="steps per timed run (scaled to --steps)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per backend (median reported)")
     p.add_argument(
         "--energy-seconds", type=finite_nonnegative_float, default=5.0, help="length of each NVML energy window"
     )
