@@ -169,19 +169,19 @@ class AtomicOutputs:
 
 
 def _keep_old(path: Path) -> Path | None:
-    """A second name for the file at ``path`` (a hard link, else a copy) so that a commit can put it back; None
-    where there is no file."""
-    if not path.is_file() or path.is_symlink():
+    """A second name for the file (or symbolic link) at ``path``, a hard link or else a copy, so that a commit can
+    put it back; None where there is none (or a folder, which the rename will refuse)."""
+    if not (path.is_symlink() or path.is_file()):
         return None
     while True:
         backup = path.with_name(f".{path.name}.{secrets.token_hex(6)}.old")
         try:
-            os.link(path, backup)
+            os.link(path, backup, follow_symlinks=False)
             return backup
         except FileExistsError:
             continue
         except OSError:  # no hard links here
-            shutil.copy2(path, backup)
+            shutil.copy2(path, backup, follow_symlinks=False)
             return backup
 
 
