@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from fastdiff.atomic import write_text_atomic
 from fastdiff.bench.env import environment
-from fastdiff.engine.executor import FusedModel, time_call_us
+from fastdiff.engine.executor import FusedModel
+from fastdiff.engine.tuning import time_call_us
 from fastdiff.kernels.common import SplitWorkspace, activation_ref
 from fastdiff.kernels.conv2d import (
     GemmTiles,

@@ -19,7 +19,8 @@ import fastdiff.kernels.group_norm_act as gn
 from fastdiff.atomic import write_text_atomic
 from fastdiff.bench.env import environment
 from fastdiff.bench.roofline import measure_ceilings
-from fastdiff.engine.executor import FusedModel, time_call_us
+from fastdiff.engine.executor import FusedModel
+from fastdiff.engine.tuning import time_call_us
 from fastdiff.kernels.fp8 import FP8_DTYPE
 from fastdiff.models import load_unet
 

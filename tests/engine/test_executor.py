@@ -8,8 +8,11 @@ import zlib
 import pytest
 import torch
 
+from fastdiff.engine import tuning
+from fastdiff.engine.candidates import candidates
 from fastdiff.engine.executor import FusedModel
 from fastdiff.engine.graph import channels_last_empty
+from fastdiff.engine.impl import APPLY, FUSED, Impl
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.conv2d_tma import tma_conv_unsupported
 from fastdiff.models.convnext_unet import ConvNeXtUNet, ConvNeXtUNetConfig
@@ -52,9 +55,9 @@ def test_split_k_convs_match_eager(tiny_model):
     fused = FusedModel(model, 2, torch.float32, DEVICE, "triton", "triton")
     for op in fused.ops:
         if op.kind == "conv":
-            op.impl = "triton-k3"
+            fused.impls[op.name] = Impl("triton", split_k=3)
         elif op.kind == "attention":  # the keys split too (60 tokens: 30 per split)
-            op.impl = "triton-kv2"
+            fused.impls[op.name] = Impl("triton", split_kv=2)
     assert_two_forwards_match_eager(fused, model, seed=8)
     assert fused.split_workspace.counters is not None and not fused.split_workspace.counters.any()
 
@@ -66,11 +69,11 @@ def test_shortcut_summed_in_conv2_matches_eager(tiny_model, split):
     model = tiny_model("attn_pad0", 4).to(DEVICE)
     fused = FusedModel(model, 2, torch.float32, DEVICE, "triton", "triton")
     shortcuts = [op.name for op in fused.ops if op.name.endswith("conv_shortcut")]
-    assert shortcuts and sorted(sc.name for sc in fused.shortcuts.values()) == sorted(shortcuts)
-    for name in fused.shortcuts:
-        fused._op_by_name[name].impl = f"triton-sc{split}"
+    assert shortcuts and sorted(sc.name for sc in fused.pairs["sc"].values()) == sorted(shortcuts)
+    for name in fused.pairs["sc"]:
+        fused.impls[name] = Impl.parse(f"triton-sc{split}")
     assert_two_forwards_match_eager(fused, model, seed=12)
-    assert all(sc.impl == "fused" for sc in fused.shortcuts.values())
+    assert all(fused.impls[sc.name] == FUSED for sc in fused.pairs["sc"].values())
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the Gluon conv runs on the GPU only")
@@ -86,21 +89,21 @@ def test_shortcut_summed_in_the_gluon_conv_matches_unfused(impl):
     )  # fmt: skip
     model = DDPMUNet(config).eval().to(DEVICE)
     fused = FusedModel(model, 2, torch.float16, DEVICE, "triton", "triton")
-    assert any(name.startswith("up_blocks") for name in fused.shortcuts)
+    assert any(name.startswith("up_blocks") for name in fused.pairs["sc"])
     offered = [
         name
-        for name in fused.shortcuts
-        if {"gluon-sc", "gluon-p2-sc"} <= set(fused._candidates(fused._op_by_name[name]))
+        for name in fused.pairs["sc"]
+        if {"gluon-sc", "gluon-p2-sc"} <= {impl.name for impl in candidates(fused, fused.op_by_name[name])}
     ]
     assert offered, "the autotune offers the Gluon forms where the conv is in the Gluon conv's domain"
     x = channels_last_empty(fused.x_in_value.shape, torch.float16, DEVICE).normal_(generator=torch.Generator(DEVICE))
     t = torch.tensor([500], device=DEVICE)
     plain = fused.forward(x, t).clone()
-    for name in fused.shortcuts:
-        fused._op_by_name[name].impl = impl
-    fused._bind(x)
+    for name in fused.pairs["sc"]:
+        fused.impls[name] = Impl.parse(impl)
+    fused.bind(x)
     assert rel_err(fused.forward(x, t), plain) < 5e-3
-    assert all(sc.impl == "fused" for sc in fused.shortcuts.values())
+    assert all(fused.impls[sc.name] == FUSED for sc in fused.pairs["sc"].values())
 
 
 def test_split_k_tma_convs_match_eager(tiny_model):
@@ -117,11 +120,12 @@ def test_split_k_tma_convs_match_eager(tiny_model):
             continue  # (the 3-channel graph input is not TMA-aligned anyway)
         if p["upsample"] == 2 and DEVICE.type != "cuda":  # the engine packs the phase weights on CUDA only
             continue
-        x = fused._tensor(op.inputs[0])
+        x = fused.tensor(op.inputs[0])
         if tma_conv_unsupported(x, op.output.shape[1], p["ksize"], padding=p["padding"], upsample=p["upsample"]):
             continue
-        op.impl, forced = "triton-tma-k3", forced + 1
-    upsampled = [op for op in fused.ops if op.impl == "triton-tma-k3" and op.params["upsample"] == 2]
+        fused.impls[op.name], forced = Impl("triton-tma", split_k=3), forced + 1
+    upsampled = [op for op in fused.ops if fused.impls.get(op.name) == Impl("triton-tma", split_k=3)
+                 and op.params["upsample"] == 2]  # fmt: skip
     assert forced >= 8 and (len(upsampled) == 1 or DEVICE.type != "cuda")
     assert_two_forwards_match_eager(fused, model, seed=14)
     assert not fused.split_workspace.counters.any()
@@ -131,8 +135,7 @@ def force_pair_impl(fused: FusedModel, convs, impl: str) -> None:
     """Every conv of ``convs`` on ``impl`` (a ``triton-<tag>[-k<N>]`` gather variant), as ``triton-sc-<tag>...``
     where the conv also sums its shortcut in."""
     for name in convs:
-        sc = "-sc" if name in fused.shortcuts else ""
-        fused._op_by_name[name].impl = impl.replace("triton", f"triton{sc}", 1)
+        fused.impls[name] = Impl.parse(impl).with_fusion("sc") if name in fused.pairs["sc"] else Impl.parse(impl)
 
 
 @pytest.mark.parametrize("impl", ["triton-gn", "triton-gn-k3"])
@@ -143,16 +146,16 @@ def test_group_norm_in_conv_epilogue_matches_eager(tiny_model, impl):
     model = tiny_model("pow2", 5).to(DEVICE)
     fused = FusedModel(model, 2, torch.float32, DEVICE, "triton", "triton")
     norms = [op for op in fused.ops if op.kind == "group_norm"]
-    assert len(fused.epilogue_norms) >= len(norms) // 2  # the up path's concat norms stay
-    force_pair_impl(fused, fused.epilogue_norms, impl)
+    assert len(fused.pairs["gn"]) >= len(norms) // 2  # the up path's concat norms stay
+    force_pair_impl(fused, fused.pairs["gn"], impl)
     shape = fused.x_in_value.shape  # the streamed first forward runs the norms on their own: get it out of the way
     fused.forward(channels_last_empty(shape, torch.float32, DEVICE).normal_(), torch.tensor([5], device=DEVICE))
     fused.arena.view(torch.float32).fill_(float("nan"))
     assert_two_forwards_match_eager(fused, model, seed=13)
-    assert all(norm.impl == "fused" for norm in fused.epilogue_norms.values())
-    assert sum(op.impl != "fused" for op in fused.step_ops) == len(fused.step_ops) - len(fused.epilogue_norms) - sum(
-        sc.impl == "fused" for sc in fused.shortcuts.values()
-    )
+    assert all(fused.impls[norm.name] == FUSED for norm in fused.pairs["gn"].values())
+    launched = sum(fused.impls[op.name].launches for op in fused.step_ops)
+    summed = sum(fused.impls[sc.name] == FUSED for sc in fused.pairs["sc"].values())
+    assert launched == len(fused.step_ops) - len(fused.pairs["gn"]) - summed
 
 
 @pytest.mark.parametrize(("name", "impl"), [("attn_pad0", "triton-st"), ("pow2", "triton-st-k3")])
@@ -164,12 +167,12 @@ def test_group_norm_statistics_in_conv_epilogue_match_eager(tiny_model, name, im
     model = tiny_model(name, 6).to(DEVICE)
     fused = FusedModel(model, 3, torch.float32, DEVICE, "triton", "triton")
     norms = [op for op in fused.ops if op.kind == "group_norm"]
-    assert len(fused.epilogue_stats) >= len(norms) // 2  # the up path's concat norms stay
-    force_pair_impl(fused, fused.epilogue_stats, impl)
+    assert len(fused.pairs["st"]) >= len(norms) // 2  # the up path's concat norms stay
+    force_pair_impl(fused, fused.pairs["st"], impl)
     fused.arena.view(torch.float32).fill_(float("nan"))
     assert_two_forwards_match_eager(fused, model, seed=14)
-    assert all(norm.impl == "apply" for norm in fused.epilogue_stats.values())
-    assert sorted(fused.norm_stats) == sorted(norm.name for norm in fused.epilogue_stats.values())
+    assert all(fused.impls[norm.name] == APPLY for norm in fused.pairs["st"].values())
+    assert sorted(fused.fusion_state["st"]) == sorted(norm.name for norm in fused.pairs["st"].values())
 
 
 def test_epilogue_norms_in_the_shallow_forward(tiny_model):
@@ -178,10 +181,10 @@ def test_epilogue_norms_in_the_shallow_forward(tiny_model):
     same forward with every op on its own (a norm left to a conv the shallow forward skips would read stale data)."""
     model = tiny_model("pow2", 8).to(DEVICE)
     fused, plain = (FusedModel(model, 1, torch.float32, DEVICE, "triton", "triton") for _ in range(2))
-    assert fused.cached_value is not None and fused.epilogue_norms
+    assert fused.cached_value is not None and fused.pairs["gn"]
     shallow = {op.name for op in fused.shallow_ops}
-    assert any(name in shallow for name in fused.epilogue_norms)  # some pairs run in the shallow forward too
-    force_pair_impl(fused, fused.epilogue_norms, "triton-gn")
+    assert any(name in shallow for name in fused.pairs["gn"])  # some pairs run in the shallow forward too
+    force_pair_impl(fused, fused.pairs["gn"], "triton-gn")
     gen = torch.Generator().manual_seed(3)
     xs = [torch.randn(fused.x_in_value.shape, generator=gen) for _ in range(3)]
     outs = {}
@@ -191,7 +194,7 @@ def test_epilogue_norms_in_the_shallow_forward(tiny_model):
             x_in = channels_last_empty(x.shape, torch.float32, DEVICE).copy_(x.to(DEVICE))
             runs.append(model_.forward(x_in, torch.tensor([t], device=DEVICE), shallow=shallow_step).clone())
         outs[key] = runs
-    assert all(norm.impl == "fused" for norm in fused.epilogue_norms.values())
+    assert all(fused.impls[norm.name] == FUSED for norm in fused.pairs["gn"].values())
     for got, ref in zip(outs["fused"], outs["plain"], strict=True):
         assert rel_err(got, ref) < TOL
 
@@ -201,20 +204,22 @@ def test_candidate_that_does_not_fit_the_gpu_times_infinite(tiny_model, monkeypa
     launch) is recorded as infinitely slow and never chosen; the others are timed as usual."""
     from triton.runtime.errors import OutOfResources
 
-    from fastdiff.engine import executor
-
     fused = FusedModel(tiny_model("pow2", 6), 2, torch.float32, DEVICE, "triton", "triton")
-    conv = fused._op_by_name[next(iter(fused.epilogue_norms))]
+    conv = fused.op_by_name[next(iter(fused.pairs["gn"]))]
 
-    def fake_time(call, reps):
-        raise OutOfResources(300_000, 232_448, "shared memory")
+    def fake_time(impl, reps):
+        if impl.fuses("gn"):
+            raise OutOfResources(300_000, 232_448, "shared memory")
+        return 7.0
 
-    monkeypatch.setattr(executor, "TUNING_CACHE", {})
-    monkeypatch.setattr(FusedModel, "_tuning_key", lambda self, op: op.name)
-    monkeypatch.setattr(FusedModel, "_call", lambda self, op, impl: impl)
-    monkeypatch.setattr(executor, "time_call_us", lambda impl, reps: fake_time(impl, reps) if "-gn" in impl else 7.0)
-    times = fused._candidate_times(conv, ("triton", "triton-gn", "triton-k2", "triton-gn-k2"), 5)
-    assert times == {"triton": 7.0, "triton-gn": math.inf, "triton-k2": 7.0, "triton-gn-k2": math.inf}
+    monkeypatch.setattr(tuning, "TUNING_CACHE", {})
+    monkeypatch.setattr(tuning, "tuning_key", lambda model, op: op.name)
+    monkeypatch.setattr(FusedModel, "call", lambda self, op, impl: impl)
+    monkeypatch.setattr(tuning, "time_call_us", fake_time)
+    names = ("triton", "triton-gn", "triton-k2", "triton-gn-k2")
+    times = tuning.candidate_times(fused, conv, tuple(Impl.parse(name) for name in names), 5)
+    expected = {"triton": 7.0, "triton-gn": math.inf, "triton-k2": 7.0, "triton-gn-k2": math.inf}
+    assert {impl.name: us for impl, us in times.items()} == expected == tuning.TUNING_CACHE[conv.name]
     assert fused.ops_timed == 1
 
 
@@ -226,7 +231,7 @@ def test_rows_attention_matches_eager(tiny_model):
     attentions = [op for op in fused.ops if op.kind == "attention"]
     assert attentions
     for op in attentions:
-        op.impl = "triton-rows"
+        fused.impls[op.name] = Impl("triton", rows=True)
     assert_two_forwards_match_eager(fused, model, seed=11)
 
 
@@ -272,26 +277,24 @@ def test_rejects_other_models_and_bad_input(tiny_model):
 
 
 def test_tuning_cache_round_trip(tmp_path, monkeypatch):
-    from fastdiff.engine import executor
-
     monkeypatch.setenv("FASTDIFF_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(executor, "TUNING_CACHE", {"('conv', ...)": {"triton": 3.5, "cudnn": 2.25}})
-    executor._save_tuning_cache()
-    assert executor.tuning_cache_path() == tmp_path / "engine_tuning.json"
-    saved = dict(executor.TUNING_CACHE)
-    executor.TUNING_CACHE.clear()
-    executor._load_tuning_cache()
-    assert executor.TUNING_CACHE == saved
+    monkeypatch.setattr(tuning, "TUNING_CACHE", {"('conv', ...)": {"triton": 3.5, "cudnn": 2.25}})
+    tuning.save_tuning_cache()
+    assert tuning.tuning_cache_path() == tmp_path / "engine_tuning.json"
+    saved = dict(tuning.TUNING_CACHE)
+    tuning.TUNING_CACHE.clear()
+    tuning.load_tuning_cache()
+    assert tuning.TUNING_CACHE == saved
     (tmp_path / "engine_tuning.json").write_text("{not json")
-    executor.TUNING_CACHE.clear()
-    executor._load_tuning_cache()  # a broken file is ignored (logged)
-    assert executor.TUNING_CACHE == {}
+    tuning.TUNING_CACHE.clear()
+    tuning.load_tuning_cache()  # a broken file is ignored (logged)
+    assert tuning.TUNING_CACHE == {}
 
 
 def test_tuning_keys_change_with_the_kernels_source(tmp_path):
     """The tuning cache's keys carry a digest of the kernel modules' source: editing a kernel file (or adding
     one) changes it, so timings of other kernel code are not reused; the installed kernels have one."""
-    from fastdiff.engine.executor import kernels_revision, source_digest
+    from fastdiff.engine.tuning import kernels_revision, source_digest
 
     (tmp_path / "conv.py").write_text("BLOCK_K = 64\n")
     (tmp_path / "notes.txt").write_text("not a module")

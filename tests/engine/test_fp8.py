@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from fastdiff.engine import Engine
+from fastdiff.engine.candidates import candidates
 from fastdiff.engine.executor import FusedModel
 from fastdiff.engine.fp8 import fp8_unsupported, mark_fp8_convs
 from fastdiff.engine.graph import channels_last_empty
+from fastdiff.engine.impl import Impl
 from fastdiff.engine.ir import GraphBuilder
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.fp8 import E4M3_MAX, FP8_DTYPE, NORM_BOUND
@@ -87,11 +89,10 @@ def test_fp8_forward_against_float64_and_fp16():
         f"{name}.to_qkv" for name, _ in model.named_modules() if name.endswith(("attentions.0", "attentions.1"))
     ]
     assert convs == sorted([*resnet_convs, *attentions]) and fp8.fp8_convs == len(convs)
-    assert all(fp8._candidates(op)[0] == "triton-tma-fp8" for op in fp8.ops if op.name in convs)
-    assert all(
-        impl.startswith("triton-tma-fp8-k") for op in fp8.ops if op.name in convs for impl in fp8._candidates(op)[1:]
-    )
-    assert DEVICE.type != "cuda" or any(len(fp8._candidates(op)) > 1 for op in fp8.ops if op.name in convs)
+    offered = {op.name: candidates(fp8, op) for op in fp8.ops if op.name in convs}
+    assert all(impls[0].name == "triton-tma-fp8" for impls in offered.values())
+    assert all(impl.name.startswith("triton-tma-fp8-k") for impls in offered.values() for impl in impls[1:])
+    assert DEVICE.type != "cuda" or any(len(impls) > 1 for impls in offered.values())
     shape = fp8.x_in_value.shape
     x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     x_in = channels_last_empty(shape, torch.float16, DEVICE).copy_(x.to(DEVICE))
@@ -99,7 +100,7 @@ def test_fp8_forward_against_float64_and_fp16():
     got = fp8.forward(x_in, t).clone()
     half = fp16.forward(x_in, t).clone()
     norms = [op for op in fp8.ops if op.kind == "group_norm" and "fp8_scale" in op.params]
-    assert norms and all(fp8._tensor(op.output).dtype == FP8_DTYPE for op in norms)
+    assert norms and all(fp8.tensor(op.output).dtype == FP8_DTYPE for op in norms)
     with torch.no_grad():
         ref = model.double().cpu()(x.half().double(), torch.tensor([500]))
     err8, err16 = rel_err(got, ref), rel_err(half, ref)
@@ -113,9 +114,9 @@ def test_fp8_forward_against_float64_and_fp16():
     for op, call in zip(fp8.step_ops, fp8._calls, strict=True):
         call()
         if op.name in convs:
-            out = fp8._tensor(op.output)
+            out = fp8.tensor(op.output)
             whole = out.clone()
-            fp8._call(op, "triton-tma-fp8-k2")()
+            fp8.call(op, Impl.parse("triton-tma-fp8-k2"))()
             assert rel_err(out, whole) < 1e-3, op.name
             out.copy_(whole)
     assert not fp8.split_workspace.counters.any()

@@ -64,11 +64,11 @@ def assert_apart(fused: FusedModel, a, b, why: str) -> None:
 
 def check_fused_plan(fused: FusedModel) -> None:
     assert_no_live_overlap(fused.plan)
-    for name, sc in fused.shortcuts.items():  # conv2 with its shortcut summed in reads the shortcut's input
-        assert_apart(fused, sc.inputs[0], fused._op_by_name[name].output, f"{name} fused with {sc.name}")
-    for name, norm in fused.epilogue_norms.items():  # a conv with a norm in its epilogue writes the norm's output
-        conv = fused._op_by_name[name]
-        sc = fused.shortcuts.get(name)  # with its shortcut summed in, the conv also reads the shortcut's input
+    for name, sc in fused.pairs["sc"].items():  # conv2 with its shortcut summed in reads the shortcut's input
+        assert_apart(fused, sc.inputs[0], fused.op_by_name[name].output, f"{name} fused with {sc.name}")
+    for name, norm in fused.pairs["gn"].items():  # a conv with a norm in its epilogue writes the norm's output
+        conv = fused.op_by_name[name]
+        sc = fused.pairs["sc"].get(name)  # with its shortcut summed in, the conv also reads the shortcut's input
         for value in (*conv.inputs, conv.output, *((sc.inputs[0],) if sc is not None else ())):
             if value is not norm.output:
                 assert_apart(fused, value, norm.output, f"{name} with {norm.name} in its epilogue")
@@ -79,7 +79,7 @@ def check_fused_plan(fused: FusedModel) -> None:
     assert slices, "the up path should write into concat slices"
     item = fused.dtype.itemsize
     for v in slices:
-        t, parent = fused._tensor(v), fused._tensor(v.concat)
+        t, parent = fused.tensor(v), fused.tensor(v.concat)
         assert t.data_ptr() == parent.data_ptr() + v.channel_offset * item
         assert t.stride() == parent.stride() and tuple(t.shape) == v.shape
         # in the arena, but for the concat holding the step cache's deep feature: its own persistent buffer
@@ -87,7 +87,7 @@ def check_fused_plan(fused: FusedModel) -> None:
         assert t.untyped_storage().data_ptr() == home.untyped_storage().data_ptr()
     for v in fused.values:  # every planned tensor lies inside the arena
         if v.concat is None and v.name in fused.plan.offsets:
-            t = fused._tensor(v)
+            t = fused.tensor(v)
             end = t.data_ptr() + t.numel() * item
             assert fused.arena.data_ptr() <= t.data_ptr() and end <= fused.arena.data_ptr() + fused.arena.numel()
 
@@ -98,7 +98,7 @@ def test_tiny_unet_plan(tiny_name, tiny_model):
 
 def test_pow2_unet_plan_with_epilogue_norms(tiny_model):
     fused = FusedModel(tiny_model("pow2", 0), 2, torch.float32, "cpu", "triton", "triton")
-    assert fused.epilogue_norms
+    assert fused.pairs["gn"]
     check_fused_plan(fused)
 
 

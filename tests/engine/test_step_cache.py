@@ -110,13 +110,13 @@ def test_shallow_forward_runs_only_the_shallow_ops(tiny_model, tiny_name, monkey
     output layers' (counted as they run); the deep feature lives in its own buffer, outside the arena; on the same
     step's feature the shallow output is the full one, on another it changes."""
     ran: list[str] = []
-    make_call = FusedModel._call
+    make_call = FusedModel.call
 
     def counted(self, op, impl):
         call = make_call(self, op, impl)
         return lambda: (ran.append(op.name), call())
 
-    monkeypatch.setattr(FusedModel, "_call", counted)
+    monkeypatch.setattr(FusedModel, "call", counted)
     model = tiny_model(tiny_name, 3).to(DEVICE)
     fused = FusedModel(model, 1, torch.float32, DEVICE, **IMPLS)
     x = channels_last_empty(fused.x_in_value.shape, torch.float32, DEVICE).normal_()

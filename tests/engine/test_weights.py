@@ -28,7 +28,7 @@ def test_first_forward_waits_per_module(tiny_model):
     fused = FusedModel(tiny_model("attn_pad0", 3), 1, torch.float32, "cpu", "triton", "triton",
                       WeightStreamer("cpu", backend))  # fmt: skip
     assert backend.log == []  # nothing is uploaded before the first forward
-    fused._call = lambda op, impl: lambda: backend.log.append(("compute", op.name))
+    fused.call = lambda op, impl: lambda: backend.log.append(("compute", op.name))
     x_in = channels_last_empty(fused.x_in_value.shape, torch.float32, torch.device("cpu")).normal_()
     fused.forward_from_row(x_in)
     position = 0
@@ -37,7 +37,7 @@ def test_first_forward_waits_per_module(tiny_model):
         while backend.log[position][0] == "copy":
             copies += 1
             position += 1
-        assert copies == len(fused._device_weights[op.name])  # one copy per weight tensor of the module
+        assert copies == len(fused.device_weights[op.name])  # one copy per weight tensor of the module
         record, wait, compute = backend.log[position : position + 3]
         assert record[0] == "record" and wait == ("wait", record[1]) and compute == ("compute", op.name)
         position += 3

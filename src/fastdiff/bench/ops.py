@@ -22,7 +22,6 @@ as the kernels it is, a shortcut conv summed in its conv2 as none).
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 from typing import TYPE_CHECKING
 
@@ -32,7 +31,7 @@ from fastdiff.bench.breakdown import profile_breakdown
 from fastdiff.bench.counts import engine_op_cost
 from fastdiff.bench.roofline import roofline_point
 from fastdiff.engine import FusedModel
-from fastdiff.engine.executor import time_call_us
+from fastdiff.engine.tuning import time_call_us
 from fastdiff.kernels.cost_model import Cost
 from fastdiff.kernels.sampler_step import OP as SAMPLER_STEP
 from fastdiff.kernels.sampler_step import sampler_step
@@ -58,28 +57,27 @@ KERNELS_METHOD = (
 def step_op_rows(fused: FusedModel, reps: int = 20) -> list[dict]:
     """One row per op of ``fused.step_ops`` (model order): ``name``, ``kind``, ``class``, ``impl``, ``shape`` (its
     output's), ``us`` (per call with the chosen implementation: ``FusedModel.time_ops(reps)``), ``flops`` and
-    ``bytes`` (``engine_op_cost``). A shortcut conv summed in its conv2 (impl ``fused``: no launch) has time and
-    cost 0; its FLOPs and bytes count in the conv2's row, less its output's write and read-back, which the fused
-    launch never does; the same for a GroupNorm in its producer's epilogue, less the norm's read of its input.
-    Needs CUDA and a bound forward; overwrites the arena's activations."""
+    ``bytes`` (``engine_op_cost``). An op that runs in its partner's launch (impl ``fused``: a shortcut conv summed
+    in its conv2, a GroupNorm in its producer's epilogue) has time and cost 0; its FLOPs and bytes count in the
+    partner's row, less what the fused launch does not move (``Fusion.saved_bytes``: the shortcut's output written
+    and read back, the norm's read of its input). Needs CUDA and a bound forward; overwrites the arena's
+    activations."""
     size = fused.dtype.itemsize
     costs = {op.name: engine_op_cost(op, size) for op in fused.step_ops}
-    for name, sc in fused.shortcuts.items():
-        if sc.impl == "fused":
-            saved = 2 * math.prod(sc.output.shape) * size
-            pair = (costs[name], costs[sc.name])
+    impls = fused.impls  # none yet before the first forward: every op its own row
+    for fusion in fused.fusions:
+        for name, partner in fused.pairs[fusion.tag].items():
+            if name not in impls or not impls[name].fuses(fusion.tag) or impls[partner.name].launches:
+                continue
+            saved = fusion.saved_bytes(partner, size)
+            pair = (costs[name], costs[partner.name])
             costs[name] = Cost(pair[0].flops + pair[1].flops, pair[0].bytes + pair[1].bytes - saved)
-            costs[sc.name] = Cost(0.0, 0.0)
-    for name, norm in fused.epilogue_norms.items():  # in its producer's epilogue: the norm never reads its input
-        if norm.impl == "fused":
-            saved = math.prod(norm.inputs[0].shape) * size
-            pair = (costs[name], costs[norm.name])
-            costs[name] = Cost(pair[0].flops + pair[1].flops, pair[0].bytes + pair[1].bytes - saved)
-            costs[norm.name] = Cost(0.0, 0.0)
+            costs[partner.name] = Cost(0.0, 0.0)
     rows = []
     for op, us in zip(fused.step_ops, fused.time_ops(reps), strict=True):
         cost = costs[op.name]
-        rows.append({"name": op.name, "kind": op.kind, "class": ENGINE_OP_CLASS[op.kind], "impl": op.impl,
+        impl = impls[op.name].name if op.name in impls else ""
+        rows.append({"name": op.name, "kind": op.kind, "class": ENGINE_OP_CLASS[op.kind], "impl": impl,
                      "shape": list(op.output.shape), "us": us, "flops": cost.flops, "bytes": cost.bytes,
                      "fp8": "fp8_scale" in op.params})  # fmt: skip
     return rows

@@ -331,8 +331,9 @@ def engine_facts(system: FastdiffT2I) -> dict:
         facts["vae_decoder_weights_mib"] = fused.weight_bytes() / 2**20
     impls: dict[str, dict[str, int]] = {}
     for op in unet.ops:
-        impls.setdefault(op.kind, {}).setdefault(op.impl, 0)
-        impls[op.kind][op.impl] += 1
+        name = unet.impls[op.name].name
+        impls.setdefault(op.kind, {}).setdefault(name, 0)
+        impls[op.kind][name] += 1
     facts["unet_impls"] = impls
     facts["unet_ops"] = [achieved(row) for row in step_op_rows(unet)]  # TFLOP/s and GB/s, no ceilings here
     return facts

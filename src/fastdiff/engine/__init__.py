@@ -9,6 +9,12 @@ decode as a second captured graph. Every family of :mod:`fastdiff.engine.lower` 
 own forward in the engine dtype with channels-last memory, still inside the captured loop. ``cache_interval``
 N > 1 (``Engine.prepare``) turns on step caching (``fastdiff.models.step_cache``): every N-th step a full U-Net
 forward, the others its shallow path on the kept deep feature (see ``graph.py`` for how the graphs follow it).
+
+The fused forward's parts: ``executor`` (``FusedModel``: memory plan, weights, binding, forward), ``impl`` (an
+implementation as a value and its name), ``candidates`` (what each op may run and which kernels fit it), ``calls``
+(the launch of an op on an implementation), ``tuning`` (the autotune and its cache), ``fusion`` (a conv and a
+partner op in one launch: ``shortcut``, ``epilogue_norm``), ``weights`` (packing and streaming), ``plan`` (the arena),
+``fp8``, ``ir`` and ``lower`` (the op list). Adding a fusion: see ``fastdiff.engine.executor``'s docstring.
 """
 
 from __future__ import annotations
@@ -23,10 +29,11 @@ import torch
 from torch import nn
 
 from fastdiff.devices import normalize_device
-from fastdiff.engine.executor import FusedModel, tuning_cache_path
+from fastdiff.engine.executor import FusedModel
 from fastdiff.engine.fp8 import fp8_unsupported
 from fastdiff.engine.graph import CapturedForward, SamplingLoop, StepModel, channels_last_empty
 from fastdiff.engine.lower import lowering_for, supports
+from fastdiff.engine.tuning import tuning_cache_path
 from fastdiff.engine.weights import WeightStreamer
 from fastdiff.errors import FastdiffError
 from fastdiff.models import step_cache

@@ -20,12 +20,19 @@ Op kinds (``OP_KINDS``) and what the executor runs for them:
 * ``gate``: ConvNeXt's attention gate on a skip -> ``kernels.attention_gate``;
 * ``center``: ``2x - 1`` (``center_input_sample``).
 
+Op-level fusions (in the lowerings and kernels): GroupNorm + SiLU in one pass; conv + bias + time embedding +
+residual + 1/output_scale_factor in the conv epilogue; Upsample2D (nearest x2 + conv) as one conv launch reading
+the low-resolution input; DDPM's asymmetric downsample padding ((0, 1): the gather kernel's bounds check pads the
+end; cuDNN gets a 4x4 stride-2 conv with a zero first tap row and column); attention's q/k/v projections as one
+GEMM; GEGLU in the feed-forward GEMM's epilogue. (Fusions of two ops into one launch, which the autotune weighs
+against the two apart, are the executor's: ``fastdiff.engine.fusion``.)
+
 An op's ``stage`` is ``"step"`` (every forward) or ``"context"`` (once per text context: the cross-attention
 K/V projections, whose outputs are ``persistent`` values that every later step reads).
 
 Step caching (``fastdiff.models.step_cache``): a U-Net's lowering marks its deep feature with
 ``GraphBuilder.cache``; the executor keeps it in a persistent buffer and runs a shallow forward as the step ops the
-output needs given that value.
+output needs given that value (:func:`shallow_slice`).
 """
 
 from __future__ import annotations
@@ -78,9 +85,10 @@ class Op:
     params: dict
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
     stage: str = "step"
-    impl: str = ""
     why: str = ""
+    """Why the executor's choice of implementation (``FusedModel.impls``) fell as it did."""
     times_us: dict[str, float] = field(default_factory=dict)
+    """The autotune's microseconds per implementation name."""
 
 
 class GraphBuilder:
@@ -300,3 +308,26 @@ class GraphBuilder:
                 h = self.upsample_conv(f"up_blocks.{i}.upsamplers.0", block.upsamplers[0].conv, h)
         h = self.group_norm("conv_norm_out", model.conv_norm_out, h, "silu")
         return self.conv("conv_out", model.conv_out, h)
+
+
+def shallow_slice(step_ops: list[Op], values: list[Value], output: Value, cached: Value) -> list[int]:
+    """Indices (in order) of the step ops that ``output`` needs when ``cached`` is given (the step cache's shallow
+    forward): the producers of what each needed op reads (every part of a concat it reads whole), from the output's
+    producer back, never through the cached value's producer."""
+    producer = {id(op.output): i for i, op in enumerate(step_ops)}
+    parts: dict[int, list[Value]] = {}
+    for v in values:
+        if v.concat is not None:
+            parts.setdefault(id(v.concat), []).append(v)
+    needed: set[int] = set()
+    todo = [producer[id(output)]]
+    while todo:
+        index = todo.pop()
+        if index in needed:
+            continue
+        needed.add(index)
+        for v in step_ops[index].inputs:
+            for part in parts.get(id(v), [v]):
+                if part is not cached and id(part) in producer:  # not an input or a context value
+                    todo.append(producer[id(part)])
+    return sorted(needed)

@@ -1,4 +1,7 @@
-"""Streamed weight upload: pinned host copies, one copy stream, one event per module, per-module waits.
+"""The engine's weights: packed on the host in each kernel's layout (:func:`host_weights`), streamed to the device
+(:class:`WeightStreamer`), and the layouts each implementation reads (:func:`weight_roles`).
+
+Streamed weight upload: pinned host copies, one copy stream, one event per module, per-module waits.
 
 ``submit(module, host_tensors)`` allocates the device tensors, queues their host->device copies on the copy
 stream (from pinned memory, so they run asynchronously) and records that module's event. The first forward
@@ -17,8 +20,16 @@ import time
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from fastdiff.devices import normalize_device
+from fastdiff.engine.impl import Impl
+from fastdiff.engine.ir import Op
+from fastdiff.kernels.conv2d import pack_conv_weight
+from fastdiff.kernels.conv2d_tma import pack_conv_weight_fp8, pack_upsample2_weight
+from fastdiff.kernels.depthwise_conv2d import pack_depthwise_weight
+from fastdiff.kernels.linear import pack_linear_weight
+from fastdiff.kernels.tap_sum_conv2d import pack_tap_weight
 
 log = logging.getLogger(__name__)
 
@@ -133,3 +144,67 @@ class WeightStreamer:
             self.wait(module)
         self.backend.synchronize()
         self._staging.clear()
+
+
+def host_weights(
+    op: Op, dtype: torch.dtype, device: torch.device, conv_impl: str, taps: bool
+) -> dict[str, torch.Tensor]:
+    """The device layouts of ``op``'s weights in the engine ``dtype``, packed on the host: those of every
+    implementation ``conv_impl`` allows ("auto": ours and the library's; ``taps``: the op may run the tap-sum conv)."""
+    out: dict[str, torch.Tensor] = {}
+    triton_too, library_too = conv_impl in ("auto", "triton"), conv_impl in ("auto", "cudnn")
+    if op.kind == "conv" and "fp8_scale" in op.params:  # e4m3 [Cout, K] and (input scale x channel scales)
+        out["packed_fp8"], scale = pack_conv_weight_fp8(op.weights["weight"])
+        out["weight_scale"] = scale * op.params["fp8_scale"]
+        if "bias" in op.weights:
+            out["bias"] = op.weights["bias"].to(dtype)
+    elif op.kind == "conv":
+        weight = op.weights["weight"]
+        if triton_too:
+            out["packed"] = pack_conv_weight(weight).to(dtype)
+            if op.params["upsample"] == 2 and weight.shape[-1] == 3 and device.type == "cuda":
+                out["packed_up2"] = pack_upsample2_weight(weight).to(dtype)  # conv2d_tma's phase form
+            if taps:  # tap_sum_conv2d's [Cin, K*K*Cout] (and the raw weight for its shape)
+                out["packed_taps"] = pack_tap_weight(weight).to(dtype)
+                library_too = True
+        if library_too:
+            if "pad_end" in op.params:  # padding (p, p + 1) == a zero first tap row and column, padding p + 1
+                weight = F.pad(weight, (1, 0, 1, 0))
+            out["weight"] = weight.to(dtype).contiguous(memory_format=torch.channels_last)
+        if "bias" in op.weights:
+            out["bias"] = op.weights["bias"].to(dtype)
+    elif op.kind == "linear":  # one layout, W^T [K, N], read by both kernels.linear and cuBLAS
+        out["packed"] = pack_linear_weight(op.weights["weight"], op.params["geglu"]).to(dtype)
+        if "bias" in op.weights:
+            out["bias"] = op.weights["bias"].to(dtype)
+    elif op.kind == "depthwise":
+        weight = op.weights["weight"]
+        if triton_too:
+            out["packed"] = pack_depthwise_weight(weight).to(dtype)
+        if library_too:
+            out["weight"] = weight.to(dtype).contiguous(memory_format=torch.channels_last)
+    elif op.kind in ("group_norm", "layer_norm", "gate"):
+        out = {k: v.to(dtype) for k, v in op.weights.items() if v is not None}
+    return out
+
+
+WEIGHT_ROLES: dict[tuple[str, str, bool], set[str]] = {
+    ("conv", "triton", False): {"packed", "bias"},
+    ("conv", "triton-tma", False): {"packed", "packed_up2", "bias"},
+    ("conv", "triton-tma", True): {"packed_fp8", "weight_scale", "bias"},
+    ("conv", "triton-taps", False): {"weight", "packed_taps", "bias"},
+    ("conv", "gluon", False): {"packed", "bias"},
+    ("conv", "cudnn", False): {"weight", "bias"},
+    ("conv", "fused", False): {"packed", "bias"},  # a shortcut summed in its conv2, which reads them
+    ("depthwise", "triton", False): {"packed"},
+    ("depthwise", "cudnn", False): {"weight"},
+    ("linear", "triton", False): {"packed", "bias"},
+    ("linear", "cublas", False): {"packed", "bias"},
+}
+"""(op kind, kernel, fp8) -> the device weight layouts an implementation reads (the others are dropped after the
+autotune); any split or fusion form reads its kernel's."""
+
+
+def weight_roles(kind: str, impl: Impl) -> set[str] | None:
+    """The weight layouts an op of ``kind`` reads on ``impl``; None: all it has."""
+    return WEIGHT_ROLES.get((kind, impl.kernel, impl.fp8))

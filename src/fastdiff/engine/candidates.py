@@ -1,0 +1,140 @@
+"""The implementations an op may run (:func:`candidates`), with the checks of which kernels fit it.
+
+* conv: the gather conv ``kernels.conv2d`` (``triton``); on Hopper also, for stride-1 convs, the TMA conv
+  ``kernels.conv2d_tma`` (``triton-tma``) and, for those of at least 64 output channels without an activation or
+  upsampling, its Gluon form ``kernels.conv2d_gluon`` (``gluon``; ``gluon-p2``: persistent, two programs per SM);
+  the tap-sum conv ``kernels.tap_sum_conv2d`` (``triton-taps``) for a stride-1 conv of at most 8 output channels with
+  a bias-only epilogue; on CUDA the gather conv with its reduction split over 2-16 programs where its grid leaves SMs
+  idle (``triton-k<N>``); each registered fusion's forms (``engine/fusion.py``: ``triton-sc[-k<N>]``,
+  ``gluon[-p2]-sc``, ``triton[-sc]-gn[-k<N>]``, ``triton[-sc]-st[-k<N>]``); cuDNN + a torch epilogue (``cudnn``).
+  A conv reading an e4m3 input (``fp8=True``) runs the fp8 TMA conv only, also split-K where its grid leaves SMs
+  idle (``triton-tma-fp8[-k<N>]``; the fp16/bf16 TMA conv runs split too, ``triton-tma-k<N>``, when an op's
+  implementation is set to it, but is not offered: on the H100 its split forms lost to the gather kernel's at batch 1
+  and to its own unsplit form at batch 256's 4x4 level, the README's "Split-K for the fp8 convs").
+* token GEMM: ``kernels.linear`` or cuBLAS + a torch epilogue; depthwise conv: ``kernels.depthwise_conv2d`` or cuDNN.
+* attention: ``kernels.attention`` (on CUDA also its keys split over 2-8 programs per query block where those leave
+  SMs idle, ``triton-kv<N>``, and for at most 512 keys its whole-rows schedule, ``triton-rows``) or torch SDPA.
+* GroupNorm: the kernel's own launch plan or, on CUDA, whole groups at 4-64 channel lanes per program
+  (``triton-c<L>``).
+
+``conv_impl`` ("auto", "triton", "cudnn") narrows the convs and GEMMs, ``attention_impl`` ("auto", "triton", "sdpa")
+the attention; the first candidate is the default before (or without) the autotune.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastdiff.engine.fusion import BoundModel
+from fastdiff.engine.impl import TRITON, Impl
+from fastdiff.engine.ir import Op
+from fastdiff.kernels.attention import ROWS_MAX_KEYS, split_kv_choices
+from fastdiff.kernels.conv2d import split_k_choices
+from fastdiff.kernels.conv2d_gluon import gluon_conv_unsupported
+from fastdiff.kernels.conv2d_tma import tma_conv_unsupported, tma_split_k_choices
+from fastdiff.kernels.fp8 import FP8_DTYPE
+from fastdiff.kernels.group_norm_act import LANE_CHOICES
+from fastdiff.kernels.tap_sum_conv2d import tap_sum_unsupported
+
+CONV_IMPLS = ("auto", "triton", "cudnn")
+ATTENTION_IMPLS = ("auto", "triton", "sdpa")
+
+
+def candidates(model: BoundModel, op: Op) -> tuple[Impl, ...]:
+    """The implementations ``op`` may run: several to time, or the one forced / the only one."""
+    cuda = model.device.type == "cuda"
+    if op.kind == "conv" and "fp8_scale" in op.params:  # the TMA kernel, also split-K where its grid leaves SMs
+        fp8 = Impl("triton-tma", fp8=True)
+        return (fp8, *(Impl("triton-tma", fp8=True, split_k=split) for split in tma_split_choices(model, op)))
+    if op.kind in ("conv", "depthwise", "linear"):
+        library = Impl("cublas" if op.kind == "linear" else "cudnn")
+        ours = (TRITON, Impl("triton-tma")) if op.kind == "conv" and tma_fits(model, op) else (TRITON,)
+        if op.kind == "conv" and taps_fit(model, op):  # + the tap-sum form of a conv with few output channels
+            ours = (*ours, Impl("triton-taps"))
+        if op.kind == "conv" and gluon_fits(model, op):  # + the Gluon TMA conv, one tile per program or persistent
+            ours = (*ours, Impl("gluon"), Impl("gluon", programs_per_sm=2))
+        if op.kind == "conv" and cuda:
+            ours = (*ours, *(Impl("triton", split_k=split) for split in gather_split_choices(model, op)))
+            for fusion in model.fusions:  # + the forms that run a fusion with the conv's partner (engine/fusion.py)
+                partner = model.pairs[fusion.tag].get(op.name)
+                if partner is not None:
+                    ours = (*ours, *fusion.variants(model, op, partner, ours))
+        return {"auto": (*ours, library), "triton": ours, "cudnn": (library,)}[model.conv_impl]
+    if op.kind == "attention":
+        ours = (TRITON,)
+        if cuda:  # + the keys split over programs where the query blocks leave SMs idle
+            q, kv = op.inputs[0].shape, op.inputs[-1].shape
+            splits = split_kv_choices(q[0], op.params["heads"], q[2] * q[3], kv[2] * kv[3], model.device)
+            ours = (*ours, *(Impl("triton", split_kv=split) for split in splits))
+            if kv[2] * kv[3] <= ROWS_MAX_KEYS:  # + whole score rows, the value columns split
+                ours = (*ours, Impl("triton", rows=True))
+        return {"auto": (*ours, Impl("sdpa")), "triton": ours, "sdpa": (Impl("sdpa"),)}[model.attention_impl]
+    if op.kind == "group_norm" and cuda:  # the kernel's plan, or whole groups per width
+        group = op.inputs[0].shape[1] // op.params["groups"]
+        return (TRITON, *(Impl("triton", lanes=lanes) for lanes in LANE_CHOICES if lanes >= group))
+    return (Impl("torch"),) if op.kind == "center" else (TRITON,)
+
+
+def default_why(model: BoundModel, op: Op) -> str:
+    """Why ``op`` runs its first candidate when the autotune did not choose."""
+    if op.kind == "conv" and "fp8_scale" in op.params:
+        return "fp8 (e4m3) input: the TMA kernel only"
+    if op.kind in ("conv", "depthwise", "linear"):
+        return f"conv_impl={model.conv_impl}" + (" (not timed off CUDA)" if model.conv_impl == "auto" else "")
+    if op.kind == "attention":
+        untimed = " (not timed off CUDA)" if model.attention_impl == "auto" else ""
+        return f"attention_impl={model.attention_impl}{untimed}"
+    if op.kind == "group_norm" and model.device.type != "cuda":
+        return "the kernel's own plan (not timed off CUDA)"
+    return "single implementation"
+
+
+def gather_split_choices(model: BoundModel, op: Op) -> tuple[int, ...]:
+    """The split-K factors of the gather conv worth timing for ``op`` (its grid leaves SMs idle)."""
+    (n, cin, *_), (_, cout, ho, wo) = op.inputs[0].shape, op.output.shape
+    return split_k_choices(n, cin, cout, (ho, wo), op.params["ksize"], model.dtype, model.device)
+
+
+def tma_split_choices(model: BoundModel, op: Op) -> tuple[int, ...]:
+    """The split-K factors of the fp8 TMA conv worth timing for ``op`` (:func:`tma_split_k_choices`; CUDA only).
+    Not offered to the fp16/bf16 TMA conv (module docstring)."""
+    if model.device.type != "cuda":
+        return ()
+    (n, cin, *_), (_, cout, ho, wo) = op.inputs[0].shape, op.output.shape  # fp8: never an Upsample2D
+    return tma_split_k_choices(n, ho, wo, cin, cout, op.params["ksize"], FP8_DTYPE, model.device)
+
+
+def taps_fit(model: BoundModel, op: Op) -> bool:
+    """Whether ``op`` can run as :func:`fastdiff.kernels.tap_sum_conv2d.tap_sum_conv2d` (a stride-1 conv of at most
+    ``MAX_COUT`` output channels with a bias-only epilogue, on the GPU: its gain is the GPU's re-read input)."""
+    p = op.params
+    if op.kind != "conv" or model.device.type != "cuda" or "pad_end" in p or p["upsample"] != 1:
+        return False
+    if any(p.get(key) is not None for key in ("temb", "act", "scale")) or len(op.inputs) > 1:  # + a residual
+        return False
+    if "fp8_scale" in p:
+        return False
+    probe = torch.empty(op.inputs[0].shape, device="meta")
+    return tap_sum_unsupported(probe, op.output.shape[1], p["ksize"], p["stride"], p["padding"]) is None
+
+
+def tma_fits(model: BoundModel, op: Op) -> bool:
+    """Whether the TMA conv kernel can run ``op`` (CUDA on Hopper or newer, stride 1, Upsample2D at most)."""
+    if model.device.type != "cuda" or "pad_end" in op.params:
+        return False
+    p, x = op.params, model.tensor(op.inputs[0])
+    why = tma_conv_unsupported(
+        x, op.output.shape[1], p["ksize"], stride=p["stride"], padding=p["padding"], upsample=p["upsample"]
+    )
+    return why is None
+
+
+def gluon_fits(model: BoundModel, op: Op) -> bool:
+    """Whether :func:`fastdiff.kernels.conv2d_gluon.conv2d_gluon` can run ``op`` (the TMA conv's domain in
+    fp16/bf16, no activation or upsampling, at least 64 output channels: the shapes it was measured on)."""
+    p = op.params
+    if not tma_fits(model, op) or p["upsample"] != 1 or "fp8_scale" in p or op.output.shape[1] < 64:
+        return False
+    x, cout = model.tensor(op.inputs[0]), op.output.shape[1]
+    why = gluon_conv_unsupported(x, cout, p["ksize"], stride=p["stride"], padding=p["padding"], activation=p["act"])
+    return why is None

@@ -1,0 +1,176 @@
+"""Implementations as values (``engine/impl.py``): every name the candidates produce round-trips, bad names are one-line
+errors; the candidate lists of tiny U-Nets' ops (on the CPU, and on a faked 132-SM CUDA device: no kernel runs) are
+the names the engine offered before the executor was split into parts; and the autotune's choice weighs a fusion by
+the pair's time (fake timings, no GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastdiff.engine import tuning
+from fastdiff.engine.candidates import candidates
+from fastdiff.engine.executor import FusedModel
+from fastdiff.engine.graph import channels_last_empty
+from fastdiff.engine.impl import APPLY, FUSED, Impl, impl_names, impls_from_names
+from fastdiff.errors import FastdiffError
+from fastdiff.kernels import attention, conv2d, conv2d_tma
+from fastdiff.models.ddpm_unet import DDPMUNet, DDPMUNetConfig
+
+from .conftest import make_tiny
+
+WIDE = dict(
+    sample_size=(8, 8), in_channels=3, out_channels=3, block_out_channels=(64, 128), norm_num_groups=8,
+    down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+    layers_per_block=1, attention_head_dim=None,
+)  # fmt: skip
+"""64 and 128 channels: the Gluon conv's domain (fp16)."""
+FP8 = dict(
+    sample_size=(8, 12), in_channels=3, out_channels=3, block_out_channels=(16, 32), norm_num_groups=4,
+    down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+    layers_per_block=1, attention_head_dim=8,
+)  # fmt: skip
+
+
+def model_of(name: str):
+    if name in ("wide", "fp8"):
+        torch.manual_seed(0)
+        return DDPMUNet(DDPMUNetConfig(**(WIDE if name == "wide" else FP8))).eval()
+    return make_tiny(name, 0)
+
+
+def engine(monkeypatch, name: str, batch: int, dtype=torch.float32, impls=("auto", "auto"), cuda=True, **kw):
+    """A FusedModel on the CPU with its input bound; ``cuda``: its device faked as a 132-SM CUDA GPU for the
+    candidates (TMA, Gluon, split, fusion forms: the fit checks read shapes and strides only)."""
+    fused = FusedModel(model_of(name), batch, dtype, "cpu", *impls, **kw)
+    fused._x_in = channels_last_empty(fused.x_in_value.shape, dtype, torch.device("cpu"))
+    if cuda:
+        for module in (conv2d, conv2d_tma, attention):
+            monkeypatch.setattr(module, "num_sms", lambda device: 132)
+        fused.device = torch.device("cuda")
+    return fused
+
+
+def names(fused: FusedModel, op_name: str) -> list[str]:
+    return [impl.name for impl in candidates(fused, fused.op_by_name[op_name])]
+
+
+SPLITS_SC = "triton-k2 triton-k4 triton-sc triton-sc-k2 triton-sc-k4".split()
+GN = "triton-gn triton-gn-k2 triton-gn-k4 triton-sc-gn triton-sc-gn-k2 triton-sc-gn-k4".split()
+CONV2_SC_GN = ["triton", "triton-tma", *SPLITS_SC, *GN]
+GLUON_SC_GN = ["triton", "triton-tma", "gluon", "gluon-p2", *SPLITS_SC, "gluon-sc", "gluon-p2-sc", *GN]
+EXPECTED = [
+    # (model, batch, dtype, (conv_impl, attention_impl), CUDA faked, op, names): the executor's at git c13dbe9
+    ("pow2", 1, torch.float32, ("auto", "auto"), True, "down_blocks.1.resnets.0.conv2", [*CONV2_SC_GN, "cudnn"]),
+    ("pow2", 1, torch.float32, ("auto", "auto"), True, "conv_in", ["triton", "triton-taps", "triton-gn", "cudnn"]),
+    ("pow2", 1, torch.float32, ("auto", "auto"), True, "down_blocks.0.attentions.0.core",
+     ["triton", "triton-kv2", "triton-rows", "sdpa"]),
+    ("pow2", 1, torch.float32, ("auto", "auto"), True, "down_blocks.0.resnets.0.norm1",
+     ["triton", "triton-c4", "triton-c8", "triton-c16", "triton-c32", "triton-c64"]),
+    ("pow2", 1, torch.float32, ("cudnn", "sdpa"), True, "down_blocks.0.resnets.0.conv2", ["cudnn"]),
+    ("pow2", 1, torch.float32, ("auto", "auto"), False, "down_blocks.0.resnets.0.conv2", ["triton", "cudnn"]),
+    ("pow2", 1, torch.float32, ("auto", "auto"), False, "down_blocks.0.resnets.0.norm1", ["triton"]),
+    ("attn_pad0", 1, torch.float32, ("auto", "auto"), True, "down_blocks.1.resnets.0.conv2",
+     ["triton", "triton-sc", "triton-st", "triton-sc-st", "cudnn"]),
+    ("attn_pad0", 1, torch.float32, ("auto", "auto"), True, "conv_in", ["triton", "triton-taps", "triton-st", "cudnn"]),
+    ("wide", 1, torch.float16, ("auto", "auto"), True, "down_blocks.1.resnets.0.conv2", [*GLUON_SC_GN, "cudnn"]),
+    ("wide", 2, torch.float16, ("triton", "triton"), True, "down_blocks.1.resnets.0.conv2", GLUON_SC_GN),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("model", "batch", "dtype", "impls", "cuda", "op", "expected"), EXPECTED)
+def test_candidates_are_the_names_offered_before(monkeypatch, model, batch, dtype, impls, cuda, op, expected):
+    assert names(engine(monkeypatch, model, batch, dtype, impls, cuda), op) == expected
+
+
+def test_fp8_conv_candidates(monkeypatch):
+    fused = engine(monkeypatch, "fp8", 1, torch.float16, fp8=True)
+    expected = ["triton-tma-fp8", "triton-tma-fp8-k2", "triton-tma-fp8-k4"]
+    assert names(fused, "down_blocks.0.resnets.0.conv1") == expected
+
+
+ROUND_TRIP_MODELS = [("pow2", 1, torch.float32), ("pow2", 64, torch.float32), ("attn_pad0", 3, torch.float32),
+                     ("wide", 2, torch.float16)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("model", "batch", "dtype"), ROUND_TRIP_MODELS)
+def test_every_candidate_name_round_trips(monkeypatch, model, batch, dtype):
+    fused = engine(monkeypatch, model, batch, dtype)
+    offered = {impl for op in fused.ops for impl in candidates(fused, op)}
+    assert len(offered) > 10
+    for impl in offered | {FUSED, APPLY, Impl("triton-tma", split_k=3), Impl("triton", ("sc", "st"), split_k=8)}:
+        assert Impl.parse(impl.name) == impl and str(impl) == impl.name
+    choice = {op.name: candidates(fused, op)[-1] for op in fused.ops}
+    assert impls_from_names(impl_names(choice)) == choice
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["", "TRITON", "triton-", "triton-k1", "triton-k03", "triton-gn-sc", "triton-gn-st", "gluon-gn", "gluon-sc-p2",
+     "triton-p2", "cudnn-k2", "triton-tma-sc", "triton-fp8", "triton-kv1", "triton-sc-kv2", "triton-rows-k2",
+     "triton-c0", "fused-sc", "winograd", "triton-fold"],
+)  # fmt: skip
+def test_bad_names_are_one_line_errors(name):
+    with pytest.raises(FastdiffError, match="unknown implementation") as err:
+        Impl.parse(name)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_combinations_are_errors():
+    for kwargs in (dict(kernel="winograd"), dict(kernel="gluon", fusions=("gn",)), dict(kernel="triton", split_k=0),
+                   dict(kernel="cudnn", fp8=True), dict(kernel="triton", fusions=("st", "sc")),
+                   dict(kernel="triton", rows=True, lanes=8)):  # fmt: skip
+        with pytest.raises(FastdiffError, match="invalid implementation"):
+            Impl(**kwargs)
+    assert Impl("triton", split_k=4).with_fusion("gn").with_fusion("sc").name == "triton-sc-gn-k4"
+    assert Impl.parse("triton-sc-gn-k4").without_fusion("gn") == Impl("triton", ("sc",), split_k=4)
+
+
+class Launch:
+    """What the patched ``FusedModel.call`` returns: the (op, implementation) the fake timer looks up."""
+
+    def __init__(self, op, impl) -> None:
+        self.op, self.impl = op, impl
+
+    def __call__(self) -> None:
+        return None
+
+
+def fake_autotune(monkeypatch, fused: FusedModel, times: dict[tuple[str, str], float]) -> None:
+    """``tuning.choose_impls`` with every launch timed from ``times`` ((op, implementation) -> us; 10 otherwise)."""
+    monkeypatch.setattr(tuning, "TUNING_CACHE", {})
+    monkeypatch.setattr(tuning, "tuning_key", lambda model, op: op.name)
+    monkeypatch.setattr(FusedModel, "call", lambda self, op, impl: Launch(op, impl))
+    monkeypatch.setattr(tuning, "time_call_us", lambda call, reps: times.get((call.op.name, call.impl.name), 10.0))
+    tuning.choose_impls(fused, 5)
+
+
+def test_autotune_weighs_a_fusion_by_the_pair(monkeypatch):
+    """conv2 + shortcut + GroupNorm: apart 10 + 4 + 3 us; shortcut summed in 13; norm in the epilogue 14; both 12.5."""
+    fused = engine(monkeypatch, "pow2", 1)
+    conv = "down_blocks.1.resnets.0.conv2"
+    sc, norm = fused.pairs["sc"][conv], fused.pairs["gn"][conv]
+    both = [impl.name for impl in candidates(fused, fused.op_by_name[conv]) if impl.fusions == ("sc", "gn")]
+    times = {(conv, name): 12.5 for name in both}  # every split form too (the others take 10)
+    times |= {(sc.name, impl.name): 4.0 for impl in candidates(fused, sc)}
+    times |= {(norm.name, impl.name): 3.0 for impl in candidates(fused, norm)}
+    fake_autotune(monkeypatch, fused, times)
+    assert fused.impls[conv].name == "triton-sc-gn"
+    assert f"(apart + {sc.name} 4.0 us) (apart + {norm.name} 3.0 us)" in fused.op_by_name[conv].why
+    times |= {(conv, name): 13.5 for name in both}  # now triton-sc (13) wins: the norm apart costs less here
+    fake_autotune(monkeypatch, fused, times)
+    assert fused.impls[conv].name == "triton-sc"
+
+
+def test_autotune_times_the_statistics_form_of_the_norm(monkeypatch):
+    """conv -> GroupNorm with -st offered: apart 10 + 5 us; statistics in the epilogue 10.5 + the apply pass 1."""
+    fused = engine(monkeypatch, "attn_pad0", 1)
+    conv = "conv_in"
+    norm = fused.pairs["st"][conv]
+    st = [impl.name for impl in candidates(fused, fused.op_by_name[conv]) if impl.fuses("st")]
+    times = {(conv, name): 10.5 for name in st} | {(norm.name, "apply"): 1.0}
+    times |= {(norm.name, impl.name): 5.0 for impl in candidates(fused, norm)}
+    fake_autotune(monkeypatch, fused, times)
+    assert fused.impls[conv].name == "triton-st"
+    assert tuning.TUNING_CACHE[norm.name]["apply"] == 1.0
+    assert f"(apart + {norm.name} 5.0 us; after -st 1.0 us)" in fused.op_by_name[conv].why
