@@ -2,8 +2,8 @@
 
 Classes (``OP_CLASSES``):
 
-* convolution: every convolution (cuDNN/cutlass/xmma kernels and their layout transforms, our ``_conv2d``,
-  ``_winograd_*`` and ``_depthwise`` kernels) and every dense matmul (``mm``/``addmm``/``linear``/gemm): in the
+* convolution: every convolution (cuDNN/cutlass/xmma kernels and their layout transforms, our ``_conv2d``
+  and ``_depthwise`` kernels, cuDNN's winograd ones) and every dense matmul (``mm``/``addmm``/``linear``/gemm): in the
   U-Net those are the time MLP and the attention's q/k/v/out projections, which our engine runs as 1x1 convs.
   Our ``_attention_gate_kernel`` counts here too: it is three 1x1 convs around a ReLU and a sigmoid (eager runs
   it as convs plus elementwise ops), not softmax attention.

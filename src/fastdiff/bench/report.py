@@ -1,4 +1,5 @@
-"""Markdown tables and bar charts from bench result JSON files (the README's tables come from here)."""
+"""Markdown tables and bar charts from bench result JSON files (``benchmarks/readme_tables.py`` builds
+docs/results.md and the README's headline table with them)."""
 
 from __future__ import annotations
 

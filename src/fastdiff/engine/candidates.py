@@ -10,7 +10,7 @@
   A conv reading an e4m3 input (``fp8=True``) runs the fp8 TMA conv only, also split-K where its grid leaves SMs
   idle (``triton-tma-fp8[-k<N>]``; the fp16/bf16 TMA conv runs split too, ``triton-tma-k<N>``, when an op's
   implementation is set to it, but is not offered: on the H100 its split forms lost to the gather kernel's at batch 1
-  and to its own unsplit form at batch 256's 4x4 level, the README's "Split-K for the fp8 convs").
+  and to its own unsplit form at batch 256's 4x4 level, docs/engine/fp8.md, "Split-K for the fp8 convs").
 * token GEMM: ``kernels.linear`` or cuBLAS + a torch epilogue; depthwise conv: ``kernels.depthwise_conv2d`` or cuDNN.
 * attention: ``kernels.attention`` (on CUDA also its keys split over 2-8 programs per query block where those leave
   SMs idle, ``triton-kv<N>``, and for at most 512 keys its whole-rows schedule, ``triton-rows``) or torch SDPA.

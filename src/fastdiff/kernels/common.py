@@ -74,8 +74,7 @@ def programmatic_launch(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with programmatic dependent launch (PDL; Hopper and newer, unless
     ``FASTDIFF_PDL=0``): the GPU may launch a kernel as the programs of the one before it in the stream exit,
     without the full drain and launch gap in between; the kernel runs :func:`grid_dependency_sync` before
-    touching memory. It counts where a step is ~120 small kernels in one CUDA graph (batch 1; README, "Programmatic
-    dependent launch")."""
+    touching memory. It counts where a step is ~120 small kernels in one CUDA graph (batch 1; docs/engine/pdl.md)."""
     if device.type != "cuda" or os.environ.get(PDL_ENV, "1") == "0":
         return False
     return _supports_pdl(device.index if device.index is not None else torch.cuda.current_device())

@@ -25,7 +25,7 @@ fp8 stay with the other kernels (:func:`gluon_conv_unsupported`). Gluon kernels 
 interpreter: the tests of this module run on the GPU. Unlike the package's Triton kernels it has no
 ``grid_dependency_sync``, so it launches in plain stream order (no programmatic dependent launch): it waits for every
 kernel before it, and the next kernel's sync waits for it to finish. Measured against the TMA conv on the H100 at
-ddpm-cifar10 batch 256: see the README's "The TMA conv in Gluon".
+ddpm-cifar10 batch 256: see docs/engine/gluon-conv.md.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ batch 1 the gather kernel's small tiles stay faster, and the engine's autotune k
 
 Split-K (``split_k``): the gather kernel's in-launch fix-up (:func:`fastdiff.kernels.conv2d._split_k_reduce`) over
 contiguous ranges of the reduction steps. The engine offers it to the fp8 convs, which have no other kernel, where
-the grid leaves SMs idle (batch 1); the README's "FP8 on Hopper" has the numbers.
+the grid leaves SMs idle (batch 1); docs/engine/fp8.md has the numbers.
 """
 
 from __future__ import annotations

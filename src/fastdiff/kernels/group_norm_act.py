@@ -86,7 +86,7 @@ there) at 0.89-1.0x."""
 E4M3_STORE_RUN: tl.constexpr = tl.constexpr(8)
 """Contiguous channels per e4m3 store (:func:`_finish_tile`). Against the 16-channel runs Triton picks by itself the
 fp8 norms of a ddpm-cifar10 batch-256 step went 1.96 -> 1.78 ms on the H100 (the op tables of the git 4c2ae52 and
-269b3a5 bench runs; the README's "The image-output conv as a tap sum, and e4m3 GroupNorm stores")."""
+269b3a5 bench runs; docs/engine/tap-sum-conv-and-e4m3-stores.md)."""
 
 Design = Literal["auto", "single_pass", "two_phase"]
 
