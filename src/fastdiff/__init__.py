@@ -9,13 +9,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from fastdiff.errors import FastdiffError
+from fastdiff.version import __version__
 
 if TYPE_CHECKING:
     from fastdiff.models import load_unet
     from fastdiff.pipelines import Pipeline, TextToImagePipeline
 
-__all__ = ["FastdiffError", "Pipeline", "TextToImagePipeline", "load_unet"]
-__version__ = "0.1.0"
+__all__ = ["FastdiffError", "Pipeline", "TextToImagePipeline", "__version__", "load_unet"]
 
 _LAZY = {"Pipeline": "fastdiff.pipelines", "TextToImagePipeline": "fastdiff.pipelines", "load_unet": "fastdiff.models"}
 """Public names imported from their module on first access (the modules import torch)."""

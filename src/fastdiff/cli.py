@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fastdiff import __version__
 from fastdiff.cli_args import (
     COMMANDS,
     DEFAULT_MODEL,
@@ -26,12 +25,14 @@ from fastdiff.cli_args import (
     SAMPLERS,
     CommandParser,
     add_command,
+    add_plan_argument,
     check_seed_range,
     finite_nonnegative_float,
     positive_int,
     seed_int,
 )
 from fastdiff.errors import FastdiffError
+from fastdiff.version import __version__
 
 if TYPE_CHECKING:
     import torch
@@ -103,6 +104,7 @@ def add_sample_arguments(p: argparse.ArgumentParser) -> None:
         "U-Nets only)",
     )
     p.add_argument("--device", default="auto", help="auto (GPU if present, else CPU), cpu, cuda or cuda:N")
+    add_plan_argument(p)
     p.add_argument("--out", type=Path, default=Path("samples/grid.png"), help="output PNG grid")
     p.add_argument(
         "--save-dir",
@@ -226,8 +228,9 @@ def run_sample(args: argparse.Namespace) -> int:
         check_output_location(args.save_dir, "--save-dir", folder=True)
     init_image = check_text_flags(args)
     pipe = Pipeline.from_pretrained(
-        args.model, device=args.device, dtype=args.dtype, sampler=args.sampler, steps=args.steps, karras=args.karras
-    )
+        args.model, device=args.device, dtype=args.dtype, sampler=args.sampler, steps=args.steps, karras=args.karras,
+        plan=args.plan,
+    )  # fmt: skip
     params: dict[str, Any] = {"model": str(args.model), "sampler": args.sampler, "steps": pipe.steps, "eta": args.eta}
     if args.karras:
         params["karras"] = True
@@ -269,6 +272,8 @@ def run_sample(args: argparse.Namespace) -> int:
         )
         params.update(width=images[0].width, height=images[0].height)
     seconds = time.perf_counter() - start
+    if pipe.plan_digest is not None:  # the engine's kernels: equal digests, equal kernels
+        params["kernel_plan"] = pipe.plan_digest
     prompts = args.prompt or [None]
     seeds = [args.seed + k for k in range(args.batch * len(prompts))]
     nrow = args.nrow or (args.batch if len(prompts) > 1 else None)

@@ -13,6 +13,7 @@ import argparse
 import importlib
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 from fastdiff.errors import FastdiffError
 
@@ -68,6 +69,10 @@ COMMANDS = {
     "loadtest": (
         "load a running fastdiff server: throughput, latency percentiles, 429s and errors",
         "fastdiff.serve.cli:add_loadtest_arguments",
+    ),
+    "tune": (
+        "make a kernel plan: time each op's kernels for one model and batch on this GPU, write the choice",
+        "fastdiff.tune:add_arguments",
     ),
     "export": (
         "export the U-Net as ONNX (dynamic batch), checked in ONNX Runtime",
@@ -226,3 +231,14 @@ def check_seed_range(first: int, count: int, flag: str = "--seed") -> None:
             f"{flag} {first} with {count} images goes past the largest seed {MAX_SEED}: use a seed <= "
             f"{MAX_SEED - count + 1}"
         )
+
+
+def add_plan_argument(p: argparse.ArgumentParser) -> None:
+    """``--plan FILE``: the kernel plan the engine takes (``fastdiff tune`` writes one)."""
+    p.add_argument(
+        "--plan",
+        type=Path,
+        default=None,
+        help="kernel plan (JSON, from fastdiff tune): the engine runs the kernels it names and times nothing "
+        "(default: a plan shipped for this GPU, or the one the engine made earlier on this machine, else it tunes)",
+    )

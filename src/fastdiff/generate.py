@@ -97,6 +97,7 @@ class GenerateConfig:
     shard_size: int = 1000
     timeout_s: float = 1800.0
     progress: bool = True
+    plan: Path | None = None
 
 
 @dataclass
@@ -473,11 +474,20 @@ def load_pipeline(config: GenerateConfig, device: str):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(RANDOM_INIT_SEED)
         pipe = Pipeline.from_pretrained(
-            config.model, device=device, dtype=config.dtype, sampler=config.sampler, steps=config.steps
-        )
+            config.model, device=device, dtype=config.dtype, sampler=config.sampler, steps=config.steps,
+            plan=config.plan,
+        )  # fmt: skip
     if not isinstance(pipe, Pipeline):
         raise FastdiffError(f"{config.model} is a text-to-image model: fastdiff generate runs unconditional models")
     return pipe
+
+
+def rank0_kernel_plan(pipe, config: GenerateConfig) -> dict[str, Any]:
+    """Rank 0's kernel plan at the job's batch size (its engine builds the batch's forward: from ``--plan``, a
+    shipped or cached plan, or by tuning), as JSON for the other ranks: one plan, the same kernels, the same bytes
+    on any number of ranks."""
+    pipe(batch_size=config.batch, seeds=0, output_type="tensor", progress=False)
+    return pipe.engine.used_plan.to_json()
 
 
 def sample_unit(pipe, unit: Unit, batch: int) -> torch.Tensor:
@@ -629,6 +639,12 @@ def generate_on(config: GenerateConfig, ranks: Ranks) -> GenerateSummary:
         ranks.on_rank0(lambda: remove_empty_folders(config.out_dir, created))
         raise
     plan = ranks.on_rank0(lambda: plan_job(config, job_identity(config, pipe.sample_shape)))
+    if ranks.world_size > 1 and pipe.backend == "engine":  # every rank runs the kernels rank 0 runs
+        from fastdiff.engine.kernel_plan import KernelPlan
+
+        shared = ranks.on_rank0(lambda: rank0_kernel_plan(pipe, config))
+        if ranks.rank != 0:
+            pipe.plan = KernelPlan.from_json(shared, "rank 0's kernel plan")
     setup_seconds = time.perf_counter() - setup_start
     if ranks.rank == 0:
         log.info(
@@ -654,7 +670,8 @@ def generate_on(config: GenerateConfig, ranks: Ranks) -> GenerateSummary:
     )
     if ranks.rank == 0:
         manifest = read_manifest(config.out_dir) or {}
-        write_json_atomic(config.out_dir / MANIFEST, {**manifest, **folder_contents(config.out_dir)})
+        plan_digest = {"kernel_plan": pipe.plan_digest} if pipe.plan_digest else {}
+        write_json_atomic(config.out_dir / MANIFEST, {**manifest, **folder_contents(config.out_dir), **plan_digest})
         write_json_atomic(config.out_dir / SUMMARY, {**summary.to_json(), **run_settings(config)})
     return summary
 
@@ -701,7 +718,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``fastdiff generate`` (sets ``func=run_generate``)."""
-    from fastdiff.cli_args import positive_float, positive_int, seed_int
+    from fastdiff.cli_args import add_plan_argument, positive_float, positive_int, seed_int
 
     defaults = GenerateConfig(model="", num_images=1, out_dir=Path())
     p.description = (
@@ -732,6 +749,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--timeout", type=positive_float, default=defaults.timeout_s, help="seconds a process waits for the others"
     )
+    add_plan_argument(p)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run_generate)
 
@@ -751,6 +769,7 @@ def run_generate(args: argparse.Namespace) -> int:
         shard_size=args.shard_size,
         timeout_s=args.timeout,
         progress=not args.no_progress,
+        plan=args.plan,
     )
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:  # one voice for the job: rank 0 logs, the others only warn

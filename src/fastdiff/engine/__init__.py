@@ -20,10 +20,13 @@ partner op in one launch: ``shortcut``, ``epilogue_norm``), ``weights`` (packing
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -32,14 +35,22 @@ from fastdiff.devices import normalize_device
 from fastdiff.engine.executor import FusedModel
 from fastdiff.engine.fp8 import fp8_unsupported
 from fastdiff.engine.graph import CapturedForward, SamplingLoop, StepModel, channels_last_empty
+from fastdiff.engine.kernel_plan import KernelPlan, cache_plan_path, find_entry, save_to_cache
 from fastdiff.engine.lower import lowering_for, supports
 from fastdiff.engine.tuning import tuning_cache_path
 from fastdiff.engine.weights import WeightStreamer
 from fastdiff.errors import FastdiffError
 from fastdiff.models import step_cache
 from fastdiff.samplers import Sampler
+from fastdiff.version import __version__
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+TUNE_MODES = ("auto", "off", "always")
+"""``Engine(tune=)``: "auto" times the candidates of a forward no kernel plan holds (then caches its plan); "off"
+runs each op's default implementation there instead (no timing, ready fastest, slower steps); "always" ignores
+every plan and times (``fastdiff tune``)."""
 
 DEFAULT_STEPS_PER_GRAPH = 50
 """Steps per captured graph (see graph.py); the GPU check script measures capture time and ms/step per K."""
@@ -83,6 +94,20 @@ class EagerStepModel:
         return step
 
 
+def on_own_device(method: Callable[..., T]) -> Callable[..., T]:
+    """Run an Engine method with the engine's GPU as the current CUDA device: Triton launches, graph capture and
+    replays go to the current device, so an engine on cuda:1 works whichever device is current."""
+
+    @functools.wraps(method)
+    def wrapper(self: Engine, *args: Any, **kwargs: Any) -> T:
+        if self.device.type != "cuda":
+            return method(self, *args, **kwargs)
+        with torch.cuda.device(self.device):
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 def sample_size_of(model: nn.Module, size: tuple[int, int] | None = None) -> tuple[int, int]:
     """(H, W) of the model's samples: ``size`` if given, else the config's ``sample_size``."""
     if size is not None:
@@ -108,8 +133,14 @@ class Engine:
         steps_per_graph: int | None = DEFAULT_STEPS_PER_GRAPH,
         use_graphs: bool = True,
         fp8: bool = False,
+        plan: KernelPlan | str | os.PathLike[str] | None = None,
+        tune: str = "auto",
     ) -> None:
         self.device = normalize_device(device)
+        if tune not in TUNE_MODES:
+            raise FastdiffError(f"tune must be one of {', '.join(TUNE_MODES)}, got {tune!r}")
+        self.plan = plan if isinstance(plan, KernelPlan) or plan is None else KernelPlan.load(plan)
+        self.tune = tune
         if self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise FastdiffError("the engine needs a CUDA GPU (or TRITON_INTERPRET=1 for its CPU test mode)")
         if unet_impl not in ("fused", "eager"):
@@ -126,6 +157,11 @@ class Engine:
         self.current_step_model: FusedModel | EagerStepModel | None = None
         self.timings: dict[str, float] = {}
         self._models: dict[int, nn.Module] = {}  # caches are keyed by id(model): keep those models alive
+        self.gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        self.used_plan = KernelPlan(self.gpu)  # the entry of every fused forward built, as it ran
+        self.plan_sources: dict[str, str] = {}  # by structure: "given", "shipped", "cache", "tuned" or "default"
+        self._digests: dict[int, str] = {}  # id(FusedModel) -> its plan entry's digest
+        self._last_decoder: FusedModel | None = None
 
     def clear(self) -> None:
         """Drop every prepared step model, loop and decoder (their weights and arenas); the next calls rebuild."""
@@ -146,6 +182,11 @@ class Engine:
             model, batch, dtype, self.device, self.conv_impl, self.attention_impl, WeightStreamer(self.device),
             size=size, context_tokens=context_tokens, fp8=self.fp8 and role == "step",
         )  # fmt: skip
+        structure = fused.structure()
+        label = f"{type(model).__name__} {role} batch {batch} {fused.height}x{fused.width} {dtype}".replace(
+            "torch.", ""
+        )
+        source = self._apply_plan(fused, structure, label)
         x_in = channels_last_empty(fused.x_in_value.shape, dtype, self.device).normal_()
         if fused.context is not None:
             fused.context.normal_()
@@ -154,11 +195,57 @@ class Engine:
         self._sync()
         self.timings[f"{role}_first_forward_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
-        fused.autotune(x_in)
+        if source is None and self.tune != "off":
+            fused.autotune(x_in)
+            source = "tuned" if self.device.type == "cuda" else "default"
+        else:
+            fused.bind(x_in)
+            fused.drop_unused_weights()
+            source = source or "default"
         self._sync()
         self.timings[f"{role}_autotune_s"] = time.perf_counter() - t1
         self.timings[f"{role}_ops_timed"] = fused.ops_timed
+        made_by = {"how": source, "fastdiff": __version__, "torch": torch.__version__}
+        entry = fused.plan_entry(label, made_by)
+        if source == "tuned":
+            save_to_cache(self.gpu, structure, entry)
+            log.info("tuned %s: its kernel plan is in %s", label, cache_plan_path(self.gpu))
+        self.used_plan.add(structure, entry)
+        self.plan_sources[structure] = source
+        self._digests[id(fused)] = entry.digest()
         return fused
+
+    def _apply_plan(self, fused: FusedModel, structure: str, label: str) -> str | None:
+        """Take ``fused``'s implementations from a kernel plan (the given one, a shipped one, or the cache's) and
+        say which; None where no plan holds this forward or the one that does cannot be used here (said in one
+        log line): then the engine tunes (``tune="auto"``) or runs each op's default (``tune="off"``)."""
+        if self.tune == "always":
+            return None
+        found = find_entry(self.gpu, structure, self.plan)
+        if found is None:
+            if self.plan is not None:
+                log.warning("the kernel plan has no entry for %s on %s: %s", label, self.gpu,
+                            "tuning it" if self.tune == "auto" else "default kernels")  # fmt: skip
+            return None
+        entry, source = found
+        why = fused.apply_plan(entry)
+        if why is not None:
+            log.warning("the %s kernel plan for %s cannot be used (%s): %s", source, label, why,
+                        "tuning instead" if self.tune == "auto" else "default kernels")  # fmt: skip
+            return None
+        return source
+
+    @property
+    def plan_digest(self) -> str | None:
+        """The kernel plan digest of what the last sampling run and decode ran (step model, then the decoder
+        joined by "+"): equal digests, equal kernels. None before any fused forward."""
+        parts = [self._digests.get(id(m)) for m in (self.current_step_model, self._last_decoder) if m is not None]
+        parts = [p for p in parts if p]
+        return "+".join(parts) or None
+
+    def save_plan(self, path: str | os.PathLike[str]) -> Path:
+        """Write the kernel plan this engine used (every fused forward built so far) to ``path``."""
+        return self.used_plan.save(path)
 
     def step_model(
         self, model: nn.Module, batch: int, dtype: torch.dtype, size: tuple[int, int] | None = None,
@@ -184,6 +271,7 @@ class Engine:
         return self.step_models[key]
 
     @torch.no_grad()
+    @on_own_device
     def prepare(
         self, model: nn.Module, sampler: Sampler, batch: int, dtype: torch.dtype, *,
         size: tuple[int, int] | None = None, guided: bool = False, context_tokens: int | None = None,
@@ -226,6 +314,7 @@ class Engine:
         _, self.current, self.current_step_model = self.loops[key]
         return self.current
 
+    @on_own_device
     def run(
         self, x_t: torch.Tensor, seeds: torch.Tensor, num_steps: int | None = None, *,
         context: torch.Tensor | None = None, guidance: torch.Tensor | None = None, scale: bool = True,
@@ -253,6 +342,7 @@ class Engine:
         return self.run(x_t, seeds)
 
     @torch.no_grad()
+    @on_own_device
     def decode(self, vae: nn.Module, latents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``vae.decode(latents / scaling_factor)`` on the fused engine, replayed as a CUDA graph (built and
         autotuned once per (batch, size, dtype)); fp32 images [B, 3, 8h, 8w], unclamped."""
@@ -266,6 +356,7 @@ class Engine:
             x_in = channels_last_empty(fused.x_in_value.shape, dtype, self.device)
             self.decoders[key] = (fused, CapturedForward(fused.forward_from_row, x_in, self.use_graphs))
             self.timings["decoder_build_s"] = time.perf_counter() - t0
+        self._last_decoder = self.decoders[key][0]
         out = self.decoders[key][1].run(latents.to(self.device, dtype))
         return out.to(torch.float32, copy=True)  # the graph's output buffer is overwritten by the next decode
 

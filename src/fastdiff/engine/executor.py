@@ -56,8 +56,9 @@ from fastdiff.engine.epilogue_norm import EPILOGUE_NORM, EPILOGUE_STATS
 from fastdiff.engine.fp8 import fp8_unsupported, mark_fp8_convs
 from fastdiff.engine.fusion import Fusion
 from fastdiff.engine.graph import channels_last_empty
-from fastdiff.engine.impl import Impl
+from fastdiff.engine.impl import Impl, impl_names
 from fastdiff.engine.ir import GraphBuilder, Op, Value, shallow_slice
+from fastdiff.engine.kernel_plan import PlanEntry, structure_digest
 from fastdiff.engine.lower import lowering_for
 from fastdiff.engine.plan import BufferSpec, MemoryPlan, plan_memory
 from fastdiff.engine.shortcut import SHORTCUT
@@ -396,6 +397,44 @@ class FusedModel:
         if self._context_calls:  # the timing overwrote the K/V buffers: recompute them from the context
             for call in self._context_calls:
                 call()
+
+    def structure(self) -> str:
+        """What a kernel plan entry for this forward is keyed by (:func:`fastdiff.engine.kernel_plan.structure_digest`):
+        the ops and their shapes, the dtype, the fusion pairs, the implementation families allowed and fp8."""
+        extra = {
+            "pairs": sorted((tag, conv, p.name) for tag, pairs in self.pairs.items() for conv, p in pairs.items()),
+            "conv_impl": self.conv_impl,
+            "attention_impl": self.attention_impl,
+        }
+        return structure_digest(self.ops, str(self.dtype), extra)
+
+    def plan_entry(self, label: str = "", made_by: dict | None = None) -> PlanEntry:
+        """The choice this forward binds (every op's implementation) as a kernel plan entry."""
+        return PlanEntry(impl_names({op.name: self.impls[op.name] for op in self.ops}), label, dict(made_by or {}))
+
+    def apply_plan(self, entry: PlanEntry) -> str | None:
+        """Take every op's implementation from ``entry`` (before the first forward: then only those kernels
+        compile); None when applied, else why not (an op it lacks, a name this version does not know, or one that
+        is not a candidate of its op here), and nothing is changed."""
+        chosen: dict[str, Impl] = {}
+        for op in self.ops:
+            name = entry.choices.get(op.name)
+            if name is None:
+                return f"it has no implementation for op {op.name}"
+            try:
+                impl = Impl.parse(name)
+            except FastdiffError as exc:
+                return str(exc)
+            partner_forms = [f.partner_impl for f in self.fusions if any(p is op for p in self.pairs[f.tag].values())]
+            if impl not in candidates(self, op) and impl not in partner_forms:
+                return f"{name} is not an implementation of op {op.name} here"
+            chosen[op.name] = impl
+        if len(entry.choices) != len(chosen):
+            return "it names ops this model does not have"
+        self.impls.update(chosen)
+        for op in self.ops:
+            op.why = "kernel plan"
+        return None
 
     def time_ops(self, reps: int = 20) -> list[float]:
         """Microseconds of each op of ``step_ops`` (in order) with its chosen implementation, timed like

@@ -22,7 +22,7 @@ from fastdiff.engine.candidates import gluon_fits
 from fastdiff.engine.fusion import BoundModel, Fusion
 from fastdiff.engine.impl import Impl
 from fastdiff.engine.ir import Op, Value
-from fastdiff.engine.tuning import time_call_us
+from fastdiff.engine.tuning import candidate_times
 from fastdiff.kernels.conv2d_tma import tma_conv_unsupported
 
 
@@ -92,10 +92,13 @@ class ShortcutFusion(Fusion):
         return {"shortcut_in": (sc_in.shape, sc_in.concat is not None)}
 
     def partner_us(self, model: BoundModel, conv: Op, partner: Op, reps: int) -> float:
-        """The shortcut's best time when the autotune timed it (it runs before its conv2), else its launch now."""
+        """The shortcut's best time when the autotune timed it (it runs before its conv2), else its bound
+        implementation's, through the tuning cache like every other timing (a time taken afresh in each process
+        would let two processes with the same cache choose differently)."""
         if partner.times_us:
             return min(partner.times_us.values())
-        return time_call_us(model.call(partner, model.impls[partner.name]), reps)
+        impl = model.impls[partner.name]
+        return candidate_times(model, partner, (impl,), reps)[impl]
 
     def saved_bytes(self, partner: Op, elem_bytes: int) -> int:
         return 2 * math.prod(partner.output.shape) * elem_bytes  # the shortcut's output: written, read back

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fastdiff.devices import DTYPES
+from fastdiff.engine.kernel_plan import KernelPlan
 from fastdiff.errors import FastdiffError
 
 if TYPE_CHECKING:
@@ -72,18 +73,44 @@ class EnginePipeline:
     """The part of a pipeline that owns its device, its backend and (for backend "engine") its
     ``fastdiff.engine.Engine``, created on first use."""
 
-    def __init__(self, device: torch.device | str, backend: str | None, fp8: bool = False) -> None:
+    def __init__(
+        self,
+        device: torch.device | str,
+        backend: str | None,
+        fp8: bool = False,
+        plan: KernelPlan | str | os.PathLike[str] | None = None,
+        tune: str = "auto",
+    ) -> None:
         self.device = torch.device(device)
         self.backend = resolve_backend(backend, self.device)
         self.fp8 = fp8
+        from fastdiff.engine import TUNE_MODES
+
+        if tune not in TUNE_MODES:
+            raise FastdiffError(f"tune must be one of {', '.join(TUNE_MODES)}, got {tune!r}")
+        self.plan = load_plan(plan)
+        self.tune = tune
         self._engine: Engine | None = None
 
     @property
     def engine(self) -> Engine:
         """The pipeline's ``fastdiff.engine.Engine`` (created on first use; backend "engine" only; its fp8 mode
-        with ``fp8``)."""
+        with ``fp8``, its kernel plan ``plan`` and ``tune`` mode: ``fastdiff.engine.kernel_plan``)."""
         if self._engine is None:
             from fastdiff.engine import Engine
 
-            self._engine = Engine(self.device, fp8=self.fp8)
+            self._engine = Engine(self.device, fp8=self.fp8, plan=self.plan, tune=self.tune)
         return self._engine
+
+    @property
+    def plan_digest(self) -> str | None:
+        """The digest of the kernels the last call ran (``Engine.plan_digest``); None on the eager backend."""
+        return self._engine.plan_digest if self._engine is not None else None
+
+
+def load_plan(plan: KernelPlan | str | os.PathLike[str] | None) -> KernelPlan | None:
+    """A kernel plan argument read now (a file path, a ``KernelPlan`` or None), so a bad file fails before any
+    model loads (one line)."""
+    if plan is None or isinstance(plan, KernelPlan):
+        return plan
+    return KernelPlan.load(plan)

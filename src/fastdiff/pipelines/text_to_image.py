@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import torch
 from PIL import Image
 
 from fastdiff.devices import resolve_device, resolve_dtype, warn_slow_dtype
+from fastdiff.engine.kernel_plan import KernelPlan
 from fastdiff.errors import FastdiffError
 from fastdiff.images import to_pil
 from fastdiff.models import step_cache
@@ -31,7 +33,7 @@ from fastdiff.models.stable_diffusion import (
     load_stable_diffusion,
     resolve_pipeline_dir,
 )
-from fastdiff.pipelines.base import EnginePipeline, check_output_type, expand_seeds, resolve_backend
+from fastdiff.pipelines.base import EnginePipeline, check_output_type, expand_seeds, load_plan, resolve_backend
 from fastdiff.samplers import SAMPLERS, Sampler, ScheduleConfig, initial_noise, make_sampler, run_sampler, seed_tensor
 from fastdiff.samplers.noise import draw
 
@@ -125,8 +127,10 @@ class TextToImagePipeline(EnginePipeline):
         dtype: torch.dtype = torch.float32,
         karras: bool | None = None,
         backend: str | None = None,
+        plan: KernelPlan | str | os.PathLike[str] | None = None,
+        tune: str = "auto",
     ) -> None:
-        super().__init__(device, backend)
+        super().__init__(device, backend, plan=plan, tune=tune)
         self.components = components
         self.unet, self.vae = components.unet, components.vae
         self.vae_scale = vae_scale_factor(self.vae.config)
@@ -148,6 +152,8 @@ class TextToImagePipeline(EnginePipeline):
         steps: int = 50,
         karras: bool | None = None,
         backend: str | None = None,
+        plan: KernelPlan | str | os.PathLike[str] | None = None,
+        tune: str = "auto",
     ) -> TextToImagePipeline:
         """Load a local diffusers ``StableDiffusionPipeline`` directory or a bundled text-to-image preset name
         (e.g. "fashion-mnist-t2i"; ``load_stable_diffusion``).
@@ -156,6 +162,7 @@ class TextToImagePipeline(EnginePipeline):
         """
         if sampler not in SAMPLERS:
             raise FastdiffError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
+        plan = load_plan(plan)  # a bad plan file fails before the weights load
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype)
         backend = resolve_backend(backend, dev)
@@ -166,8 +173,9 @@ class TextToImagePipeline(EnginePipeline):
             components.text_encoder.to(dev)
             components.vae.to(dev)
         return cls(
-            components, sampler=sampler, steps=steps, device=dev, dtype=torch_dtype, karras=karras, backend=backend
-        )
+            components, sampler=sampler, steps=steps, device=dev, dtype=torch_dtype, karras=karras, backend=backend,
+            plan=plan, tune=tune,
+        )  # fmt: skip
 
     def uses_engine(self, latent_shape: tuple[int, int, int]) -> bool:
         """Whether a call at ``latent_shape`` runs on the engine: backend "engine" and latent sides that every

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from fastdiff.devices import resolve_device, resolve_dtype, warn_slow_dtype
+from fastdiff.engine.kernel_plan import KernelPlan
 from fastdiff.errors import FastdiffError
 from fastdiff.images import to_pil
 from fastdiff.models import load_unet, step_cache
@@ -22,6 +24,7 @@ from fastdiff.pipelines.base import (
     check_fp8,
     check_output_type,
     expand_seeds,
+    load_plan,
 )
 from fastdiff.samplers import Sampler, ScheduleConfig, initial_noise, make_sampler, run_sampler, seed_tensor
 
@@ -55,10 +58,12 @@ class Pipeline(EnginePipeline):
         backend: str | None = None,
         karras: bool | None = None,
         fp8: bool = False,
+        plan: KernelPlan | str | os.PathLike[str] | None = None,
+        tune: str = "auto",
     ) -> None:
         if fp8:
             backend = check_fp8(torch.device(device), dtype, backend)
-        super().__init__(device, backend, fp8)
+        super().__init__(device, backend, fp8, plan, tune)
         if fp8:
             from fastdiff.engine.lower import lowering_for
 
@@ -82,6 +87,8 @@ class Pipeline(EnginePipeline):
         steps: int | None = None,
         backend: str | None = None,
         karras: bool | None = None,
+        plan: KernelPlan | str | os.PathLike[str] | None = None,
+        tune: str = "auto",
     ) -> Pipeline | TextToImagePipeline:
         """Load a preset name or a local diffusers/fastdiff model directory (default 100 steps).
 
@@ -102,9 +109,18 @@ class Pipeline(EnginePipeline):
                 )
             steps = 50 if steps is None else steps
             return TextToImagePipeline.from_pretrained(
-                path_or_preset, device, dtype, sampler=sampler, steps=steps, karras=karras, backend=backend
+                path_or_preset,
+                device,
+                dtype,
+                sampler=sampler,
+                steps=steps,
+                karras=karras,
+                backend=backend,
+                plan=plan,
+                tune=tune,
             )
         steps = 100 if steps is None else steps
+        plan = load_plan(plan)  # a bad plan file fails before the weights load
         dev = resolve_device(device)
         torch_dtype = torch.float16 if fp8 else resolve_dtype(dtype)
         if fp8:
@@ -114,7 +130,7 @@ class Pipeline(EnginePipeline):
         schedule = ScheduleConfig.from_diffusers(getattr(unet, "scheduler_config", None))
         return cls(
             unet, schedule, sampler=sampler, steps=steps, device=dev, dtype=torch_dtype, backend=backend,
-            karras=karras, fp8=fp8,
+            karras=karras, fp8=fp8, plan=plan, tune=tune,
         )  # fmt: skip
 
     @property
