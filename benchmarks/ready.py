@@ -1,0 +1,155 @@
+"""Time to ready, in fresh processes, and whether they give the same bytes: the engine's load-to-first-image.
+
+    python benchmarks/ready.py --model ddpm-cifar10 --batch 256 --plan plan.json --cold 2 --warm 5 --out ready.json
+
+Each run is a new Python process (``--child``) that imports fastdiff, loads the model, samples one batch (the first
+call: weight upload, kernel compile or load, the kernel plan or tuning, graph capture, the steps) and a second
+one (the steady state), and prints its phases and a SHA-256 of each image's uint8 bytes. ``cold`` runs start with
+empty Triton and fastdiff caches (a kernel plan still applies when ``--plan`` gives one); ``warm`` runs share
+caches filled by one untimed run before them. The result gives best / worst / mean of every phase per mode, and
+how many images differ between the runs (0: the same seed gave the same bytes in every process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+START = time.perf_counter()
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+PHASES = (
+    "import_s", "load_s", "first_forward_s", "plan_or_tune_s", "capture_s", "first_call_s", "to_first_image_s",
+    "process_s", "step_ms",
+)  # fmt: skip
+
+
+def child(args: argparse.Namespace) -> None:
+    import torch
+
+    import fastdiff
+    from fastdiff.devices import synchronize
+
+    t_import = time.perf_counter()
+    torch.manual_seed(0)  # a preset without weights gets the same random weights in every process
+    pipe = fastdiff.Pipeline.from_pretrained(
+        args.model, device="cuda", dtype=args.dtype, sampler=args.sampler, steps=args.steps, plan=args.plan
+    )
+    synchronize(pipe.device)
+    t_load = time.perf_counter()
+    images = pipe(batch_size=args.batch, seeds=0, output_type="tensor", progress=False)
+    pixels = ((images.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu()
+    t_first = time.perf_counter()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    pipe(batch_size=args.batch, seeds=0, output_type="tensor", progress=False)
+    end.record()
+    end.synchronize()
+    timings = pipe.engine.timings
+    print(
+        json.dumps(
+            {
+                "import_s": t_import - START,
+                "load_s": t_load - t_import,
+                "first_forward_s": timings.get("step_first_forward_s"),
+                "plan_or_tune_s": timings.get("step_autotune_s"),
+                "capture_s": timings.get("loop_s"),
+                "first_call_s": t_first - t_load,
+                "to_first_image_s": t_first - START,
+                "step_ms": start.elapsed_time(end) / args.steps,
+                "ops_timed": timings.get("step_ops_timed"),
+                "plan_sources": sorted(set(pipe.engine.plan_sources.values())),
+                "plan_digest": pipe.plan_digest,
+                "image_sha256": [hashlib.sha256(p.numpy().tobytes()).hexdigest()[:16] for p in pixels],
+            }
+        )
+    )
+
+
+def one_run(args: argparse.Namespace, env: dict[str, str]) -> dict:
+    argv = [sys.executable, __file__, "--child", "--model", args.model, "--batch", str(args.batch), "--dtype",
+            args.dtype, "--sampler", args.sampler, "--steps", str(args.steps)]  # fmt: skip
+    if args.plan:
+        argv += ["--plan", args.plan]
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0:
+        raise SystemExit(f"child failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    row["process_s"] = time.perf_counter() - t0
+    return row
+
+
+def summarize(rows: list[dict]) -> dict:
+    out = {"runs": len(rows)}
+    for phase in PHASES:
+        values = [r[phase] for r in rows if r.get(phase) is not None]
+        if values:
+            out[phase] = {"best": min(values), "worst": max(values), "mean": statistics.fmean(values)}
+    out["plan_sources"] = sorted({s for r in rows for s in r["plan_sources"]})
+    out["plan_digests"] = sorted({r["plan_digest"] or "" for r in rows})
+    out["ops_timed"] = [r["ops_timed"] for r in rows]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", default="ddpm-cifar10")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", default="fp16")
+    p.add_argument("--sampler", default="ddim")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--plan", default=None, help="kernel plan file given to every run")
+    p.add_argument("--cold", type=int, default=1, help="runs with empty Triton and fastdiff caches")
+    p.add_argument("--warm", type=int, default=5, help="runs with caches filled by one untimed run")
+    p.add_argument("--timeout", type=float, default=560)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    if args.child:
+        child(args)
+        return
+    from fastdiff.atomic import write_text_atomic
+    from fastdiff.bench.env import environment
+
+    result = {"what": "time to ready and first image in fresh processes; image bytes compared across them",
+              "config": {k: v for k, v in vars(args).items() if k not in ("child", "out")},
+              "environment": environment(), "modes": {}}  # fmt: skip
+    hashes = []
+    for mode, runs in (("cold", args.cold), ("warm", args.warm)):
+        if runs <= 0:
+            continue
+        shared = tempfile.mkdtemp(prefix="ready-")
+        rows = []
+        for i in range(runs + (mode == "warm")):
+            where = shared if mode == "warm" else tempfile.mkdtemp(prefix="ready-cold-")
+            env = {**os.environ, "TRITON_CACHE_DIR": f"{where}/triton", "FASTDIFF_CACHE_DIR": f"{where}/fastdiff",
+                   "TORCHINDUCTOR_CACHE_DIR": f"{where}/inductor"}  # fmt: skip
+            row = one_run(args, env)
+            print(mode, i, {k: row[k] for k in ("to_first_image_s", "plan_or_tune_s", "step_ms", "plan_sources")},
+                  flush=True)  # fmt: skip
+            hashes.append(row.pop("image_sha256"))
+            if mode == "warm" and i == 0:
+                continue  # fills the caches
+            rows.append(row)
+        result["modes"][mode] = {"summary": summarize(rows), "rows": rows}
+    differing = sum(len(set(column)) > 1 for column in zip(*hashes, strict=True))
+    result["images_differing_between_processes"] = {"images": len(hashes[0]), "processes": len(hashes),
+                                                    "differing": differing}  # fmt: skip
+    print(json.dumps({m: v["summary"] for m, v in result["modes"].items()}, indent=1))
+    print("images differing between processes:", result["images_differing_between_processes"])
+    if args.out:
+        write_text_atomic(args.out, json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
