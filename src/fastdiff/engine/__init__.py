@@ -186,8 +186,8 @@ class Engine:
         label = f"{type(model).__name__} {role} batch {batch} {fused.height}x{fused.width} {dtype}".replace(
             "torch.", ""
         )
-        source = self._apply_plan(fused, structure, label)
         x_in = channels_last_empty(fused.x_in_value.shape, dtype, self.device).normal_()
+        source = self._apply_plan(fused, structure, label, x_in)
         if fused.context is not None:
             fused.context.normal_()
         fused.forward(x_in, torch.zeros(1, dtype=torch.int64, device=self.device))  # early-start forward
@@ -215,7 +215,7 @@ class Engine:
         self._digests[id(fused)] = entry.digest()
         return fused
 
-    def _apply_plan(self, fused: FusedModel, structure: str, label: str) -> str | None:
+    def _apply_plan(self, fused: FusedModel, structure: str, label: str, x_in: torch.Tensor) -> str | None:
         """Take ``fused``'s implementations from a kernel plan (the given one, a shipped one, or the cache's) and
         say which; None where no plan holds this forward or the one that does cannot be used here (said in one
         log line): then the engine tunes (``tune="auto"``) or runs each op's default (``tune="off"``)."""
@@ -228,7 +228,7 @@ class Engine:
                             "tuning it" if self.tune == "auto" else "default kernels")  # fmt: skip
             return None
         entry, source = found
-        why = fused.apply_plan(entry)
+        why = fused.apply_plan(entry, x_in)
         if why is not None:
             log.warning("the %s kernel plan for %s cannot be used (%s): %s", source, label, why,
                         "tuning instead" if self.tune == "auto" else "default kernels")  # fmt: skip

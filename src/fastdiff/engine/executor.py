@@ -412,10 +412,13 @@ class FusedModel:
         """The choice this forward binds (every op's implementation) as a kernel plan entry."""
         return PlanEntry(impl_names({op.name: self.impls[op.name] for op in self.ops}), label, dict(made_by or {}))
 
-    def apply_plan(self, entry: PlanEntry) -> str | None:
-        """Take every op's implementation from ``entry`` (before the first forward: then only those kernels
-        compile); None when applied, else why not (an op it lacks, a name this version does not know, or one that
-        is not a candidate of its op here), and nothing is changed."""
+    def apply_plan(self, entry: PlanEntry, x_in: torch.Tensor) -> str | None:
+        """Take every op's implementation from ``entry`` (before the first forward, whose input ``x_in`` is: then
+        only those kernels compile); None when applied, else why not (an op it lacks, a name this version does not
+        know, or one that is not a candidate of its op here: the fit checks read the input's layout), and nothing
+        is changed."""
+        self._check_input(x_in)
+        self._x_in, self.tensors = x_in, {}
         chosen: dict[str, Impl] = {}
         for op in self.ops:
             name = entry.choices.get(op.name)
