@@ -1,10 +1,11 @@
 # Quickstart targets: `make sample` and `make test`. Both create .venv and install what they need.
+# `make test-full` runs the slow tests that `make test` leaves out; CI (.ci/run) runs both.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 FMNIST := /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: sample test lint venv data test-data clean chromium
+.PHONY: sample test test-full lint venv data test-data clean chromium
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -50,8 +51,13 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 
+# make test: lint, then every test not marked slow (a few minutes on a 2-core CPU: one fast test of each area at least).
 test: venv test-data chromium lint
-	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q
+	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q -m "not slow"
+
+# make test-full: the tests marked slow (engine vs diffusers, big fused models, torchrun, training runs, ...), the rest.
+test-full: venv test-data chromium
+	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q -m slow
 
 clean:
 	rm -rf $(VENV) samples .pytest_cache .ruff_cache

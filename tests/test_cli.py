@@ -156,6 +156,7 @@ def test_cuda_without_gpu_is_a_one_line_error(tiny_model_dir, tmp_path, capsys):
     assert "no CUDA GPU" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_directory_without_weights(tmp_path, capsys):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text('{"_class_name": "UNet2DModel"}')

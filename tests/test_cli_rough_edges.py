@@ -276,6 +276,7 @@ def seconds(*argv: str) -> float:
     return min(times)
 
 
+@pytest.mark.slow
 def test_version_and_help_answer_at_once():
     """Against this machine's own torch import, so that a slow machine does not flake and a fast one still sees
     torch come back: ~0.05 s here for each, ~1 s for ``import torch``."""

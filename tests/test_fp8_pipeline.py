@@ -98,6 +98,7 @@ def test_pipeline_fp8_arguments_are_checked_in_init(monkeypatch):
         Pipeline(model, schedule, device=cpu, dtype=torch.float16, fp8=True)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(fp8_supported(DEVICE) is not None, reason="fp8 needs a Hopper GPU or Triton's interpreter")
 def test_fp8_pipeline_samples_close_to_fp16():
     """Two DDIM steps (t = 500, 0) of a tiny U-Net: the fp8 engine's images are finite and within 15% of the fp16

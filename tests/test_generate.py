@@ -107,6 +107,7 @@ def test_single_process_writes_each_seed_once(reference, tiny_model):
     assert not np.array_equal(expected[0], expected[1])
 
 
+@pytest.mark.slow
 def test_torchrun_rank_failure_then_rerun_is_identical_to_one_process(reference, tiny_model, tmp_path):
     out = tmp_path / "out"
     (out / "000005.png").mkdir(parents=True)  # a folder where seed 5 goes: rank 1's first chunk cannot be written
@@ -150,6 +151,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_killed_rank_then_single_process_rerun_finishes_identically(reference, tiny_model, tmp_path):
     out = tmp_path / "out"
     script = tmp_path / "kill_rank_1.py"

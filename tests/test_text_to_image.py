@@ -359,6 +359,7 @@ def test_unconditional_only_commands_refuse_text_models_in_one_line(sd15, tmp_pa
     assert not any(out_dir.glob("*.png"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("img2img", [False, True], ids=["text", "img2img"])
 def test_engine_backend_matches_diffusers(sd15, img2img, monkeypatch):
     """The engine backend (fused U-Net loop with guidance in the sampler-step kernel, fused VAE decode; the Triton

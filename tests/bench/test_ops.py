@@ -85,6 +85,7 @@ def test_step_op_rows_of_a_real_fused_model(monkeypatch):
     assert sum(c["ms"] for c in table["classes"].values()) == pytest.approx(table["ops_ms_per_step"])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors need the Triton interpreter (off with a GPU)")
 def test_engine_op_table_glue_on_the_interpreter(monkeypatch):
     """The whole table of an engine system (Triton interpreter; the CUDA-graph timers and the profiler stubbed):

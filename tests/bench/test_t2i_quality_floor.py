@@ -8,6 +8,8 @@ import pytest
 
 from fastdiff.errors import FastdiffError
 
+pytestmark = pytest.mark.slow
+
 
 def test_quality_script_measures_the_floors(tmp_path):
     """--floor: FD-FMNIST of real training images and of their VAE reconstructions, and the classifier's accuracy

@@ -47,6 +47,7 @@ def test_fused_matches_eager(tiny_name, tiny_model, impls):
     assert_two_forwards_match_eager(fused, model, seed=7)
 
 
+@pytest.mark.slow
 def test_split_k_convs_match_eager(tiny_model):
     """Every conv on the split-K gather kernel (``triton-k3``, the implementation autotune may pick where a conv's
     grid leaves SMs idle) and every attention split over its keys (``triton-kv2``), sharing one workspace, two
@@ -106,6 +107,7 @@ def test_shortcut_summed_in_the_gluon_conv_matches_unfused(impl):
     assert all(fused.impls[sc.name] == FUSED for sc in fused.pairs["sc"].values())
 
 
+@pytest.mark.slow
 def test_split_k_tma_convs_match_eager(tiny_model):
     """Every conv the TMA kernel can run (stride 1, TMA-aligned: the 8- and 16-channel convs of the pow2 U-Net, on
     CUDA its Upsample2D too) on it split three ways (``triton-tma-k3``: the engine path of the fp8 convs' split-K,
@@ -138,6 +140,7 @@ def force_pair_impl(fused: FusedModel, convs, impl: str) -> None:
         fused.impls[name] = Impl.parse(impl).with_fusion("sc") if name in fused.pairs["sc"] else Impl.parse(impl)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["triton-gn", "triton-gn-k3"])
 def test_group_norm_in_conv_epilogue_matches_eager(tiny_model, impl):
     """Every conv whose output a GroupNorm reads (8x8 and 4x4 images) with that norm in its epilogue, split-K or not,
@@ -158,6 +161,7 @@ def test_group_norm_in_conv_epilogue_matches_eager(tiny_model, impl):
     assert launched == len(fused.step_ops) - len(fused.pairs["gn"]) - summed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "impl"), [("attn_pad0", "triton-st"), ("pow2", "triton-st-k3")])
 def test_group_norm_statistics_in_conv_epilogue_match_eager(tiny_model, name, impl):
     """Every conv whose output a GroupNorm reads writes that norm's partial statistics (``-st``; groups of 3
@@ -175,6 +179,7 @@ def test_group_norm_statistics_in_conv_epilogue_match_eager(tiny_model, name, im
     assert sorted(fused.fusion_state["st"]) == sorted(norm.name for norm in fused.pairs["st"].values())
 
 
+@pytest.mark.slow
 def test_epilogue_norms_in_the_shallow_forward(tiny_model):
     """With the step cache's shallow forward (only the ops its output needs, on the kept deep feature), every pair
     runs in both forwards or in neither: the shallow forward with all norms in their convs' epilogues equals the
@@ -245,7 +250,7 @@ def test_layer_table(tiny_model):
     assert kinds == {"conv", "group_norm", "attention"}  # no copies (concat parts are slices), upsample in the conv
 
 
-@pytest.mark.parametrize("impls", [("triton", "triton"), ("cudnn", "sdpa")])
+@pytest.mark.parametrize("impls", [pytest.param(("triton", "triton"), marks=pytest.mark.slow), ("cudnn", "sdpa")])
 def test_fused_convnext_matches_eager(impls):
     torch.manual_seed(zlib.crc32(str(impls).encode()) % 1000)
     config = ConvNeXtUNetConfig(sample_size=10, in_channels=3, out_channels=2, base_dim=5, dim_mults=(1, 2),

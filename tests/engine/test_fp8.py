@@ -69,6 +69,7 @@ FP8_UNET = dict(
 """Channels that are multiples of 16 (what the fp8 conv's TMA rows need), attention whose norm feeds a GEMM."""
 
 
+@pytest.mark.slow
 @needs_fp8
 def test_fp8_forward_against_float64_and_fp16():
     torch.manual_seed(0)

@@ -19,7 +19,13 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA
 
 @pytest.mark.parametrize(
     ("sampler_name", "unet_impl"),
-    [("ddpm", "fused"), ("dpmsolver++", "eager"), ("ddim", "eager"), ("unipc", "fused"), ("euler_a", "eager")],
+    [
+        pytest.param("ddpm", "fused", marks=pytest.mark.slow),
+        ("dpmsolver++", "eager"),
+        ("ddim", "eager"),
+        pytest.param("unipc", "fused", marks=pytest.mark.slow),
+        ("euler_a", "eager"),
+    ],
 )
 def test_engine_loop_matches_reference(tiny_model, sampler_name, unet_impl):
     """In-kernel noise (ddpm, euler_a), history (dpmsolver++, unipc's two x0 and its corrector), clipping
@@ -78,7 +84,7 @@ def test_graph_replay_equals_eager(tiny_model, dtype):
     assert torch.equal(graphs.run(x_t, seeds), out_g)  # replays are deterministic, noise included
 
 
-@pytest.mark.parametrize("unet_impl", ["eager", "fused"])
+@pytest.mark.parametrize("unet_impl", ["eager", pytest.param("fused", marks=pytest.mark.slow)])
 def test_convnext_in_the_loop(unet_impl):
     """ConvNeXtUNet: fused, or its own forward (unet_impl="eager") inside the engine's loop."""
     from fastdiff.models.convnext_unet import ConvNeXtUNet, ConvNeXtUNetConfig

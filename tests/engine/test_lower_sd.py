@@ -42,8 +42,8 @@ def make_unet(config: dict, seed: int) -> UNet2DConditionModel:
     return randomize_norms(UNet2DConditionModel(cfg), seed).eval()
 
 
-@pytest.mark.parametrize("impls", [("triton", "triton"), ("cudnn", "sdpa")])
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("impls", [("triton", "triton"), pytest.param(("cudnn", "sdpa"), marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", [n if n == "sd15" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(CASES)])
 def test_fused_unet_2d_condition_matches_eager(name, impls):
     config, batch, size, tokens = CASES[name]
     model = make_unet(config, seed=len(name)).to(DEVICE)
@@ -67,6 +67,7 @@ def test_fused_unet_2d_condition_matches_eager(name, impls):
         assert out.is_contiguous(memory_format=torch.channels_last)
 
 
+@pytest.mark.slow
 def test_fused_unet_context_is_projected_once_per_set_context():
     config, batch, size, tokens = IRREGULAR_UNET, 1, (4, 4), 5
     model = make_unet(config, seed=1).to(DEVICE)
@@ -92,6 +93,7 @@ def test_unet_latent_size_must_fit_the_levels():
         FusedModel(make_unet(config, 0), 2, torch.float32, DEVICE, "triton", "triton", size=(12, 8))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("post_quant_conv", [True, False])
 def test_fused_vae_decode_matches_eager(post_quant_conv):
     config = tiny_vae_config("sd15")
@@ -110,6 +112,7 @@ def test_fused_vae_decode_matches_eager(post_quant_conv):
     assert {op.kind for op in fused.ops} == {"conv", "group_norm", "attention"}
 
 
+@pytest.mark.slow
 def test_bundled_text_to_image_model_on_the_engine():
     """The bundled fashion-mnist-t2i model (trained weights: a 3-level U-Net on 8x8 latents, a one-channel 4x
     VAE) through the fused U-Net (guided batch of 2, its own 77-token text states) and the fused VAE decode."""
@@ -137,6 +140,7 @@ def test_bundled_text_to_image_model_on_the_engine():
     assert rel_err(image, ref_image) < TOL
 
 
+@pytest.mark.slow
 def test_engine_decode_returns_a_fresh_tensor_and_times_each_model():
     from fastdiff.engine import Engine
 

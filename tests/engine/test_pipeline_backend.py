@@ -30,6 +30,7 @@ def test_engine_backend_matches_eager(tiny_model):
     assert engine.engine.current is not None
 
 
+@pytest.mark.slow
 def test_step_cache_in_both_backends(tiny_model, monkeypatch):
     """cache_interval=2: the eager backend equals the cached loop written out here (full, shallow, full), the
     engine backend equals the eager one, and both differ from every step in full; a bad interval fails first."""

@@ -34,6 +34,7 @@ def ddim(steps: int = 4):
     return make_sampler("ddim", ScheduleConfig(timestep_spacing="trailing"), steps, eta=0.5, device=DEVICE)
 
 
+@pytest.mark.slow
 def test_ddpm_unet_matches_the_reference(tiny_model):
     """Cache intervals 2 and 3 over 4 DDIM steps (eta 0.5: noise in the step) share one fused step model."""
     model = tiny_model("attn_pad0", 11).to(DEVICE)
@@ -53,6 +54,7 @@ def test_ddpm_unet_matches_the_reference(tiny_model):
     assert len(engine.step_models) == 1 and len(engine.loops) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("unet_impl", "intervals"), [("fused", (2, 3)), ("eager", (2,))])
 def test_guided_text_unet_matches_the_reference(unet_impl, intervals):
     """Classifier-free guidance (the U-Net on [x; x] against [uncond; cond]), fused or the model's own forward

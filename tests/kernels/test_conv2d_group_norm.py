@@ -86,6 +86,7 @@ STATS_CASES = [
     pytest.param(
         dict(n=3, cin=5, cout=48, groups=16, h=11, w=13, padding=1, bias=True, offset=50.0, corner="straddle"),
         id="c48_g16_cg3_k3p1_rows_straddle_samples_mean50_b3",
+        marks=pytest.mark.slow,
     ),
     pytest.param(
         dict(n=3, cin=7, cout=96, groups=32, h=3, w=5, k=1, bias=True, res=True, scale=0.5, corner="several"),
@@ -94,6 +95,7 @@ STATS_CASES = [
     pytest.param(
         dict(n=3, cin=5, cout=200, groups=8, h=5, w=7, padding=1, temb=True, act="silu", offset=50.0, corner="split"),
         id="c200_g8_cg25_group_split_between_channel_tiles_temb_silu_mean50",
+        marks=pytest.mark.slow,
     ),
     pytest.param(
         dict(n=2, cin=4, cout=272, groups=2, h=7, w=9, stride=2, padding=1, bias=True, corner="wide"),
@@ -149,6 +151,7 @@ def test_stats_epilogue_then_standalone_norm_match_ref(case: dict, dtype: torch.
         assert got is out and rel_err(out, ref) < TOLERANCE[dtype]
 
 
+@pytest.mark.slow
 def test_standalone_norm_merges_more_partials_than_one_step() -> None:
     """A 91x91 image spans 65 row tiles of 128: more partials per (image, group) than the norm merges in one step
     (64), so the running merge over steps is what normalises (the unwritten entries poisoned with NaN)."""

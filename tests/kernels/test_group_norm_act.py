@@ -77,7 +77,9 @@ def test_streamed_blocks_match_ref(monkeypatch: pytest.MonkeyPatch, design: str)
     assert run_case(2, 96, 1, 3, 5, "gelu", False, design, torch.float32) < 1e-5
 
 
-@pytest.mark.parametrize("in_registers", [True, False], ids=["registers", "streamed"])
+@pytest.mark.parametrize(
+    "in_registers", [pytest.param(True, id="registers"), pytest.param(False, id="streamed", marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("lanes", gn_module.LANE_CHOICES)
 def test_forced_lanes_match_ref(monkeypatch: pytest.MonkeyPatch, lanes: int, in_registers: bool) -> None:
     """Each width the engine may time: 12-channel groups (1, 2 or all 3 per program, lanes left idle; 4-channel

@@ -115,6 +115,7 @@ def test_bad_input_one_line_error_and_no_output(tiny_dir, tmp_path, capsys, flag
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_failure_while_writing_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
     cfg = ProfileConfig(model=str(tiny_dir), batch=1, steps=3, timed_steps=3, repeats=1, loads=1, dtype="fp32",
                         device="cpu", backends=("eager",))  # fmt: skip

@@ -129,6 +129,7 @@ def test_bundled_weights_are_small_and_recorded():
     assert (BUNDLED_CLASSIFIER_DIR / "model.safetensors").stat().st_size < 2 * 1024 * 1024
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (HAVE_BUNDLED and HAVE_FMNIST), reason="needs the bundled classifier and Fashion-MNIST")
 def test_bundled_classifier_accuracy_and_fd_of_test_split():
     model = load_classifier()

@@ -96,6 +96,7 @@ def test_model_info_and_page(fmnist_app):
     assert 'id="generate"' in page.text
 
 
+@pytest.mark.slow
 def test_batched_images_are_byte_identical_to_solo(fmnist_app, serve_app):
     requests = [{"seeds": [10, 11]}, {"seed": 20}, {"seed": 30}]
     with serve_app(fmnist_app) as url, httpx.Client(base_url=url, timeout=120) as client:
@@ -144,6 +145,7 @@ def test_incompatible_requests_do_not_share_a_batch(fake_factory, serve_app):
         assert image.getpixel((0, 0)) == body["seed"]
 
 
+@pytest.mark.slow
 def test_full_queue_429_disconnect_dropped_failure_500_then_healthy(fake_factory, serve_app, waiter):
     app = create_app("fake", pipeline_factory=fake_factory, max_batch=1, max_wait_ms=0, queue_size=2)
     batcher = app.state.batcher

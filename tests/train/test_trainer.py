@@ -91,6 +91,7 @@ def test_loss_falls_on_synthetic_images(tmp_path):
     assert summary["epoch"] == 4  # 160 images / batch 16 = 10 steps per epoch
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not DEFAULT_DATA_DIR.is_dir(), reason="needs apt-get install dataset-fashion-mnist")
 def test_loss_falls_on_fashion_mnist(tmp_path):
     model = ConvNeXtUNetConfig(**{**vars(TINY), "sample_size": 28})  # the 28x28 images, unpadded
