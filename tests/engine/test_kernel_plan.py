@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fastdiff.engine import Engine
-from fastdiff.engine.kernel_plan import KernelPlan, PlanEntry, find_entry, structure_digest
+from fastdiff.engine.kernel_plan import KernelPlan, PlanEntry, find_entries, structure_digest
 from fastdiff.errors import FastdiffError
 from fastdiff.samplers import ScheduleConfig, make_sampler, seed_tensor
 
@@ -144,15 +144,34 @@ def test_a_plan_that_cannot_be_used_is_refused_with_one_line(tmp_path, caplog, c
     assert fallback.plan_sources[structure] == "default"
 
 
-def test_find_entry_order_given_then_shipped_then_cache(tmp_path, monkeypatch):
+def test_entries_are_tried_given_then_shipped_then_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FASTDIFF_CACHE_DIR", str(tmp_path))
     cache = KernelPlan("gpu-x", {"s": PlanEntry({"a": "cudnn"})})
     cache.save(tmp_path / "plans" / "gpu-x.json")
-    assert find_entry("gpu-x", "s")[1] == "cache"
+    assert [source for _, source in find_entries("gpu-x", "s")] == ["cache"]
     given = KernelPlan("gpu-x", {"s": PlanEntry({"a": "triton"})})
-    entry, source = find_entry("gpu-x", "s", given)
-    assert source == "given" and entry.choices == {"a": "triton"}
-    assert find_entry("gpu-y", "s", given) is None
+    found = find_entries("gpu-x", "s", given)
+    assert [source for _, source in found] == ["given", "cache"] and found[0][0].choices == {"a": "triton"}
+    assert find_entries("gpu-y", "s", given) == []
+
+
+def test_a_refused_entry_falls_through_to_the_next(tmp_path, monkeypatch, caplog):
+    """A given plan that cannot be used here gives way to the cache's, which the engine then runs."""
+    monkeypatch.setenv("FASTDIFF_CACHE_DIR", str(tmp_path))
+    model = make_tiny("center_scaled", 6)
+    engine = Engine(DEVICE)
+    _engine_run(engine, model)
+    ((structure, entry),) = engine.used_plan.entries.items()
+    convs = [op.name for op in engine.current_step_model.ops if op.kind == "conv"]
+    good = {**entry.choices, convs[0]: "cudnn"}
+    KernelPlan("cpu", {structure: PlanEntry(good)}).save(tmp_path / "plans" / "cpu.json")
+    bad = KernelPlan("cpu", {structure: PlanEntry({**entry.choices, convs[0]: "sdpa"})})
+    with caplog.at_level(logging.WARNING, logger="fastdiff.engine"):
+        second = Engine(DEVICE, plan=bad)
+        _engine_run(second, model)
+    assert second.plan_sources[structure] == "cache"
+    assert second.current_step_model.impls[convs[0]].name == "cudnn"
+    assert any("trying the next" in r.getMessage() for r in caplog.records)
 
 
 SCRIPT = textwrap.dedent(

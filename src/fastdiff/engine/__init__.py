@@ -35,7 +35,7 @@ from fastdiff.devices import normalize_device
 from fastdiff.engine.executor import FusedModel
 from fastdiff.engine.fp8 import fp8_unsupported
 from fastdiff.engine.graph import CapturedForward, SamplingLoop, StepModel, channels_last_empty
-from fastdiff.engine.kernel_plan import KernelPlan, cache_plan_path, find_entry, save_to_cache
+from fastdiff.engine.kernel_plan import KernelPlan, cache_plan_path, find_entries, save_to_cache
 from fastdiff.engine.lower import lowering_for, supports
 from fastdiff.engine.tuning import tuning_cache_path
 from fastdiff.engine.weights import WeightStreamer
@@ -221,19 +221,18 @@ class Engine:
         log line): then the engine tunes (``tune="auto"``) or runs each op's default (``tune="off"``)."""
         if self.tune == "always":
             return None
-        found = find_entry(self.gpu, structure, self.plan)
-        if found is None:
-            if self.plan is not None:
-                log.warning("the kernel plan has no entry for %s on %s: %s", label, self.gpu,
-                            "tuning it" if self.tune == "auto" else "default kernels")  # fmt: skip
-            return None
-        entry, source = found
-        why = fused.apply_plan(entry, x_in)
-        if why is not None:
+        found = find_entries(self.gpu, structure, self.plan)
+        if not found and self.plan is not None:
+            log.warning("the kernel plan has no entry for %s on %s: %s", label, self.gpu,
+                        "tuning it" if self.tune == "auto" else "default kernels")  # fmt: skip
+        for entry, source in found:
+            why = fused.apply_plan(entry, x_in)
+            if why is None:
+                return source
             log.warning("the %s kernel plan for %s cannot be used (%s): %s", source, label, why,
+                        "trying the next" if (entry, source) != found[-1] else
                         "tuning instead" if self.tune == "auto" else "default kernels")  # fmt: skip
-            return None
-        return source
+        return None
 
     @property
     def plan_digest(self) -> str | None:

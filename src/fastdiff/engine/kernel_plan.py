@@ -183,13 +183,15 @@ def save_to_cache(gpu: str, structure: str, entry: PlanEntry) -> None:
         log.warning("could not write the kernel plan cache %s: %s", cache_plan_path(gpu), exc)
 
 
-def find_entry(gpu: str, structure: str, given: KernelPlan | None = None) -> tuple[PlanEntry, str] | None:
-    """The entry for ``structure`` on ``gpu`` and where it came from ("given", "shipped" or "cache"), or None."""
+def find_entries(gpu: str, structure: str, given: KernelPlan | None = None) -> list[tuple[PlanEntry, str]]:
+    """The entries for ``structure`` on ``gpu``, each with where it came from, in the order the engine tries them:
+    the given plan's, a shipped plan's, the cache plan's."""
+    found = []
     if given is not None and (entry := given.lookup(gpu, structure)) is not None:
-        return entry, "given"
+        found.append((entry, "given"))
     for plan in shipped_plans():
         if (entry := plan.lookup(gpu, structure)) is not None:
-            return entry, "shipped"
+            found.append((entry, "shipped"))
     if (entry := load_cache_plan(gpu).lookup(gpu, structure)) is not None:
-        return entry, "cache"
-    return None
+        found.append((entry, "cache"))
+    return found
