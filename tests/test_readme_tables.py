@@ -12,7 +12,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow
 def test_readme_tables_are_generated_from_results():
     """``--check`` regenerates every table of every document in memory and compares."""
     proc = subprocess.run(
