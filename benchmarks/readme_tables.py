@@ -45,6 +45,7 @@ MEASURED_CODE = {
 """Per table, the code its numbers depend on: a table is older than the code when these paths changed since. A
 file that moved counts by its code, as if it had not moved (the diff follows renames across the whole tree)."""
 MEASURED_CODE["headline"] = MEASURED_CODE["bench"]
+MEASURED_CODE["ready"] = MEASURED_CODE["bench"][:-1] + ("src/fastdiff/pipelines", "benchmarks/ready.py")
 
 
 def without_docstrings(source: str) -> str:
@@ -586,6 +587,35 @@ def headline_table() -> str:
     return "\n".join(lines)
 
 
+def ready_table() -> str:
+    """``benchmarks/ready.py``: time to ready and first image in fresh processes, and bytes across them."""
+    lines = [
+        "| run | model | batch | GPU | caches | runs | import s | load s | first forward s | plan or tuning s "
+        "| capture s | to first image s (best / mean / worst) | ms/step | plan | images differing | git |",
+        "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- | ---: | --- |",
+    ]
+    shas = []
+    for path in sorted(RESULTS.glob("ready-*.json")):
+        d = json.loads(path.read_text())
+        env, cfg, diff = d["environment"], d["config"], d["images_differing_between_processes"]
+        shas.append(env["git_sha"])
+        for mode, block in d["modes"].items():
+            s = block["summary"]
+            first = s["to_first_image_s"]
+            lines.append(
+                f"| `{path.stem}` | {cfg['model']} | {cfg['batch']} | {machine(env)} | {mode} | {s['runs']} "
+                f"| {s['import_s']['mean']:.1f} | {s['load_s']['mean']:.1f} | {s['first_forward_s']['mean']:.1f} "
+                f"| {s['plan_or_tune_s']['mean']:.2f} | {s['capture_s']['mean']:.2f} "
+                f"| {first['best']:.1f} / {first['mean']:.1f} / {first['worst']:.1f} | {s['step_ms']['mean']:.3f} "
+                f"| {', '.join(s['plan_sources'])} | {diff['differing']} of {diff['images']} ({diff['processes']} "
+                f"processes) | {env['git_sha']} |"
+            )
+    if not shas:
+        return "_No ready-time run committed yet._"
+    notes = [freshness(sha, "ready") for sha in sorted(set(shas))]
+    return "\n".join(lines + [""] + sorted(set(notes)))
+
+
 SECTIONS: dict[str, Callable[[], str]] = {
     "headline": headline_table,
     "kernels": kernels_table,
@@ -598,12 +628,24 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "t2i": t2i_tables,
     "t2i-model": t2i_model_table,
     "t2i-quality": t2i_quality_tables,
+    "ready": ready_table,
 }
 """Each generated table by its marker name."""
 
 DOCUMENTS = {
     "README.md": ("headline",),
-    "docs/results.md": ("t2i-model", "t2i-quality", "parity", "fd", "compile", "bench", "t2i", "profile", "serve"),
+    "docs/results.md": (
+        "t2i-model",
+        "t2i-quality",
+        "parity",
+        "fd",
+        "compile",
+        "bench",
+        "ready",
+        "t2i",
+        "profile",
+        "serve",
+    ),
     "docs/kernels.md": ("kernels",),
 }
 """Which tables each document holds (every table in exactly one), by its path from the repository root."""

@@ -303,7 +303,18 @@ def test_every_command_gets_its_flags_when_used():
     """Each command's flags are added on first use; a completed parser has them all (and their help)."""
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-    assert set(commands) == {"sample", "generate", "train", "fid", "bench", "profile", "serve", "loadtest", "export"}
+    assert set(commands) == {
+        "sample",
+        "generate",
+        "train",
+        "fid",
+        "bench",
+        "profile",
+        "serve",
+        "loadtest",
+        "tune",
+        "export",
+    }
     assert [a.dest for a in commands["generate"]._actions] == ["help"]  # nothing imported yet
     args = parser.parse_args(["generate", "--model", "m", "--num-images", "2", "--out-dir", "o"])
     assert args.func is fastdiff.generate.run_generate and args.first_seed == 0

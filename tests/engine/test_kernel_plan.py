@@ -71,6 +71,7 @@ def test_bad_plan_files_are_one_line_errors(tmp_path, content, message):
         Engine(DEVICE, plan=tmp_path / "missing.json")
 
 
+@pytest.mark.slow
 def test_structure_digest_follows_shapes_and_dtype():
     small, other = make_tiny("center_scaled", 1), make_tiny("attn_pad0", 1)
     engine = Engine(DEVICE)
@@ -115,6 +116,7 @@ def test_engine_takes_a_given_plan(tmp_path, monkeypatch):
     assert not (tmp_path / "cache").exists()  # the CPU never tunes, so it writes no plan
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("change", "why"),
     [
@@ -155,6 +157,7 @@ def test_entries_are_tried_given_then_shipped_then_cache(tmp_path, monkeypatch):
     assert find_entries("gpu-y", "s", given) == []
 
 
+@pytest.mark.slow
 def test_a_refused_entry_falls_through_to_the_next(tmp_path, monkeypatch, caplog):
     """A given plan that cannot be used here gives way to the cache's, which the engine then runs."""
     monkeypatch.setenv("FASTDIFF_CACHE_DIR", str(tmp_path))
@@ -194,6 +197,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_same_plan_same_choice_and_bytes_in_two_processes(tmp_path):
     model = make_tiny("attn_pad0", 9)
     engine = Engine(DEVICE)
