@@ -9,7 +9,7 @@ CPU) on the same model, weights, seeds and x_T:
    (pinned, ``non_blocking``) vs the engine's early start (``engine.weights.WeightStreamer``);
 3. latency, peak memory (allocated, reserved, the engine's memory plan), weights vs activation bytes, average
    power and energy per image from NVML's energy counter, idle power measured and subtracted;
-4. a roofline: FLOPs and bytes counted from shapes (``profile.counts``) for every kernel of one step, its time,
+4. a roofline: FLOPs and bytes counted from shapes (``bench.counts``) for every kernel of one step, its time,
    and the measured ceilings of the device (``profile.roofline.measure_ceilings``).
 
 ``write_report(result, out_dir)`` writes ``report.json``, ``report.md`` and the PNG charts, all or nothing.
