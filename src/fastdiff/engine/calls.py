@@ -117,12 +117,7 @@ def _cudnn_conv(x: torch.Tensor, weight: torch.Tensor, kw: dict, stride: int, ac
             y += temb4
         if act is not None:
             y = activation_ref(y, act)
-        if residual is not None:
-            torch.add(y, residual, out=out)
-        else:
-            out.copy_(y)
-        if scale is not None:
-            out.mul_(scale)
+        write_epilogue(y, residual, scale, out)
 
     return cudnn_conv
 
@@ -151,14 +146,19 @@ def linear_call(model: BoundModel, op: Op, impl: Impl) -> Call:
         y = torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
         if geglu:
             y = y[:, :half] * F.gelu(y[:, half:])
-        if residual is not None:
-            torch.add(y, residual, out=out)
-        else:
-            out.copy_(y)
-        if scale is not None:
-            out.mul_(scale)
+        write_epilogue(y, residual, scale, out)
 
     return cublas_linear
+
+
+def write_epilogue(y: torch.Tensor, residual: torch.Tensor | None, scale: float | None, out: torch.Tensor) -> None:
+    """The tail of a vendor-library op's epilogue in torch: ``out = (y + residual) * scale`` (each where given)."""
+    if residual is not None:
+        torch.add(y, residual, out=out)
+    else:
+        out.copy_(y)
+    if scale is not None:
+        out.mul_(scale)
 
 
 def depthwise_call(model: BoundModel, op: Op, impl: Impl) -> Call:

@@ -12,7 +12,7 @@ Where one holds the structure, the engine compiles only the kernels it names and
 seconds, and two processes (or two GPUs of one model) with the same plan run the same kernels and give the same
 bytes. Where none does, the engine tunes (times the candidates, ``fastdiff.engine.tuning``) and adds the result to
 the cache plan, so every later process uses it. An entry that names an implementation this version lacks, or one
-that is not a candidate of its op here, is refused with one log line and the engine tunes instead.
+that is not a candidate of its op here, is refused with one log line and the next source is tried (then tuning).
 
 A plan's digest (:meth:`PlanEntry.digest`, 12 hex digits of the choice map) is what PNG parameters and ``generate``'s
 manifest record: equal digests, equal kernels.
