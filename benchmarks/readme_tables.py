@@ -597,7 +597,7 @@ def ready_table() -> str:
     shas = []
     for path in sorted(RESULTS.glob("ready-*.json")):
         d = json.loads(path.read_text())
-        env, cfg, diff = d["environment"], d["config"], d["images_differing_between_processes"]
+        env, cfg, diff = d["env"], d["config"], d["images_differing_between_processes"]
         shas.append(env["git_sha"])
         for mode, block in d["modes"].items():
             s = block["summary"]

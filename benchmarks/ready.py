@@ -123,7 +123,7 @@ def main() -> None:
 
     result = {"what": "time to ready and first image in fresh processes; image bytes compared across them",
               "config": {k: v for k, v in vars(args).items() if k not in ("child", "out")},
-              "environment": environment(), "modes": {}}  # fmt: skip
+              "env": environment(), "modes": {}}  # fmt: skip
     hashes = []
     for mode, runs in (("cold", args.cold), ("warm", args.warm)):
         if runs <= 0:
