@@ -516,7 +516,12 @@ class Writes:
 
 
 def start_writes(
-    pool: ThreadPoolExecutor, out_dir: Path, unit: Unit, images: torch.Tensor, image_format: str
+    pool: ThreadPoolExecutor,
+    out_dir: Path,
+    unit: Unit,
+    images: torch.Tensor,
+    image_format: str,
+    parameters: dict[str, Any] | None = None,
 ) -> Writes:
     """Hand a unit's files to ``pool``, each written atomically (PNGs already there are left as they are)."""
     if image_format == "npz":
@@ -529,7 +534,7 @@ def start_writes(
     for seed, image in zip(range(unit.start, unit.stop), to_pil(images), strict=True):
         path = out_dir / png_name(seed)
         if not path.is_file():  # else written by a run that was killed in the middle of this chunk
-            futures.append(pool.submit(save_png_atomic, image, path))
+            futures.append(pool.submit(save_png_atomic, image, path, {**(parameters or {}), "seed": seed}))
     return Writes(unit, futures, len(futures))
 
 
@@ -564,7 +569,9 @@ def run_units(config: GenerateConfig, pipe, ranks: Ranks, plan: Plan) -> list[Ra
                     new = writing.wait()
                     writing = None
                 if unit is not None:
-                    writing = start_writes(pool, config.out_dir, unit, images, config.image_format)
+                    writing = start_writes(
+                        pool, config.out_dir, unit, images, config.image_format, image_parameters(config)
+                    )
             except Exception as exc:
                 log.exception("rank %d failed on %s", ranks.rank, current.label)
                 failure = f"failed on {current.label}: {one_line(exc)}"
@@ -694,6 +701,12 @@ def job_identity(config: GenerateConfig, sample_shape: tuple[int, int, int]) -> 
         "fastdiff_version": fastdiff.__version__,
         "torch_version": torch.__version__,
     }
+
+
+def image_parameters(config: GenerateConfig) -> dict[str, Any]:
+    """What each PNG records besides its seed (the same on every rank, so the bytes do not depend on the process
+    count)."""
+    return {"model": config.model, "sampler": config.sampler, "steps": config.steps, "dtype": config.dtype}
 
 
 def run_settings(config: GenerateConfig) -> dict[str, Any]:

@@ -4,6 +4,7 @@ Imports no torch (a tensor argument brings it along), so the command modules tha
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -14,6 +15,7 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from fastdiff.atomic import write_atomic
+from fastdiff.version import __version__
 
 if TYPE_CHECKING:
     import numpy as np
@@ -56,18 +58,33 @@ PNG_PARAMETERS_KEY = "parameters"
 """The PNG text chunk (iTXt, UTF-8) that holds an image's generation parameters as a JSON object."""
 
 
+def png_info(parameters: Mapping[str, Any] | None) -> PngInfo | None:
+    """The PNG text chunk of an image's generation ``parameters`` (JSON-serializable: model, prompt, seed,
+    sampler, ...), with the fastdiff version added: the one place every PNG writer (``sample``, ``generate``,
+    ``serve``) takes it from. None: no chunk."""
+    if parameters is None:
+        return None
+    info = PngInfo()
+    info.add_itxt(PNG_PARAMETERS_KEY, json.dumps({**dict(parameters), "fastdiff": __version__}, ensure_ascii=False))
+    return info
+
+
 def png_writer(image: Image.Image, parameters: Mapping[str, Any] | None = None) -> Callable[[Path], None]:
-    """``write(path)``: save ``image`` as a PNG at ``path``, ``parameters`` (JSON-serializable: prompt, seed,
-    sampler, ...) in its ``PNG_PARAMETERS_KEY`` text chunk; for ``fastdiff.atomic``'s writers."""
-    info = None
-    if parameters is not None:
-        info = PngInfo()
-        info.add_itxt(PNG_PARAMETERS_KEY, json.dumps(dict(parameters), ensure_ascii=False))
+    """``write(path)``: save ``image`` as a PNG at ``path``, ``parameters`` in its ``PNG_PARAMETERS_KEY`` text
+    chunk (:func:`png_info`); for ``fastdiff.atomic``'s writers."""
+    info = png_info(parameters)
 
     def write(path: Path) -> None:
         image.save(path, format="PNG", pnginfo=info)
 
     return write
+
+
+def png_bytes(image: Image.Image, parameters: Mapping[str, Any] | None = None) -> bytes:
+    """``image`` as PNG bytes, ``parameters`` in its text chunk (:func:`png_info`)."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", pnginfo=png_info(parameters))
+    return buffer.getvalue()
 
 
 def save_png_atomic(image: Image.Image, path: Path, parameters: Mapping[str, Any] | None = None) -> None:

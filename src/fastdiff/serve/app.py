@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import inspect
-import io
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -23,6 +22,7 @@ from PIL import Image
 
 from fastdiff.cli_args import DEFAULT_MODEL
 from fastdiff.errors import FastdiffError
+from fastdiff.images import png_bytes
 from fastdiff.pipelines import Pipeline
 from fastdiff.samplers import SAMPLERS
 from fastdiff.serve.batcher import (
@@ -85,13 +85,10 @@ def describe_model(name: str, pipe: Pipeline, sampler: str, steps: int, max_batc
     )
 
 
-def encode_pngs(images: Sequence[Image.Image]) -> list[bytes]:
-    out = []
-    for image in images:
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
-        out.append(buffer.getvalue())
-    return out
+def encode_pngs(images: Sequence[Image.Image], parameters: Sequence[dict] | None = None) -> list[bytes]:
+    """PNG bytes of each image, with its generation parameters (``fastdiff.images.png_info``)."""
+    parameters = parameters or [None] * len(images)
+    return [png_bytes(image, params) for image, params in zip(images, parameters, strict=True)]
 
 
 def prefers_png(accept: str) -> bool:
@@ -246,7 +243,8 @@ def create_app(
         if failure is not None:
             return error(500, f"sampling failed: {type(failure).__name__}: {failure}".splitlines()[0])
         result: JobResult = job.future.result()
-        pngs = await asyncio.to_thread(encode_pngs, result.images)
+        per_image = resolved.image_parameters(model)
+        pngs = await asyncio.to_thread(encode_pngs, result.images, per_image)
         total_s = time.perf_counter() - arrived
         metrics.record_response(200, total_s)
         timing = {

@@ -85,6 +85,12 @@ class ResolvedRequest:
         record["size"] = list(self.size)
         return record
 
+    def image_parameters(self, model: str) -> list[dict]:
+        """What each image's PNG records: the model, its own seed and the settings that made it (not the request's
+        other seeds, so a seed's PNG is the same bytes alone or in a batch)."""
+        shared = {k: v for k, v in self.parameters().items() if k not in ("seeds", "n") and v is not None}
+        return [{"model": model, **shared, "seed": seed} for seed in self.seeds]
+
 
 def validation_message(exc: ValidationError) -> str:
     """One line naming each bad field: ``steps: Input should be greater than or equal to 1; ...``."""
