@@ -65,3 +65,14 @@ def test_plan_file_is_readable_json(tmp_path):
     plan = KernelPlan("NVIDIA H100 80GB HBM3", {"s": PlanEntry({"a": "cudnn"}, "ddpm step batch 1")})
     data = json.loads(plan.save(tmp_path / "p.json").read_text())
     assert data["format"] == "fastdiff-kernel-plan" and data["entries"]["s"]["choices"] == {"a": "cudnn"}
+
+
+def test_serve_and_generate_refuse_a_missing_plan_before_loading(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(fastdiff.pipelines.unconditional, "load_unet", _no_loading)
+    missing = str(tmp_path / "missing.json")
+    assert main(["serve", "--plan", missing, "--port", "0"]) == 2
+    argv = ["generate", "--model", "fashion-mnist", "--num-images", "1", "--out-dir", str(tmp_path / "out")]
+    assert main([*argv, "--plan", missing, "--no-progress"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and all("does not exist" in line for line in lines)
+    assert not (tmp_path / "out").exists()

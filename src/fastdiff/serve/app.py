@@ -10,6 +10,7 @@ import asyncio
 import base64
 import inspect
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -21,6 +22,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from PIL import Image
 
 from fastdiff.cli_args import DEFAULT_MODEL
+from fastdiff.engine.kernel_plan import KernelPlan
 from fastdiff.errors import FastdiffError
 from fastdiff.images import png_bytes
 from fastdiff.pipelines import Pipeline
@@ -52,15 +54,15 @@ CLIENT_CLOSED_REQUEST = 499
 """Status logged for a request whose client went away (nginx's convention; nobody receives it)."""
 
 
-def pretrained_factory(model: str, device: str, dtype: str) -> PipelineFactory:
-    """``factory(sampler, steps)`` loading ``model`` with ``Pipeline.from_pretrained``."""
+def pretrained_factory(model: str, device: str, dtype: str, plan: KernelPlan | None = None) -> PipelineFactory:
+    """``factory(sampler, steps)`` loading ``model`` with ``Pipeline.from_pretrained`` (the engine on ``plan``)."""
 
     def load(sampler: str, steps: int) -> Pipeline:
         # A preset without weights gets random ones: seed them, so every (sampler, steps) pipeline and every
         # reload after eviction has the same weights (and the caller's random state is left alone).
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            return Pipeline.from_pretrained(model, device=device, dtype=dtype, sampler=sampler, steps=steps)
+            return Pipeline.from_pretrained(model, device=device, dtype=dtype, sampler=sampler, steps=steps, plan=plan)
 
     return load
 
@@ -145,19 +147,22 @@ def create_app(
     queue_size: int = 64,
     batch_buckets: Sequence[int] | None = None,
     warmup: bool = False,
+    plan: str | os.PathLike[str] | None = None,
 ) -> FastAPI:
     """The service for ``model`` (a preset or model directory; or any ``pipeline_factory(sampler, steps)``).
 
     ``sampler``/``steps`` are the defaults of requests that name none. Batches hold at most ``max_batch`` images
     (also the per-request limit) and are sampled at the sizes ``batch_buckets`` (default: ``max_batch`` only, see
     ``fastdiff.serve.batcher``); a request waits at most ``max_wait_ms`` for company; more than ``queue_size``
-    waiting requests are answered with 429. ``warmup`` samples every bucket size once before serving.
+    waiting requests are answered with 429. ``warmup`` samples every bucket size once before serving. ``plan``: a
+    kernel plan file for the engine (``fastdiff tune``).
     """
     if sampler not in SAMPLERS:
         raise FastdiffError(f"unknown sampler {sampler!r}: use one of {', '.join(SAMPLERS)}")
     if not 1 <= steps <= MAX_STEPS:
         raise FastdiffError(f"steps must be in 1..{MAX_STEPS}, got {steps}")
-    factory = pipeline_factory or pretrained_factory(model, device, dtype)
+    kernel_plan = None if plan is None else KernelPlan.load(plan)  # a bad file: one line, before any model loads
+    factory = pipeline_factory or pretrained_factory(model, device, dtype, kernel_plan)
     metrics = ServiceMetrics(max_batch)
     batcher = Batcher(factory, metrics, max_batch, max_wait_ms / 1000, queue_size, batch_buckets)
     default_key = BatchKey(sampler, steps)

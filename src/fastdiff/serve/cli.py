@@ -13,6 +13,7 @@ from fastdiff.cli_args import (
     DTYPES,
     SAMPLERS,
     add_command,
+    add_plan_argument,
     finite_nonnegative_float,
     port_int,
     positive_float,
@@ -72,6 +73,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "e4m3 convs after each GroupNorm (Hopper GPUs)",
     )
     p.add_argument("--warmup", action="store_true", help="sample every batch size once before serving")
+    add_plan_argument(p)
     p.set_defaults(func=run_serve)
 
 
@@ -113,6 +115,7 @@ def run_serve(args: argparse.Namespace) -> int:
         queue_size=args.queue_size,
         batch_buckets=args.batch_buckets,
         warmup=args.warmup,
+        plan=args.plan,
     )
     log.info("open http://%s:%d/ in a browser", args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=args.verbose)
