@@ -104,3 +104,91 @@ def test_bad_output_location(tmp_path, tiny_ddpm_dir, capsys):
     file.write_text("")
     assert main(["export", "--model", str(tiny_ddpm_dir), "--out", str(file)]) == 2
     assert "is a file, not a folder" in capsys.readouterr().err
+
+
+def test_float_timestep_export_takes_fractional_timesteps(tiny_ddpm_dir, tmp_path):
+    out = tmp_path / "onnx"
+    assert main(["export", "--model", str(tiny_ddpm_dir), "--out", str(out), "--timestep-dtype", "float32"]) == 0
+    info = json.loads((out / "model.json").read_text())
+    assert info["inputs"][1] == {"name": "timestep", "dtype": "float32", "shape": ["batch"]}
+    unet = export.load_fp32_unet(str(tiny_ddpm_dir))
+    sample = torch.randn(3, 3, 8, 12, generator=torch.Generator().manual_seed(7))
+    timestep = torch.tensor([999.0, 0.25, 417.6])
+    with torch.no_grad():
+        expected = unet(sample, timestep).numpy()
+    got = run_onnx(out, sample.numpy(), timestep.numpy())
+    assert np.abs(got - expected).max() <= 1e-4
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--format", "tflite"], "argument --format: invalid choice: 'tflite'"),
+        (["--timestep-dtype", "float16"], "argument --timestep-dtype: invalid choice: 'float16'"),
+        (["--opset", "99"], "--opset must be in"),
+    ],
+)
+def test_text_to_image_errors_are_one_line_before_loading(argv, message, tmp_path, capsys, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("loaded the model before refusing the arguments")
+
+    monkeypatch.setattr(export, "export_text_to_image", no_loading)
+    out = tmp_path / "onnx"
+    try:
+        code = main(["export", "--model", "fashion-mnist-t2i", "--out", str(out), *argv])
+    except SystemExit as exc:  # argparse's refusals
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_text_to_image_export_reproduces_the_pipeline(tmp_path):
+    """The exported fashion-mnist-t2i in an ONNX Runtime loop (tokenizer, text encoder, DDIM with guidance, VAE
+    decode) gives fastdiff's own TextToImagePipeline image for the same initial latents."""
+    from diffusers import DDIMScheduler
+    from transformers import CLIPTokenizer
+
+    from fastdiff.pipelines.text_to_image import TextToImagePipeline
+
+    out = tmp_path / "onnx"
+    assert main(["export", "--model", "fashion-mnist-t2i", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "model.json", "scheduler", "text_encoder.onnx", "tokenizer", "unet.onnx", "vae_decoder.onnx",
+    ]  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["onnx"]  # no staging folder left
+    info = json.loads((out / "model.json").read_text())
+    assert info["graphs"]["unet"]["inputs"][1] == {"name": "timestep", "dtype": "float32", "shape": ["batch"]}
+    for graph in info["graphs"].values():
+        assert set(graph["check"]["max_abs_diff"]) == {"1", "3"}
+        assert max(graph["check"]["max_abs_diff"].values()) <= graph["check"]["tolerance"] <= 1e-4
+
+    prompt, guidance, steps = "ankle boot", 3.0, 4
+    latents = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(5))
+    pipe = TextToImagePipeline.from_pretrained("fashion-mnist-t2i", device="cpu", sampler="ddim", steps=steps)
+    expected = pipe(prompt, guidance_scale=guidance, latents=latents, output_type="pt", progress=False).numpy()
+
+    def session(name):
+        return ort.InferenceSession(str(out / info["graphs"][name]["file"]), providers=["CPUExecutionProvider"])
+
+    tokenizer = CLIPTokenizer.from_pretrained(str(out / info["tokenizer"]["folder"]), local_files_only=True)
+    ids = tokenizer(["", prompt], padding="max_length", max_length=info["tokenizer"]["max_length"], truncation=True)
+    (states,) = session("text_encoder").run(None, {"input_ids": np.asarray(ids.input_ids, dtype=np.int64)})
+    scheduler = DDIMScheduler.from_config(info["scheduler_config"])
+    scheduler.set_timesteps(steps)
+    unet = session("unet")
+    x = latents.numpy() * float(scheduler.init_noise_sigma)
+    for t in scheduler.timesteps:
+        timestep = np.full(2, float(t), dtype=np.float32)
+        (out_both,) = unet.run(
+            None, {"sample": np.concatenate([x, x]), "timestep": timestep, "encoder_hidden_states": states}
+        )
+        uncond, cond = out_both[:1], out_both[1:]
+        eps = uncond + guidance * (cond - uncond)
+        x = scheduler.step(torch.from_numpy(eps), t, torch.from_numpy(x)).prev_sample.numpy()
+    (image,) = session("vae_decoder").run(None, {"latents": x.astype(np.float32)})
+    got = np.clip(image / 2 + 0.5, 0, 1)
+    assert got.shape == expected.shape == (1, 1, 32, 32)
+    assert np.abs(got - expected).max() <= 1e-3
+    assert expected.std() > 0.05  # an image, not a flat field
