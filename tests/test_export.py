@@ -192,3 +192,13 @@ def test_text_to_image_export_reproduces_the_pipeline(tmp_path):
     assert got.shape == expected.shape == (1, 1, 32, 32)
     assert np.abs(got - expected).max() <= 1e-3
     assert expected.std() > 0.05  # an image, not a flat field
+
+
+@pytest.mark.slow
+def test_text_to_image_export_failing_its_last_check_leaves_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(export, "VAE_TOLERANCE", -1.0)  # text encoder and U-Net pass; the VAE decoder cannot
+    out = tmp_path / "onnx"
+    assert main(["export", "--model", "fashion-mnist-t2i", "--out", str(out)]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]  # (transformers' weight-loading bar comes before it)
+    assert last.startswith("fastdiff: error: vae_decoder: ONNX Runtime differs from eager fp32 by ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -138,7 +138,7 @@ def check_graph(
 
     onnx.checker.check_model(str(path))
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    label = f" ({what})" if what else ""
+    label = f"{what}: " if what else ""
     diffs = {}
     for batch in batches:
         inputs = make_inputs(batch, batch + 1)
@@ -147,12 +147,12 @@ def check_graph(
         got = session.run(None, {name: value.numpy() for name, value in inputs.items()})[0]
         if got.shape != expected.shape:
             raise FastdiffError(
-                f"ONNX Runtime returned shape {got.shape} at batch {batch}, eager {expected.shape}{label}"
+                f"{label}ONNX Runtime returned shape {got.shape} at batch {batch}, eager {expected.shape}"
             )
         diff = float(abs(got - expected).max())
         if not diff <= tolerance:
             raise FastdiffError(
-                f"ONNX Runtime differs from eager fp32 by {diff:.3g} at batch {batch} (limit {tolerance:g}){label}"
+                f"{label}ONNX Runtime differs from eager fp32 by {diff:.3g} at batch {batch} (limit {tolerance:g})"
             )
         diffs[str(batch)] = diff
     return diffs
