@@ -239,11 +239,20 @@ def load_tokenizer(transformers: Any, folder: Path, class_name: str) -> Any:
         raise FastdiffError(f"cannot load tokenizer {folder}: {first_line(exc)}") from exc
 
 
-def encode_prompts(text_encoder: nn.Module, tokenizer: Any, prompts: list[str], device: str | torch.device) -> Tensor:
+def encode_prompts(
+    text_encoder: nn.Module,
+    tokenizer: Any,
+    prompts: list[str],
+    device: str | torch.device,
+    warnings: list[str] | None = None,
+) -> Tensor:
     """Text states [len(prompts), model_max_length, hidden]: diffusers' default ``encode_prompt``.
 
-    As ``StableDiffusionPipeline.encode_prompt`` without clip_skip: padded to the tokenizer's max length, truncated
-    (with a warning), the encoder's last hidden state in the encoder's dtype.
+    As ``StableDiffusionPipeline.encode_prompt`` without clip_skip: padded to the tokenizer's max length, truncated,
+    the encoder's last hidden state in the encoder's dtype.
+
+    Each problem of a prompt (``prompt_warnings``: words out of the model's vocabulary, tokens dropped by the
+    truncation) is logged as one warning line and appended to ``warnings`` when given.
 
     For classifier-free guidance, the unconditional states are ``encode_prompts(..., [""] * batch, ...)``.
     """
@@ -252,15 +261,117 @@ def encode_prompts(text_encoder: nn.Module, tokenizer: Any, prompts: list[str], 
     max_length = tokenizer.model_max_length
     tokens = tokenizer(prompts, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt")
     ids = tokens.input_ids
-    untruncated = tokenizer(prompts, padding="longest", return_tensors="pt").input_ids
-    if untruncated.shape[-1] >= ids.shape[-1] and not torch.equal(ids, untruncated):
-        dropped = tokenizer.batch_decode(untruncated[:, max_length - 1 : -1])
-        log.warning("prompts truncated to CLIP's %d tokens; dropped: %s", max_length, dropped)
+    problems = prompt_warnings(tokenizer, prompts)
+    for problem in problems:
+        log.warning("%s", problem)
+    if warnings is not None:
+        warnings.extend(problems)
     use_mask = getattr(text_encoder.config, "use_attention_mask", False)
     mask = tokens.attention_mask.to(device) if use_mask else None
     with torch.no_grad():
         states = text_encoder(ids.to(device), attention_mask=mask)[0]
     return states.to(dtype=text_encoder.dtype, device=device)
+
+
+SHOWN_WORDS = 5
+"""How many unknown or dropped words a prompt warning names."""
+
+MIN_VOCABULARY_WORDS = 50
+"""Whole words (two letters or more) a tokenizer must hold for its vocabulary to be checked: fewer, and it is a
+byte-level stand-in (the random-weight presets, test fixtures) that spells every word in bytes."""
+
+
+def prompt_warnings(tokenizer: Any, prompts: list[str]) -> list[str]:
+    """One line per problem of each prompt, as ``encode_prompts`` would meet it: words out of the tokenizer's
+    vocabulary (``unknown_words``), tokens beyond the model's ``model_max_length`` (dropped by the truncation).
+    Lines name their prompt (quoted, shortened) when ``prompts`` holds more than one non-empty prompt.
+
+    Tokenizes without truncation and with ``verbose=False``, so transformers logs no warning of its own.
+    """
+    max_length = tokenizer.model_max_length
+    content = max_length - tokenizer.num_special_tokens_to_add()
+    untruncated = tokenizer(prompts, add_special_tokens=False, verbose=False).input_ids
+    check_vocabulary = knows_words(tokenizer)
+    named = sum(1 for p in prompts if p.strip()) > 1
+    lines = []
+    for prompt, ids in zip(prompts, untruncated, strict=True):
+        problems = []
+        unknown = unknown_words(tokenizer, ids) if check_vocabulary else []
+        if unknown:
+            verb = "is" if len(unknown) == 1 else "are"
+            problems.append(
+                f"{len(unknown)} of the prompt's words {verb} not in the model's vocabulary "
+                f"(first few: {', '.join(unknown[:SHOWN_WORDS])})"
+            )
+        if max_length and len(ids) > content:
+            dropped = tokenizer.decode(ids[content:]).split()
+            if content > 0 and dropped and not tokenizer.convert_ids_to_tokens(ids[content - 1]).endswith(END_OF_WORD):
+                dropped[0] = "…" + dropped[0]  # the cut falls inside this word
+            problems.append(
+                f"the prompt is longer than the model's {max_length} tokens and is truncated: "
+                f"{len(ids) - content} tokens dropped "
+                f"(first few words dropped: {' '.join(dropped[:SHOWN_WORDS])})"
+            )
+        lines += [f"prompt {shorten(prompt)!r}: {problem}" if named else problem for problem in problems]
+    return lines
+
+
+def shorten(text: str, width: int = 40) -> str:
+    """``text`` on one line, cut to ``width`` characters with an ellipsis."""
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def knows_words(tokenizer: Any) -> bool:
+    """Whether ``tokenizer``'s vocabulary holds at least ``MIN_VOCABULARY_WORDS`` whole words of two letters or more
+    (CLIP's ``word</w>`` tokens): a real CLIP tokenizer holds tens of thousands, the bundled model's every word of
+    its training prompts, a byte-level one (no or few merges) next to none."""
+    words = 0
+    for token in tokenizer.get_vocab():
+        if token.endswith(END_OF_WORD) and len(token) - len(END_OF_WORD) >= 2 and token[: -len(END_OF_WORD)].isalpha():
+            words += 1
+            if words >= MIN_VOCABULARY_WORDS:
+                return True
+    return False
+
+
+def unknown_words(tokenizer: Any, ids: list[int]) -> list[str]:
+    """The words of token ids ``ids`` (a prompt without special tokens) that the tokenizer does not know, in order,
+    without repeats.
+
+    Words are CLIP's: the pieces up to one ending in ``</w>``; only words with a letter count (not punctuation,
+    digits); special tokens are skipped. A word is unknown when a piece is the unknown token (unless that is also the
+    start, end or padding token, as CLIP's is), or when it splits into pieces of which more than half are single
+    bytes (``is_spelled_out``): the tokenizer learnt nothing of it and spells it byte by byte. A word known whole, or
+    split into learnt sub-words ("photo" + "realistic</w>"), is known.
+    """
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    unk = tokenizer.unk_token_id
+    if unk in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id):
+        unk = None  # CLIP's is its end token: byte-level BPE never needs it, only a typed "<|endoftext|>" gives it
+    special = set(tokenizer.all_special_ids) - {unk}
+    unknown: list[str] = []
+    word: list[int] = []
+    for index, piece in zip(ids, pieces, strict=True):
+        if index in special:
+            word = []
+            continue
+        word.append(index)
+        if not piece.endswith(END_OF_WORD):
+            continue
+        text = tokenizer.decode(word).strip()
+        group = tokenizer.convert_ids_to_tokens(word)
+        if any(c.isalpha() for c in text) and (unk in word or is_spelled_out(group)) and text not in unknown:
+            unknown.append(text)
+        word = []
+    return unknown
+
+
+def is_spelled_out(pieces: list[str]) -> bool:
+    """Whether a word's BPE pieces are mostly single bytes: more than one piece, and more than half one character
+    (``</w>`` aside)."""
+    single = sum(1 for piece in pieces if len(piece.removesuffix(END_OF_WORD)) == 1)
+    return len(pieces) > 1 and 2 * single > len(pieces)
 
 
 BOS_TOKEN, EOS_TOKEN, END_OF_WORD = "<|startoftext|>", "<|endoftext|>", "</w>"

@@ -140,6 +140,8 @@ class TextToImagePipeline(EnginePipeline):
         self.dtype = dtype
         self.karras = karras
         self._samplers: dict[tuple[str, int, int, float], Sampler] = {}
+        self.last_prompt_warnings: list[str] = []
+        """The last call's prompt warnings (``encode_prompts``: unknown words, truncation), one line each."""
         self.sampler_for(sampler, steps)  # validates the name and step count now, not at the first call
 
     @classmethod
@@ -252,7 +254,11 @@ class TextToImagePipeline(EnginePipeline):
 
         cache_interval: step caching (``fastdiff.models.step_cache``, DeepCache): a full U-Net forward every N-th
         step of the run, the shallow path on its deep feature in between (1: off).
+
+        Prompt problems (words out of the model's vocabulary, prompts longer than its tokens) are logged, one
+        warning line each, and kept in ``last_prompt_warnings`` until the next call.
         """
+        self.last_prompt_warnings = []
         step_cache.check(self.unet, cache_interval)
         prompts = [prompt] if isinstance(prompt, str) else prompt
         if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
@@ -339,7 +345,10 @@ class TextToImagePipeline(EnginePipeline):
         """Text states [N or 2N, tokens, width]: (uncond; cond) with guidance, each distinct text encoded once."""
         texts = prompts if negatives is None else negatives + prompts
         distinct = list(dict.fromkeys(texts))
-        states = encode_prompts(self.components.text_encoder, self.components.tokenizer, distinct, self.device)
+        warnings: list[str] = []
+        parts = self.components
+        states = encode_prompts(parts.text_encoder, parts.tokenizer, distinct, self.device, warnings=warnings)
+        self.last_prompt_warnings = warnings
         index = torch.tensor([distinct.index(t) for t in texts], device=self.device)
         return states[index].repeat_interleave(per_prompt, dim=0)
 
