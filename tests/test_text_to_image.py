@@ -200,6 +200,33 @@ def test_image_depends_on_its_seed_only(fast):
     assert len(pil) == 1 and pil[0].size == (48, 32)
 
 
+def test_per_prompt_guidance_equals_separate_calls(fast):
+    """guidance_scale as a list: each prompt's images as a call with that scale alone (the fused step takes a
+    scale per row), so requests with different scales can share one batch."""
+    pipe = fast["sd15"]
+    kwargs = dict(output_type="pt", progress=False, steps=3, sampler="ddim", negative_prompt=["", "blurry"])
+    both = pipe(PROMPTS, guidance_scale=[2.0, 9.0], seeds=[7, 8], **kwargs)
+    low = pipe(PROMPTS, guidance_scale=2.0, seeds=[7, 8], **kwargs)
+    high = pipe(PROMPTS, guidance_scale=9.0, seeds=[7, 8], **kwargs)
+    torch.testing.assert_close(both[0], low[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(both[1], high[1], atol=1e-5, rtol=0)
+    assert (both[1] - low[1]).abs().max() > 20 * TOL  # the scale matters at this size
+
+
+def test_text_states_are_cached_and_independent_of_company(fast, monkeypatch):
+    """Each text is encoded alone and once: the same bytes with or without other prompts, no second encode."""
+    pipe = fast["sd15"]
+    pipe._text_cache.clear()
+    calls = []
+    encode = t2i.encode_prompts
+    monkeypatch.setattr(t2i, "encode_prompts", lambda *a, **k: calls.append(a[2]) or encode(*a, **k))
+    alone = pipe._text_states(["a red dress"], None, 1)
+    crowd = pipe._text_states(["a blue shoe", "a red dress", "a bag"], [""] * 3, 2)
+    assert calls == [["a red dress"], [""], ["a blue shoe"], ["a bag"]]
+    assert torch.equal(crowd[8], alone[0]) and torch.equal(crowd[9], alone[0])
+    assert crowd.shape[0] == 12
+
+
 def test_pipeline_from_pretrained_gives_the_text_pipeline(sd15):
     root, _ = sd15
     pipe = fastdiff.Pipeline.from_pretrained(root, device="cpu", sampler="euler")
@@ -235,6 +262,9 @@ BAD_CALLS = [
     (dict(prompt="a", latents=torch.zeros(1, 4, 4, 4)), "latents have shape (1, 4, 4, 4)"),
     (dict(prompt="a", output_type="latent"), "unknown output_type"),
     (dict(prompt="a", cache_interval=0), "cache_interval must be an integer >= 1"),
+    (dict(prompt=PROMPTS, guidance_scale=[3.0]), "one per prompt (2)"),
+    (dict(prompt=PROMPTS, guidance_scale=[3.0, float("nan")]), "finite number >= 0"),
+    (dict(prompt=PROMPTS, guidance_scale=[3.0, 1.0]), "mix guided (> 1) and unguided"),
 ]
 
 

@@ -245,6 +245,7 @@ def encode_prompts(
     prompts: list[str],
     device: str | torch.device,
     warnings: list[str] | None = None,
+    check: bool = True,
 ) -> Tensor:
     """Text states [len(prompts), model_max_length, hidden]: diffusers' default ``encode_prompt``.
 
@@ -252,7 +253,8 @@ def encode_prompts(
     the encoder's last hidden state in the encoder's dtype.
 
     Each problem of a prompt (``prompt_warnings``: words out of the model's vocabulary, tokens dropped by the
-    truncation) is logged as one warning line and appended to ``warnings`` when given.
+    truncation) is logged as one warning line and appended to ``warnings`` when given; ``check=False`` skips this
+    (for callers that checked the prompts already).
 
     For classifier-free guidance, the unconditional states are ``encode_prompts(..., [""] * batch, ...)``.
     """
@@ -261,7 +263,7 @@ def encode_prompts(
     max_length = tokenizer.model_max_length
     tokens = tokenizer(prompts, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt")
     ids = tokens.input_ids
-    problems = prompt_warnings(tokenizer, prompts)
+    problems = prompt_warnings(tokenizer, prompts) if check else []
     for problem in problems:
         log.warning("%s", problem)
     if warnings is not None:

@@ -14,6 +14,7 @@ import logging
 import math
 import numbers
 import os
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from fastdiff.models.stable_diffusion import (
     StableDiffusionComponents,
     encode_prompts,
     load_stable_diffusion,
+    prompt_warnings,
     resolve_pipeline_dir,
 )
 from fastdiff.pipelines.base import EnginePipeline, check_output_type, expand_seeds, load_plan, resolve_backend
@@ -42,6 +44,8 @@ log = logging.getLogger(__name__)
 OUTPUT_TYPES = ("pil", "np", "pt", "tensor")
 SIZE_MULTIPLE = 8
 """Image sides must be multiples of this (diffusers' ``check_inputs``); pixels per latent: ``vae_scale_factor``."""
+TEXT_CACHE_SIZE = 256
+"""Texts whose encoder states a pipeline keeps (least recently used dropped first)."""
 ENCODE_COUNTER = 2**31 - 1
 """The ``fastdiff.samplers.noise`` draw that samples image b's VAE posterior in img2img (steps use draws 1..N)."""
 
@@ -67,6 +71,22 @@ def check_size(height: int | None, width: int | None) -> None:
 def vae_scale_factor(vae_config: AutoencoderKLConfig) -> int:
     """Pixels per latent along each side: 2 ** (levels - 1), as diffusers' pipelines compute it (8 for SD's VAE)."""
     return 2 ** (len(vae_config.block_out_channels) - 1)
+
+
+def guidance_scales(guidance_scale: float | Sequence[float], prompts: int) -> list[float]:
+    """One classifier-free guidance scale per prompt from one scale or a list of ``prompts`` scales: finite, >= 0,
+    and all guided (> 1) or all unguided (<= 1, the conditional model alone)."""
+    scales = [guidance_scale] * prompts if isinstance(guidance_scale, numbers.Real) else guidance_scale
+    if not isinstance(scales, Sequence) or isinstance(scales, str) or len(scales) != prompts:
+        raise FastdiffError(f"guidance_scale must be one number or one per prompt ({prompts}), got {guidance_scale!r}")
+    for scale in scales:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale < 0:
+            raise FastdiffError(f"guidance_scale must be a finite number >= 0 (<= 1: no guidance), got {scale!r}")
+    if len({scale > 1 for scale in scales}) > 1:
+        raise FastdiffError(
+            "guidance scales mix guided (> 1) and unguided (<= 1) prompts: sample them in separate calls"
+        )
+    return [float(scale) for scale in scales]
 
 
 def check_strength(strength: float) -> None:
@@ -140,6 +160,7 @@ class TextToImagePipeline(EnginePipeline):
         self.dtype = dtype
         self.karras = karras
         self._samplers: dict[tuple[str, int, int, float], Sampler] = {}
+        self._text_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.last_prompt_warnings: list[str] = []
         """The last call's prompt warnings (``encode_prompts``: unknown words, truncation), one line each."""
         self.sampler_for(sampler, steps)  # validates the name and step count now, not at the first call
@@ -219,7 +240,7 @@ class TextToImagePipeline(EnginePipeline):
         self,
         prompt: str | list[str],
         negative_prompt: str | list[str] | None = None,
-        guidance_scale: float = 7.5,
+        guidance_scale: float | Sequence[float] = 7.5,
         height: int | None = None,
         width: int | None = None,
         num_images_per_prompt: int = 1,
@@ -238,8 +259,10 @@ class TextToImagePipeline(EnginePipeline):
 
         negative_prompt: one for all prompts or one per prompt (default ""); used when ``guidance_scale`` > 1
         (classifier-free guidance; 0 to 1 runs the conditional model alone, as diffusers does; negative values are
-        refused, where diffusers would quietly run without guidance). height/width: multiples of 8 (default
-        ``default_size``). seeds: one int per image, or one int ``s`` meaning ``s, s+1, ...`` (default ``0..N-1``).
+        refused, where diffusers would quietly run without guidance). guidance_scale: one for all prompts or one per
+        prompt; per-prompt scales are all > 1 or all <= 1 (a guided and an unguided prompt cannot share a call).
+        height/width: multiples of 8 (default ``default_size``). seeds: one int per image, or one int ``s`` meaning
+        ``s, s+1, ...`` (default ``0..N-1``).
         latents: unit-variance noise [N, C, h/f, w/f] (f: ``vae_scale``, 8 for SD) replacing the seeded draw: x_T
         for text-to-image (scaled by the sampler's initial noise scale, as diffusers does) or the noise added to the
         image for img2img. steps, sampler: override the pipeline's for this call; eta: DDIM's noise scale.
@@ -271,15 +294,7 @@ class TextToImagePipeline(EnginePipeline):
                 raise FastdiffError(f"got {len(negatives)} negative prompts for {len(prompts)} prompts")
         else:
             raise FastdiffError(f"negative_prompt must be a string or a list of strings, got {negative_prompt!r}")
-        if (
-            isinstance(guidance_scale, bool)
-            or not isinstance(guidance_scale, numbers.Real)
-            or not math.isfinite(guidance_scale)
-            or guidance_scale < 0
-        ):
-            raise FastdiffError(
-                f"guidance_scale must be a finite number >= 0 (<= 1: no guidance), got {guidance_scale!r}"
-            )
+        scales = guidance_scales(guidance_scale, len(prompts))
         per_prompt = num_images_per_prompt
         if isinstance(per_prompt, bool) or not isinstance(per_prompt, numbers.Integral) or per_prompt <= 0:
             raise FastdiffError(f"num_images_per_prompt must be a positive int, got {per_prompt!r}")
@@ -309,13 +324,15 @@ class TextToImagePipeline(EnginePipeline):
         seed_ids = seed_tensor(seed_list, self.device)
         noise = initial_noise(seed_list, shape, self.device) if latents is None else latents.to(self.device)
         noise = noise.to(torch.float32)
-        guided = guidance_scale > 1
+        guided = scales[0] > 1
         context = self._text_states(prompts, negatives if guided else None, per_prompt)
         if pixels is None:
             x = noise * run.init_scale
         else:
             x = run.noised_state(self._encode(pixels, len(prompts), per_prompt, seed_ids), noise)
-        guidance = torch.full((count,), float(guidance_scale), device=self.device) if guided else None
+        guidance = None
+        if guided:
+            guidance = torch.tensor(scales, dtype=torch.float32).repeat_interleave(per_prompt).to(self.device)
         if self.uses_engine(shape):
             engine = self.engine
             engine.prepare(
@@ -342,15 +359,27 @@ class TextToImagePipeline(EnginePipeline):
         return to_pil(decoded)
 
     def _text_states(self, prompts: list[str], negatives: list[str] | None, per_prompt: int) -> torch.Tensor:
-        """Text states [N or 2N, tokens, width]: (uncond; cond) with guidance, each distinct text encoded once."""
+        """Text states [N or 2N, tokens, width]: (uncond; cond) with guidance.
+
+        Each text is encoded alone (batch 1) and kept in an LRU cache of ``TEXT_CACHE_SIZE`` texts, so a text's
+        states are the same bytes whatever other prompts share the call (a kernel's float result may depend on the
+        batch size) and a served prompt asked for again is not encoded again."""
         texts = prompts if negatives is None else negatives + prompts
         distinct = list(dict.fromkeys(texts))
-        warnings: list[str] = []
         parts = self.components
-        states = encode_prompts(parts.text_encoder, parts.tokenizer, distinct, self.device, warnings=warnings)
-        self.last_prompt_warnings = warnings
-        index = torch.tensor([distinct.index(t) for t in texts], device=self.device)
-        return states[index].repeat_interleave(per_prompt, dim=0)
+        self.last_prompt_warnings = prompt_warnings(parts.tokenizer, distinct)
+        for problem in self.last_prompt_warnings:
+            log.warning("%s", problem)
+        for text in distinct:
+            if text in self._text_cache:
+                self._text_cache.move_to_end(text)
+                continue
+            encoder, tokenizer = parts.text_encoder, parts.tokenizer
+            self._text_cache[text] = encode_prompts(encoder, tokenizer, [text], self.device, check=False)
+            while len(self._text_cache) > TEXT_CACHE_SIZE:
+                self._text_cache.popitem(last=False)
+        states = torch.cat([self._text_cache[t] for t in texts])
+        return states.repeat_interleave(per_prompt, dim=0)
 
     def _encode(self, pixels: torch.Tensor, prompts: int, per_prompt: int, seeds: torch.Tensor) -> torch.Tensor:
         """Scaled VAE latents [N, 4, h, w] of the init image(s): posterior mean + std · seeded noise."""
