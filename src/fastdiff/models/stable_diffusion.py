@@ -263,9 +263,7 @@ def encode_prompts(
     max_length = tokenizer.model_max_length
     tokens = tokenizer(prompts, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt")
     ids = tokens.input_ids
-    problems = prompt_warnings(tokenizer, prompts) if check else []
-    for problem in problems:
-        log.warning("%s", problem)
+    problems = log_prompt_warnings(tokenizer, prompts) if check else []
     if warnings is not None:
         warnings.extend(problems)
     use_mask = getattr(text_encoder.config, "use_attention_mask", False)
@@ -281,6 +279,14 @@ SHOWN_WORDS = 5
 MIN_VOCABULARY_WORDS = 50
 """Whole words (two letters or more) a tokenizer must hold for its vocabulary to be checked: fewer, and it is a
 byte-level stand-in (the random-weight presets, test fixtures) that spells every word in bytes."""
+
+
+def log_prompt_warnings(tokenizer: Any, prompts: list[str]) -> list[str]:
+    """``prompt_warnings``, each line also logged as a warning."""
+    problems = prompt_warnings(tokenizer, prompts)
+    for problem in problems:
+        log.warning("%s", problem)
+    return problems
 
 
 def prompt_warnings(tokenizer: Any, prompts: list[str]) -> list[str]:

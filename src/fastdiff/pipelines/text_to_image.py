@@ -32,7 +32,7 @@ from fastdiff.models.stable_diffusion import (
     StableDiffusionComponents,
     encode_prompts,
     load_stable_diffusion,
-    prompt_warnings,
+    log_prompt_warnings,
     resolve_pipeline_dir,
 )
 from fastdiff.pipelines.base import EnginePipeline, check_output_type, expand_seeds, load_plan, resolve_backend
@@ -367,9 +367,7 @@ class TextToImagePipeline(EnginePipeline):
         texts = prompts if negatives is None else negatives + prompts
         distinct = list(dict.fromkeys(texts))
         parts = self.components
-        self.last_prompt_warnings = prompt_warnings(parts.tokenizer, distinct)
-        for problem in self.last_prompt_warnings:
-            log.warning("%s", problem)
+        self.last_prompt_warnings = log_prompt_warnings(parts.tokenizer, distinct)
         for text in distinct:
             if text in self._text_cache:
                 self._text_cache.move_to_end(text)
