@@ -18,6 +18,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -108,6 +109,84 @@ def candidate_times(model: BoundModel, op: Op, impls: tuple[Impl, ...], reps: in
             known[impl.name] = math.inf
     model.ops_timed += bool(missing)
     return {impl: known[impl.name] for impl in impls}
+
+
+DEFAULT_COMPILE_THREADS = 16
+"""Host threads that compile (and first launch) kernels at once, at most; ``FASTDIFF_COMPILE_THREADS`` overrides it
+(1: one after the other)."""
+
+
+def compile_threads() -> int:
+    """Threads :class:`ConcurrentLaunches` uses: ``FASTDIFF_COMPILE_THREADS``, else :data:`DEFAULT_COMPILE_THREADS` (at
+    most the CPUs this process may use)."""
+    value = os.environ.get("FASTDIFF_COMPILE_THREADS", "").strip()
+    if value:
+        try:
+            return max(1, int(value))
+        except ValueError:
+            log.warning("ignoring FASTDIFF_COMPILE_THREADS=%r: not an integer", value)
+    return max(1, min(DEFAULT_COMPILE_THREADS, len(os.sched_getaffinity(0))))
+
+
+class ConcurrentLaunches:
+    """Calls made once each from :func:`compile_threads` host threads (on CUDA; elsewhere at once, in order), waited
+    for on exit with the GPU: the first launch of a Triton kernel compiles it (or loads it from Triton's cache), and
+    much of a compile (ptxas, the MLIR passes where Triton releases the GIL) runs in parallel this way. The launches
+    land on the caller's current stream in any order, so what they write is not meaningful: callers run the real
+    work afterwards. A call that fails is logged and left for the caller's own run of it to report.
+
+        with ConcurrentLaunches(device) as launches:
+            for call in calls:
+                launches.submit(call)
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        threads = compile_threads() if device.type == "cuda" else 1
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="fastdiff-compile") if threads > 1 else None
+        self.stream = torch.cuda.current_stream(device) if self.pool is not None else None
+
+    @property
+    def concurrent(self) -> bool:
+        return self.pool is not None
+
+    def submit(self, call: Callable[[], None]) -> None:
+        if self.pool is None:
+            call()
+        else:
+            self.pool.submit(self._launch, call)
+
+    def _launch(self, call: Callable[[], None]) -> None:
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            try:
+                call()
+            except Exception as exc:  # noqa: BLE001 - reported again by the caller's ordered run
+                log.debug("a concurrent first launch failed: %s", exc)
+
+    def __enter__(self) -> ConcurrentLaunches:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            torch.cuda.synchronize(self.device)
+
+
+def compile_candidates(model: BoundModel) -> int:
+    """Compile, concurrently (:class:`ConcurrentLaunches`), every candidate that :func:`choose_impls` will time (those
+    of ops with several candidates, not in the tuning cache yet), so its timing loop compiles nothing; returns how
+    many. Writes the arena: fill it afterwards."""
+    calls = []
+    for op in model.ops:
+        impls = candidates(model, op)
+        if len(impls) < 2:
+            continue
+        known = TUNING_CACHE.get(tuning_key(model, op), {})
+        calls += [model.call(op, impl) for impl in impls if impl.name not in known]
+    with ConcurrentLaunches(model.device) as launches:
+        for call in calls:
+            launches.submit(call)
+    return len(calls)
 
 
 def choose_impls(model: BoundModel, reps: int) -> None:
