@@ -1,13 +1,17 @@
 """Time to ready, in fresh processes, and whether they give the same bytes: the engine's load-to-first-image.
 
     python benchmarks/ready.py --model ddpm-cifar10 --batch 256 --plan plan.json --cold 2 --warm 5 --out ready.json
+    python benchmarks/ready.py --model sd15 --system compile --cold 1 --warm 2 --out ready-compile.json
 
 Each run is a new Python process (``--child``) that imports fastdiff, loads the model, samples one batch (the first
 call: weight upload, kernel compile or load, the kernel plan or tuning, graph capture, the steps) and a second
 one (the steady state), and prints its phases and a SHA-256 of each image's uint8 bytes. ``cold`` runs start with
 empty Triton and fastdiff caches (a kernel plan still applies when ``--plan`` gives one); ``warm`` runs share
-caches filled by one untimed run before them. The result gives best / worst / mean of every phase per mode, and
-how many images differ between the runs (0: the same seed gave the same bytes in every process).
+caches filled by one untimed run before them. ``--system compile`` times the same on the eager pipeline with the
+U-Net under torch.compile (reduce-overhead, Inductor's cache emptied for cold runs), the fair baseline's ready time.
+Text-to-image models sample ``--batch`` images of ``--prompt`` at ``--guidance``. The result gives best / worst /
+mean of every phase per mode, and how many images differ between the runs (0: the same seed gave the same bytes in
+every process).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 PHASES = (
     "import_s", "load_s", "first_forward_s", "plan_or_tune_s", "capture_s", "first_call_s", "to_first_image_s",
-    "process_s", "step_ms",
+    "process_s", "call_ms", "step_ms",
 )  # fmt: skip
 
 
@@ -41,20 +45,39 @@ def child(args: argparse.Namespace) -> None:
 
     t_import = time.perf_counter()
     torch.manual_seed(0)  # a preset without weights gets the same random weights in every process
+    backend = "engine" if args.system == "engine" else "eager"
     pipe = fastdiff.Pipeline.from_pretrained(
-        args.model, device="cuda", dtype=args.dtype, sampler=args.sampler, steps=args.steps, plan=args.plan
-    )
+        args.model, device="cuda", dtype=args.dtype, sampler=args.sampler, steps=args.steps, plan=args.plan,
+        backend=backend,
+    )  # fmt: skip
+    if args.system == "compile":
+        from fastdiff.bench.systems import COMPILE_CONFIGS, compile_model
+
+        pipe.unet = compile_model(pipe.unet.to(pipe.device), COMPILE_CONFIGS["compile"])
+    text = isinstance(pipe, fastdiff.TextToImagePipeline)
+
+    def sample() -> torch.Tensor:
+        if text:
+            return pipe(
+                [args.prompt], guidance_scale=args.guidance, height=args.height, width=args.width,
+                num_images_per_prompt=args.batch, seeds=0, output_type="tensor", progress=False,
+            )  # fmt: skip
+        return pipe(batch_size=args.batch, seeds=0, output_type="tensor", progress=False)
+
     synchronize(pipe.device)
     t_load = time.perf_counter()
-    images = pipe(batch_size=args.batch, seeds=0, output_type="tensor", progress=False)
+    images = sample()
     pixels = ((images.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu()
     t_first = time.perf_counter()
+    if args.system == "compile":
+        sample()  # reduce-overhead records its CUDA graphs on the second and third calls
+        sample()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    pipe(batch_size=args.batch, seeds=0, output_type="tensor", progress=False)
+    sample()
     end.record()
     end.synchronize()
-    timings = pipe.engine.timings
+    timings = pipe.engine.timings if backend == "engine" else {}
     print(
         json.dumps(
             {
@@ -65,10 +88,11 @@ def child(args: argparse.Namespace) -> None:
                 "capture_s": timings.get("loop_s"),
                 "first_call_s": t_first - t_load,
                 "to_first_image_s": t_first - START,
+                "call_ms": start.elapsed_time(end),
                 "step_ms": start.elapsed_time(end) / args.steps,
                 "ops_timed": timings.get("step_ops_timed"),
-                "plan_sources": sorted(set(pipe.engine.plan_sources.values())),
-                "plan_digest": pipe.plan_digest,
+                "plan_sources": sorted(set(pipe.engine.plan_sources.values())) if backend == "engine" else [],
+                "plan_digest": pipe.plan_digest if backend == "engine" else None,
                 "image_sha256": [hashlib.sha256(p.numpy().tobytes()).hexdigest()[:16] for p in pixels],
             }
         )
@@ -77,7 +101,11 @@ def child(args: argparse.Namespace) -> None:
 
 def one_run(args: argparse.Namespace, env: dict[str, str]) -> dict:
     argv = [sys.executable, __file__, "--child", "--model", args.model, "--batch", str(args.batch), "--dtype",
-            args.dtype, "--sampler", args.sampler, "--steps", str(args.steps)]  # fmt: skip
+            args.dtype, "--sampler", args.sampler, "--steps", str(args.steps), "--system", args.system,
+            "--prompt", args.prompt, "--guidance", str(args.guidance)]  # fmt: skip
+    for flag in ("height", "width"):
+        if getattr(args, flag) is not None:
+            argv += [f"--{flag}", str(getattr(args, flag))]
     if args.plan:
         argv += ["--plan", args.plan]
     t0 = time.perf_counter()
@@ -95,6 +123,8 @@ def summarize(rows: list[dict]) -> dict:
         values = [r[phase] for r in rows if r.get(phase) is not None]
         if values:
             out[phase] = {"best": min(values), "worst": max(values), "mean": statistics.fmean(values)}
+    if not rows:
+        return out
     out["plan_sources"] = sorted({s for r in rows for s in r["plan_sources"]})
     out["plan_digests"] = sorted({r["plan_digest"] or "" for r in rows})
     out["ops_timed"] = [r["ops_timed"] for r in rows]
@@ -109,7 +139,17 @@ def main() -> None:
     p.add_argument("--dtype", default="fp16")
     p.add_argument("--sampler", default="ddim")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--plan", default=None, help="kernel plan file given to every run")
+    p.add_argument("--plan", default=None, help="kernel plan file given to every run (engine)")
+    p.add_argument(
+        "--system",
+        default="engine",
+        choices=("engine", "compile"),
+        help="the engine, or the eager pipeline with its U-Net under torch.compile (reduce-overhead)",
+    )
+    p.add_argument("--prompt", default="a photo of a dress", help="text-to-image models: the prompt")
+    p.add_argument("--guidance", type=float, default=7.5, help="text-to-image models: guidance scale")
+    p.add_argument("--height", type=int, default=None, help="text-to-image models: image height")
+    p.add_argument("--width", type=int, default=None, help="text-to-image models: image width")
     p.add_argument("--cold", type=int, default=1, help="runs with empty Triton and fastdiff caches")
     p.add_argument("--warm", type=int, default=5, help="runs with caches filled by one untimed run")
     p.add_argument("--timeout", type=float, default=560)
