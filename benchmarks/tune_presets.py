@@ -1,0 +1,81 @@
+"""Kernel plans for the presets at the batch sizes the bench and ``make sample`` use, each made by ``fastdiff tune``
+in a fresh process from empty Triton and fastdiff caches (the cold, no-plan time a user meets), into one plan file.
+
+    python benchmarks/tune_presets.py --plan plans.json --out tune.json ddpm-cifar10:1 fashion-mnist-t2i:80:3
+
+A job is ``MODEL:BATCH[:GUIDANCE]`` (guidance: text-to-image models, default 7.5). Jobs run in the order given
+while ``--budget-s`` leaves room for one (a job that would not finish is skipped and said so). The result records
+each job's wall time, exit status, the compile threads (``FASTDIFF_COMPILE_THREADS``) and the environment; the
+plan file is what ``src/fastdiff/engine/plans/<gpu>.json`` ships (merged with ``KernelPlan``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def parse_job(text: str) -> dict:
+    parts = text.split(":")
+    if len(parts) not in (2, 3):
+        raise SystemExit(f"bad job {text!r}: MODEL:BATCH[:GUIDANCE]")
+    job = {"model": parts[0], "batch": int(parts[1])}
+    if len(parts) == 3:
+        job["guidance"] = float(parts[2])
+    return job
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("jobs", nargs="+", help="MODEL:BATCH[:GUIDANCE]")
+    p.add_argument("--plan", type=Path, required=True, help="plan file the jobs add to")
+    p.add_argument("--out", type=Path, required=True, help="result JSON")
+    p.add_argument("--budget-s", type=float, default=540.0, help="stop starting jobs after this long")
+    p.add_argument("--job-timeout-s", type=float, default=400.0)
+    args = p.parse_args()
+
+    from fastdiff.atomic import write_text_atomic
+    from fastdiff.bench.env import environment
+
+    start = time.perf_counter()
+    rows = []
+    threads = os.environ.get("FASTDIFF_COMPILE_THREADS", "default")
+    for job in map(parse_job, args.jobs):
+        left = args.budget_s - (time.perf_counter() - start)
+        if left < 30:
+            rows.append({**job, "skipped": f"{left:.0f} s of the budget left"})
+            print("skipped", job, flush=True)
+            continue
+        cold = tempfile.mkdtemp(prefix="tune-cold-")
+        env = {**os.environ, "TRITON_CACHE_DIR": f"{cold}/triton", "FASTDIFF_CACHE_DIR": f"{cold}/fastdiff",
+               "TORCHINDUCTOR_CACHE_DIR": f"{cold}/inductor", "PYTHONPATH": str(ROOT / "src")}  # fmt: skip
+        argv = [sys.executable, "-m", "fastdiff.cli", "tune", "--model", job["model"], "--batch", str(job["batch"]),
+                "--out", str(args.plan)]  # fmt: skip
+        if "guidance" in job:
+            argv += ["--guidance", str(job["guidance"])]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=min(args.job_timeout_s, left))
+            rc, log_tail = proc.returncode, (proc.stdout + proc.stderr)[-1500:]
+        except subprocess.TimeoutExpired:
+            rc, log_tail = "timeout", ""
+        row = {**job, "wall_s": round(time.perf_counter() - t0, 2), "rc": rc, "compile_threads": threads,
+               "log_tail": log_tail.splitlines()[-3:]}  # fmt: skip
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        result = {"what": "fastdiff tune per preset from empty caches (cold, no plan)", "env": environment(),
+                  "jobs": rows}  # fmt: skip
+        write_text_atomic(args.out, json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One GPU call: the cold start with the shipped plan compiled on 1 host thread against 16 (ddpm-cifar10 batch 1,
+# fresh processes, images compared), then kernel plans for the presets made by `fastdiff tune` from empty caches
+# (benchmarks/tune_presets.py). Results and the plan file under $OUT.   JOBS="model:batch[:guidance] ..." to choose.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH="src" PYTHONUNBUFFERED=1
+[ -n "${FASTDIFF_GIT_SHA:-}" ] || echo "warning: FASTDIFF_GIT_SHA is unset" >&2
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')
+if [ -z "${SKIP_AB:-}" ]; then
+  for t in 1 16; do
+    FASTDIFF_COMPILE_THREADS=$t timeout 200 python3 benchmarks/ready.py --model ddpm-cifar10 --batch 1 --cold 1 --warm 1 \
+      --out "$OUT/ready-ddpm-cifar10-b1-threads$t-$gpu.json" 2>&1 | tail -n 4
+  done
+fi
+timeout "${TUNE_TIMEOUT:-420}" python3 benchmarks/tune_presets.py --plan "$OUT/plan-$gpu.json" \
+  --out "$OUT/tune-presets-$gpu.json" --budget-s "${BUDGET:-380}" \
+  ${JOBS:-ddpm-cifar10:1 fashion-mnist:36 fashion-mnist:1 fashion-mnist-t2i:80:3 fashion-mnist-t2i:1:3 sd15:1}
