@@ -19,9 +19,8 @@ httpx = pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402  (after the importorskip)
 
 from fastdiff.cli import main  # noqa: E402
-from fastdiff.serve.app import create_app  # noqa: E402
+from fastdiff.serve.app import MAX_BODY_BYTES, create_app  # noqa: E402
 from fastdiff.serve.loadtest import run_loadtest  # noqa: E402
-from fastdiff.serve.schema import ImageRequest, ModelInfo, RequestError, resolve_request  # noqa: E402
 
 SAMPLE_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (-?[0-9.e+-]+|NaN|[+-]Inf)$")
 
@@ -49,6 +48,8 @@ def fmnist_app():
 
 
 BAD_REQUESTS = [
+    ("", 'the request is empty: send a JSON object such as {"n": 2}'),
+    ("{}", "the request is empty"),
     ("{not json", "Invalid JSON"),
     ('{"n": 1000000}', "n=1000000 is more than this server's limit of 4"),
     ('{"steps": 0}', "steps: Input should be greater than or equal to 1"),
@@ -63,6 +64,9 @@ BAD_REQUESTS = [
     ('{"prompt": "a red dress"}', "unconditional: it takes no 'prompt'"),
     ('{"negative_prompt": "blurry"}', "unconditional: it takes no 'negative_prompt'"),
     ('{"guidance": 7.5}', "unconditional: it takes no 'guidance'"),
+    ('{"prompts": ["a", "b"]}', "unconditional: it takes no 'prompts'"),
+    ('{"width": 32}', "unconditional: it takes no 'width'"),
+    ('{"init_image": "iVBORw0KGgo="}', "unconditional: it takes no 'init_image'"),
     ('{"guidance": NaN}', "guidance: Input should be a finite number"),
     ('{"steps": 2, "colour": "red"}', "colour: Extra inputs are not permitted"),
     ("[1, 2]", "Input should be an object"),
@@ -76,7 +80,8 @@ def test_bad_requests_get_422_and_never_reach_the_model(fmnist_app):
             assert response.status_code == 422, body
             error = response.json()["error"]
             assert message in error and "\n" not in error, (body, error)
-        huge = client.post("/v1/images", content=b" " * (2 << 20), headers={"content-type": "application/json"})
+        too_long = b" " * (MAX_BODY_BYTES + 1)
+        huge = client.post("/v1/images", content=too_long, headers={"content-type": "application/json"})
         assert huge.status_code == 413 and "request body is over" in huge.json()["error"]
         response = client.post("/v1/images", json={"n": 2}, headers={"accept": "image/png"})
         assert response.status_code == 406 and "n = 1" in response.json()["error"]
@@ -213,15 +218,6 @@ def test_batch_buckets(fake_factory):
     batcher = app.state.batcher
     assert batcher.buckets == (1, 4, 8)
     assert [batcher.run_size(n) for n in (1, 2, 4, 5, 8)] == [1, 4, 4, 8, 8]
-
-
-def test_schema_for_a_text_model():
-    info = ModelInfo("sd", True, 4, 64, 64, ("ddim",), "ddim", 20, 4, 1000, "cpu")
-    with pytest.raises(RequestError, match="'prompt' is required"):
-        resolve_request(ImageRequest(n=1), info)
-    resolved = resolve_request(ImageRequest(prompt="a cat", negative_prompt="dog", guidance=5.0, seed=9, n=2), info)
-    assert resolved.seeds == [9, 10] and resolved.guidance == 5.0 and resolved.prompt == "a cat"
-    assert resolved.parameters()["n"] == 2 and resolved.parameters()["size"] == [64, 64]
 
 
 def test_cli_errors(capsys):

@@ -1,15 +1,17 @@
 """The FastAPI app of ``fastdiff serve``: ``create_app(model, max_batch=..., max_wait_ms=..., queue_size=...)``.
 
-Routes: ``POST /v1/images`` (JSON with base64 PNGs, or ``image/png`` for one image), ``GET /v1/model``,
-``GET /health``, ``GET /metrics`` (Prometheus text) and the browser page at ``/``.
+Routes: ``POST /v1/images`` (JSON with base64 PNGs and the prompt warnings, or ``image/png`` for one image),
+``GET /v1/model``, ``GET /health``, ``GET /metrics`` (Prometheus text) and the browser page at ``/``. Serves
+unconditional models and text-to-image models (SD-format directories, the bundled ``fashion-mnist-t2i``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import inspect
+import json
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -25,7 +27,8 @@ from fastdiff.cli_args import DEFAULT_MODEL
 from fastdiff.engine.kernel_plan import KernelPlan
 from fastdiff.errors import FastdiffError
 from fastdiff.images import png_bytes
-from fastdiff.pipelines import Pipeline
+from fastdiff.models.stable_diffusion import prompt_warnings
+from fastdiff.pipelines import Pipeline, TextToImagePipeline
 from fastdiff.samplers import SAMPLERS
 from fastdiff.serve.batcher import (
     Batcher,
@@ -35,21 +38,30 @@ from fastdiff.serve.batcher import (
     PipelineFactory,
     QueueFullError,
     ServiceStoppedError,
+    TextInputs,
+    is_text_pipeline,
 )
 from fastdiff.serve.metrics import ServiceMetrics
 from fastdiff.serve.schema import (
+    MAX_GUIDANCE,
     MAX_STEPS,
     ImageRequest,
     ModelInfo,
+    PromptWarnings,
     RequestError,
+    ResolvedRequest,
     parse_request,
     resolve_request,
 )
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 1 << 20
-"""Longest request body read (a request is a few hundred bytes; 4096 seeds fit easily)."""
+MAX_BODY_BYTES = 16 << 20
+"""Longest request body read (a request is a few hundred bytes, or an img2img init image of a few MB)."""
+DEFAULT_GUIDANCE = 7.5
+"""Guidance of text-to-image requests that name none (Stable Diffusion's usual; the bundled model wants 3)."""
+MAX_SIDE_FACTOR = 2
+"""A text-to-image model makes images up to this many times its default size along each side."""
 CLIENT_CLOSED_REQUEST = 499
 """Status logged for a request whose client went away (nginx's convention; nobody receives it)."""
 
@@ -67,10 +79,37 @@ def pretrained_factory(model: str, device: str, dtype: str, plan: KernelPlan | N
     return load
 
 
-def describe_model(name: str, pipe: Pipeline, sampler: str, steps: int, max_batch: int) -> ModelInfo:
-    """The ``ModelInfo`` of a loaded pipeline (unconditional models only, for now)."""
-    if "prompt" in inspect.signature(pipe.__call__).parameters:
-        raise FastdiffError(f"model {name!r} is a text-to-image model: fastdiff serve runs unconditional models only")
+def describe_model(
+    name: str,
+    pipe: Pipeline | TextToImagePipeline,
+    sampler: str,
+    steps: int,
+    max_batch: int,
+    guidance: float = DEFAULT_GUIDANCE,
+) -> ModelInfo:
+    """The ``ModelInfo`` of a loaded pipeline; ``guidance``: the default of text-to-image requests."""
+    if is_text_pipeline(pipe):
+        height, width = pipe.default_size
+        # sides every U-Net level halves evenly (the engine runs them), in whole latents and multiples of 8
+        multiple = math.lcm(8, pipe.vae_scale * 2 ** (len(pipe.unet.config.block_out_channels) - 1))
+        return ModelInfo(
+            name=name,
+            conditional=True,
+            channels=pipe.vae.config.out_channels,
+            height=height,
+            width=width,
+            samplers=tuple(SAMPLERS),
+            default_sampler=sampler,
+            default_steps=steps,
+            max_images_per_request=max_batch,
+            max_steps=MAX_STEPS,
+            device=str(pipe.device),
+            default_guidance=guidance,
+            size_multiple=multiple,
+            max_side=MAX_SIDE_FACTOR * max(height, width) // multiple * multiple,
+            # the pipeline's img2img hands the VAE RGB pixels: a grayscale VAE (fashion-mnist-t2i) cannot take them
+            img2img=pipe.vae.config.in_channels == 3,
+        )
     channels, height, width = pipe.sample_shape
     return ModelInfo(
         name=name,
@@ -85,6 +124,33 @@ def describe_model(name: str, pipe: Pipeline, sampler: str, steps: int, max_batc
         max_steps=MAX_STEPS,
         device=str(pipe.device),
     )
+
+
+def prompt_checker(pipe: Pipeline | TextToImagePipeline) -> PromptWarnings | None:
+    """``warnings(texts)`` on a second instance of a text pipeline's tokenizer (requests are checked on the event
+    loop while the worker tokenizes with the pipeline's own); None for pipelines without a tokenizer."""
+    tokenizer = getattr(getattr(pipe, "components", None), "tokenizer", None)
+    if not is_text_pipeline(pipe) or tokenizer is None:
+        return None
+    try:
+        tokenizer = type(tokenizer).from_pretrained(tokenizer.name_or_path, local_files_only=True)
+    except Exception as exc:  # a tokenizer not loaded from files: share the pipeline's
+        log.debug("prompt checks share the pipeline's tokenizer: %s", exc)
+    return lambda texts: prompt_warnings(tokenizer, texts)
+
+
+def batch_key(request: ResolvedRequest) -> BatchKey:
+    """Which requests ``request`` may share a batch with."""
+    if request.guidance is None:  # unconditional
+        return BatchKey(request.sampler, request.steps)
+    return BatchKey(request.sampler, request.steps, request.size, request.guidance > 1, request.strength)
+
+
+def text_inputs(request: ResolvedRequest) -> TextInputs | None:
+    prompts = request.image_prompts()
+    if prompts is None or request.guidance is None:
+        return None
+    return TextInputs(prompts, request.negative_prompt or "", request.guidance, request.init_image)
 
 
 def encode_pngs(images: Sequence[Image.Image], parameters: Sequence[dict] | None = None) -> list[bytes]:
@@ -148,29 +214,35 @@ def create_app(
     batch_buckets: Sequence[int] | None = None,
     warmup: bool = False,
     plan: str | os.PathLike[str] | None = None,
+    guidance: float = DEFAULT_GUIDANCE,
 ) -> FastAPI:
     """The service for ``model`` (a preset or model directory; or any ``pipeline_factory(sampler, steps)``).
 
-    ``sampler``/``steps`` are the defaults of requests that name none. Batches hold at most ``max_batch`` images
-    (also the per-request limit) and are sampled at the sizes ``batch_buckets`` (default: ``max_batch`` only, see
-    ``fastdiff.serve.batcher``); a request waits at most ``max_wait_ms`` for company; more than ``queue_size``
-    waiting requests are answered with 429. ``warmup`` samples every bucket size once before serving. ``plan``: a
-    kernel plan file for the engine (``fastdiff tune``).
+    ``sampler``/``steps`` (and ``guidance``, for text-to-image models) are the defaults of requests that name
+    none. Batches hold at most ``max_batch`` images (also the per-request limit) and are sampled at the sizes
+    ``batch_buckets`` (default: ``max_batch`` only, see ``fastdiff.serve.batcher``); a request waits at most
+    ``max_wait_ms`` for company; more than ``queue_size`` waiting requests are answered with 429. ``warmup``
+    samples every bucket size once before serving. ``plan``: a kernel plan file for the engine (``fastdiff tune``).
     """
     if sampler not in SAMPLERS:
         raise FastdiffError(f"unknown sampler {sampler!r}: use one of {', '.join(SAMPLERS)}")
     if not 1 <= steps <= MAX_STEPS:
         raise FastdiffError(f"steps must be in 1..{MAX_STEPS}, got {steps}")
+    if not 0 <= guidance <= MAX_GUIDANCE:
+        raise FastdiffError(f"guidance must be in 0..{MAX_GUIDANCE:g}, got {guidance}")
     kernel_plan = None if plan is None else KernelPlan.load(plan)  # a bad file: one line, before any model loads
     factory = pipeline_factory or pretrained_factory(model, device, dtype, kernel_plan)
     metrics = ServiceMetrics(max_batch)
     batcher = Batcher(factory, metrics, max_batch, max_wait_ms / 1000, queue_size, batch_buckets)
     default_key = BatchKey(sampler, steps)
     pipe = batcher.pipeline(default_key)
-    info = describe_model(model, pipe, sampler, steps, max_batch)
+    info = describe_model(model, pipe, sampler, steps, max_batch, guidance)
+    check_prompts = prompt_checker(pipe)
     served_device = pipe.device  # the batcher owns the pipelines: no reference kept here
     if warmup:
-        batcher.warmup(default_key)
+        if info.conditional:
+            default_key = BatchKey(sampler, steps, (info.height, info.width), guidance > 1)
+        batcher.warmup(default_key, guidance)
     page = resources.files("fastdiff.serve").joinpath("page.html").read_text(encoding="utf-8")
 
     @asynccontextmanager
@@ -224,7 +296,7 @@ def create_app(
         """Sample images; JSON with base64 PNGs, or the PNG itself for n = 1 with ``Accept: image/png``."""
         arrived = time.perf_counter()
         try:
-            resolved = resolve_request(parse_request(await read_body(request)), info)
+            resolved = resolve_request(parse_request(await read_body(request)), info, check_prompts)
         except BodyTooLargeError as exc:
             return error(413, str(exc))
         except RequestError as exc:
@@ -233,7 +305,7 @@ def create_app(
         if as_png and len(resolved.seeds) != 1:
             return error(406, "Accept: image/png answers with one image: ask for n = 1 or accept application/json")
         try:
-            job = batcher.submit(BatchKey(resolved.sampler, resolved.steps), resolved.seeds)
+            job = batcher.submit(batch_key(resolved), resolved.seeds, text_inputs(resolved))
         except QueueFullError as exc:
             return error(429, str(exc), headers={"Retry-After": "1"})
         except ServiceStoppedError as exc:
@@ -266,11 +338,20 @@ def create_app(
                 "X-Fastdiff-Sampler": resolved.sampler,
                 "X-Fastdiff-Total-Ms": str(timing["total_ms"]),
             }
+            if resolved.warnings:
+                headers["X-Fastdiff-Warnings"] = json.dumps(resolved.warnings)  # ASCII: non-ASCII is escaped
             return Response(pngs[0], media_type="image/png", headers=headers)
         images = [
             {"seed": seed, "png_base64": base64.b64encode(png).decode("ascii")}
             for seed, png in zip(resolved.seeds, pngs, strict=True)
         ]
-        return JSONResponse({"model": model, "parameters": resolved.parameters(), "timing": timing, "images": images})
+        body = {
+            "model": model,
+            "parameters": resolved.parameters(),
+            "warnings": resolved.warnings,
+            "timing": timing,
+            "images": images,
+        }
+        return JSONResponse(body)
 
     return app

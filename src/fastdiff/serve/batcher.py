@@ -1,7 +1,8 @@
 """The batching worker: one thread owns the pipelines; requests wait in a bounded queue and leave in batches.
 
 A batch starts from the oldest waiting request and takes, in arrival order, the waiting requests with the same
-``BatchKey`` (sampler, steps) while their images fit in ``max_batch``. It waits at most ``max_wait_s`` after the
+``BatchKey`` (sampler, steps; for text-to-image models also size, guided or not, and img2img strength) while their
+images fit in ``max_batch``. It waits at most ``max_wait_s`` after the
 oldest request arrived for more company, and starts at once when ``max_batch`` images are waiting.
 
 Every batch is sampled at a fixed *run size* (the smallest of ``buckets`` that holds its images), padded with
@@ -9,10 +10,15 @@ filler images that are thrown away. Image k depends on seeds[k] only, but the fl
 on the batch size (CPU GEMMs pick a different code path for 1, 2-3 and 4+ rows): with one bucket, every image is
 sampled at the same batch size, so a request's images are byte-identical whether it ran alone or with others.
 On CUDA each run size also captures its own graphs, so few sizes also means few captures.
+
+Unconditional models get one pipeline per (sampler, steps). A text-to-image pipeline takes sampler and steps per
+call, so the first one loaded serves every key; a batch runs it on one prompt, negative prompt, guidance scale and
+seed per image (``num_images_per_prompt=1``), filler rows repeating the last image's.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -26,23 +32,44 @@ import torch
 from PIL import Image
 
 from fastdiff.errors import FastdiffError
-from fastdiff.pipelines import Pipeline
+from fastdiff.pipelines import Pipeline, TextToImagePipeline
 from fastdiff.serve.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 
-PipelineFactory = Callable[[str, int], Pipeline]
-"""``factory(sampler, steps)`` -> a ready ``Pipeline`` for that sampler and step count."""
+PipelineFactory = Callable[[str, int], Pipeline | TextToImagePipeline]
+"""``factory(sampler, steps)`` -> a ready pipeline for that sampler and step count (a text-to-image pipeline takes
+both per call: one is loaded, for the first key)."""
 
 MAX_PIPELINES = 4
 """Pipelines kept loaded, least recently used dropped first (one per (sampler, steps) asked for)."""
 
 
 class BatchKey(NamedTuple):
-    """Requests with equal keys can share a batch."""
+    """Requests with equal keys can share a batch. ``size`` (height, width), ``guided`` (guidance > 1) and
+    ``strength`` (img2img; None: text-to-image) are for text-to-image models."""
 
     sampler: str
     steps: int
+    size: tuple[int, int] | None = None
+    guided: bool = False
+    strength: float | None = None
+
+
+@dataclass(frozen=True)
+class TextInputs:
+    """What a text-to-image request adds to its seeds: one prompt per image, and one negative prompt, guidance
+    scale and init image (img2img, or None) for all of its images."""
+
+    prompts: list[str]
+    negative_prompt: str
+    guidance: float
+    init_image: Image.Image | None = None
+
+
+def is_text_pipeline(pipe: object) -> bool:
+    """Whether ``pipe`` is called with prompts (``TextToImagePipeline``) rather than a batch size."""
+    return "prompt" in inspect.signature(pipe.__call__).parameters
 
 
 class QueueFullError(RuntimeError):
@@ -68,6 +95,7 @@ class Job:
 
     key: BatchKey
     seeds: list[int]
+    text: TextInputs | None = None
     future: Future = field(default_factory=Future)
     enqueued_at: float = field(default_factory=time.perf_counter)
 
@@ -105,6 +133,7 @@ class Batcher:
         self.queue_size = queue_size
         self.buckets = parse_buckets(buckets, max_batch)
         self._pipelines: OrderedDict[BatchKey, Pipeline] = OrderedDict()
+        self._text_pipeline: TextToImagePipeline | None = None
         self._queue: deque[Job] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -112,9 +141,12 @@ class Batcher:
 
     # ----- any thread -----
 
-    def submit(self, key: BatchKey, seeds: list[int]) -> Job:
-        """Queue a request; ``QueueFullError`` when ``queue_size`` requests are waiting already."""
-        job = Job(key, list(seeds))
+    def submit(self, key: BatchKey, seeds: list[int], text: TextInputs | None = None) -> Job:
+        """Queue a request (``text``: its prompts etc., for a text-to-image model); ``QueueFullError`` when
+        ``queue_size`` requests are waiting already."""
+        if text is not None and len(text.prompts) != len(seeds):
+            raise ValueError(f"{len(text.prompts)} prompts for {len(seeds)} seeds")
+        job = Job(key, list(seeds), text)
         with self._cond:
             if self._stopping:
                 raise ServiceStoppedError("the server is shutting down")
@@ -164,12 +196,20 @@ class Batcher:
 
     # ----- worker thread (or before start) -----
 
-    def pipeline(self, key: BatchKey) -> Pipeline:
-        """The pipeline for ``key``, loaded on first use (at most ``MAX_PIPELINES`` kept)."""
+    def pipeline(self, key: BatchKey) -> Pipeline | TextToImagePipeline:
+        """The pipeline for ``key``, loaded on first use (at most ``MAX_PIPELINES`` kept); a text-to-image
+        pipeline, once loaded, serves every key."""
+        if self._text_pipeline is not None:
+            return self._text_pipeline
+        key = BatchKey(key.sampler, key.steps)
         pipe = self._pipelines.get(key)
         if pipe is None:
             log.info("loading a pipeline for sampler %s, %d steps", key.sampler, key.steps)
             pipe = self.pipeline_factory(key.sampler, key.steps)
+            if is_text_pipeline(pipe):
+                self._pipelines.clear()
+                self._text_pipeline = pipe
+                return pipe
             self._pipelines[key] = pipe
             while len(self._pipelines) > MAX_PIPELINES:
                 self._pipelines.popitem(last=False)
@@ -180,12 +220,18 @@ class Batcher:
         """The batch size a batch of ``images`` images is sampled at."""
         return next(b for b in self.buckets if b >= images)
 
-    def warmup(self, key: BatchKey) -> None:
-        """Sample once at every run size (CUDA: captures the graphs before the first request)."""
+    def warmup(self, key: BatchKey, guidance: float = 7.5) -> None:
+        """Sample once at every run size (CUDA: captures the graphs before the first request); a text model
+        samples the empty prompt at ``guidance``."""
         pipe = self.pipeline(key)
         for size in self.buckets:
             start = time.perf_counter()
-            pipe(batch_size=size, seeds=list(range(size)), output_type="tensor", progress=False)
+            seeds = list(range(size))
+            if is_text_pipeline(pipe):
+                text = TextInputs([""] * size, "", guidance)
+                self._sample_text(pipe, key, [Job(key, seeds, text)], seeds, size, "tensor")
+            else:
+                pipe(batch_size=size, seeds=seeds, output_type="tensor", progress=False)
             log.info("warm-up at batch %d: %.2f s", size, time.perf_counter() - start)
 
     def _serve(self) -> None:
@@ -253,7 +299,10 @@ class Batcher:
         start = time.perf_counter()
         try:
             pipe = self.pipeline(key)
-            images = pipe(batch_size=run_size, seeds=padded, output_type="pil", progress=False)
+            if is_text_pipeline(pipe):
+                images = self._sample_text(pipe, key, jobs, padded, run_size, "pil")
+            else:
+                images = pipe(batch_size=run_size, seeds=padded, output_type="pil", progress=False)
         except Exception as exc:
             if not isinstance(exc, FastdiffError):  # e.g. steps beyond the model's schedule: the user's error
                 log.exception("sampling a batch of %d failed", len(seeds))
@@ -278,3 +327,37 @@ class Batcher:
                 )
             )
             offset += count
+
+    @staticmethod
+    def _sample_text(
+        pipe: TextToImagePipeline, key: BatchKey, jobs: list[Job], seeds: list[int], run_size: int, output_type: str
+    ) -> list[Image.Image] | torch.Tensor:
+        """One text-to-image call: a row (prompt, negative prompt, guidance, init image) per image of ``jobs``,
+        padded to ``run_size`` rows by repeating the last."""
+        rows = [
+            (prompt, job.text.negative_prompt, job.text.guidance, job.text.init_image)
+            for job in jobs
+            if job.text is not None
+            for prompt in job.text.prompts
+        ]
+        if len(rows) != sum(len(job.seeds) for job in jobs):
+            raise FastdiffError("a text-to-image model needs a prompt for every image")
+        rows += [rows[-1]] * (run_size - len(rows))
+        prompts, negatives, scales, init_images = (list(column) for column in zip(*rows, strict=True))
+        height, width = key.size if key.size is not None else (None, None)
+        img2img = key.strength is not None
+        return pipe(
+            prompt=prompts,
+            negative_prompt=negatives,
+            guidance_scale=scales,
+            height=height,
+            width=width,
+            num_images_per_prompt=1,
+            seeds=seeds,
+            steps=key.steps,
+            sampler=key.sampler,
+            image=init_images if img2img else None,
+            **({"strength": key.strength} if img2img else {}),
+            output_type=output_type,
+            progress=False,
+        )

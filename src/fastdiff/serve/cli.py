@@ -34,6 +34,18 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
 
 
+def read_prompts(path: Path) -> list[str]:
+    """The non-blank lines of ``path``, stripped; a one-line error when it is unreadable or holds none."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FastdiffError(f"cannot read --prompts {path}: {exc}".splitlines()[0]) from None
+    prompts = [line.strip() for line in lines if line.strip()]
+    if not prompts:
+        raise FastdiffError(f"--prompts {path} holds no prompt")
+    return prompts
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``serve`` and ``loadtest``."""
     add_command(subparsers, "serve", add_serve_arguments)
@@ -44,7 +56,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``fastdiff serve`` (sets ``func=run_serve``)."""
     p.description = (
         "Serve a model over HTTP: POST /v1/images (JSON), GET /v1/model, /health, /metrics and a "
-        "page at /. Concurrent requests with the same sampler and steps are sampled together in batches of up "
+        "page at /. Unconditional models and text-to-image models (Stable Diffusion directories, the bundled "
+        "fashion-mnist-t2i: requests give a prompt). Concurrent requests with the same sampler and steps (text "
+        "models: also size, guidance on or off, img2img strength) are sampled together in batches of up "
         "to --max-batch images; a request's images are the same whether it ran alone or in a batch."
     )
     p.add_argument("--model", default=DEFAULT_MODEL, help="preset name or model directory")
@@ -64,6 +78,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--sampler", default="ddim", choices=SAMPLERS, help="sampler of requests that name none")
     p.add_argument("--steps", type=positive_int, default=50, help="steps of requests that name none")
+    p.add_argument(
+        "--guidance",
+        type=finite_nonnegative_float,
+        default=7.5,
+        help="guidance of text-to-image requests that name none (7.5 suits Stable Diffusion; pass 3 for the "
+        "bundled fashion-mnist-t2i; <= 1 turns guidance off); unconditional models take none",
+    )
     p.add_argument("--device", default="auto", help="auto (GPU if present, else CPU), cpu, cuda or cuda:N")
     p.add_argument(
         "--dtype",
@@ -92,6 +113,13 @@ def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=positive_int, default=None, help="steps (default: the server's)")
     p.add_argument("--sampler", default=None, choices=SAMPLERS, help="sampler (default: the server's)")
     p.add_argument("--seed", type=seed_int, default=0, help="request i asks for seeds SEED + i*n ...")
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help="text file, one prompt per line (blank lines skipped): request i takes line i mod the count, for "
+        "text-to-image servers",
+    )
     p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds before a request counts as an error")
     p.add_argument("--out", type=Path, default=None, help="write the summary JSON here")
     p.set_defaults(func=run_loadtest_cli)
@@ -116,6 +144,7 @@ def run_serve(args: argparse.Namespace) -> int:
         batch_buckets=args.batch_buckets,
         warmup=args.warmup,
         plan=args.plan,
+        guidance=args.guidance,
     )
     log.info("open http://%s:%d/ in a browser", args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=args.verbose)
@@ -138,6 +167,7 @@ def run_loadtest_cli(args: argparse.Namespace) -> int:
             f"--seed {args.seed}: the requests would ask for seeds up to {last}, past the server's "
             f"largest seed {MAX_SEED}"
         )
+    prompts = None if args.prompts is None else read_prompts(args.prompts)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
     summary = run_loadtest(
         args.url,
@@ -148,6 +178,7 @@ def run_loadtest_cli(args: argparse.Namespace) -> int:
         sampler=args.sampler,
         seed=args.seed,
         timeout_s=args.timeout,
+        prompts=prompts,
     )
     latency = summary["latency_ms"]
     log.info(

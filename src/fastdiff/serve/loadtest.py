@@ -1,7 +1,8 @@
 """``fastdiff loadtest``: K closed-loop clients send R requests to a running ``fastdiff serve``; throughput, latency.
 
 Each client thread sends its next request as soon as the previous one is answered (after a short pause when it
-was turned away with 429). Request i asks for seeds ``seed + i*n ...``. Every answer is counted: 200 (images),
+was turned away with 429). Request i asks for seeds ``seed + i*n ...`` and, given ``prompts`` (for a
+text-to-image server), prompt ``i mod len(prompts)``. Every answer is counted: 200 (images),
 429 (shed) or an error (any other status, a timeout, a dropped connection).
 """
 
@@ -12,6 +13,7 @@ import math
 import statistics
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -64,10 +66,13 @@ def run_loadtest(
     sampler: str | None = None,
     seed: int = 0,
     timeout_s: float = 300.0,
+    prompts: Sequence[str] | None = None,
 ) -> dict:
     """Run the load and return the summary record (see ``summarize``)."""
     if concurrency < 1 or requests < 1 or n < 1:
         raise FastdiffError(f"concurrency, requests and n must be positive, got {concurrency}, {requests}, {n}")
+    if prompts is not None and not prompts:
+        raise FastdiffError("prompts: give at least one prompt (or None for an unconditional server)")
     url = url.rstrip("/")
     try:
         httpx.get(f"{url}/health", timeout=10).raise_for_status()
@@ -85,7 +90,10 @@ def run_loadtest(
                     index = next(next_index, None)
                 if index is None:
                     return
-                answer = send_request(client, base | {"seed": seed + index * n})
+                body = base | {"seed": seed + index * n}
+                if prompts:
+                    body["prompt"] = prompts[index % len(prompts)]
+                answer = send_request(client, body)
                 with lock:
                     answers.append(answer)
                 if answer.status == 429:
@@ -111,6 +119,7 @@ def run_loadtest(
         "steps": steps,
         "sampler": sampler,
         "seed": seed,
+        "prompts": None if prompts is None else len(prompts),
     }
     return summarize(answers, wall_s, config, healthy_after)
 
