@@ -1,22 +1,43 @@
-"""``fastdiff generate``: bulk generation of seeds S..S+N-1 into a folder, alone or under ``torchrun``, resumable.
+"""``fastdiff generate``: bulk generation into a folder, alone or under ``torchrun``, resumable.
 
-The seeds are cut into fixed chunks of ``batch`` seeds counted from the first seed (with ``--format npz``: into
-shards of ``shard_size`` seeds, each sampled in chunks of ``batch`` from the shard's start). The chunks (shards)
-still missing are dealt round-robin to the ranks, so every image is computed in the same batch as in a
-one-process run and the files are byte-identical whatever the number of processes. Each file is written
-atomically, so a killed job leaves whole files only and a rerun skips them. ``manifest.json`` records what
-made the folder (model hash, sampler, steps, dtype, image size, format, versions); a rerun with other settings
-is refused. Rank 0 writes ``manifest.json`` and ``summary.json`` (images/s per rank and in all).
+Unconditional models: seeds S..S+N-1, one ``SEED.png`` each. The seeds are cut into fixed chunks of ``batch``
+seeds counted from the first seed (with ``--format npz``: into shards of ``shard_size`` seeds, each sampled in
+chunks of ``batch`` from the shard's start). The chunks (shards) still missing are dealt round-robin to the ranks,
+so every image is computed in the same batch as in a one-process run and the files are byte-identical whatever
+the number of processes. Each file is written atomically, so a killed job leaves whole files only and a rerun
+skips them. ``manifest.json`` records what made the folder (model hash, sampler, steps, dtype, image size,
+format, versions); a rerun with other settings is refused. Rank 0 writes ``manifest.json`` and ``summary.json``
+(images/s per rank and in all).
+
+Text-to-image models take ``--prompts FILE``, and the job is a list of images 0..N-1, each with its own prompt,
+negative prompt, guidance scale and seed, written as ``INDEX.png`` (``000000.png``, ``000001.png``, ...: named by
+image index, since seeds may repeat across lines). The file is either plain text, one prompt per line, or JSONL
+(its first non-blank line starts with ``{``): one JSON object per line with ``prompt`` and optional
+``negative_prompt``, ``seed``, ``guidance`` and ``n`` (images of that line, default 1). Blank lines are skipped,
+plain-text prompts are stripped of surrounding white space; line numbers in errors count every line of the file.
+The file's images, line by line (``n`` each), make a list of L images; ``--num-images N`` (default L) takes the
+first N of that list, repeated as often as needed: image i is entry i mod L. Image i's seed is ``first_seed + i``,
+or, on a line that gives ``seed``, s + k for the line's k-th image (``s, s+1, ...``, counted over repeats too);
+lines without ``guidance`` (``negative_prompt``) take ``--guidance`` (``--negative-prompt``). A job's images
+must be all guided (> 1) or all unguided (<= 1): the pipeline cannot mix them in one batch. Chunks of ``batch``
+images count from image 0 and are sampled whole at that size (the last may be shorter) on whichever rank, so the
+bytes do not depend on the number of processes here either. The manifest records the file's sha256, the
+prompts as read, ``--first-seed``, ``--guidance`` and ``--negative-prompt``: a rerun with another file or other
+defaults is refused. Each PNG records its parameters (prompt, negative prompt, seed, guidance, sampler, steps,
+size, dtype, model, fastdiff version, kernel plan digest) in its ``parameters`` text chunk. Only PNG output.
 
 Under ``torchrun`` (RANK, WORLD_SIZE, LOCAL_RANK set) each rank joins torch.distributed (NCCL on GPUs, gloo on
 CPUs) and uses ``cuda:LOCAL_RANK``; the output folder must be one that every node sees.
 
+Every bad input (settings, the prompts file: line by line) fails in one line before any model loads.
 The module imports torch and numpy where they are used, so ``fastdiff generate --help`` answers at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import contextlib
 import datetime
 import hashlib
 import io
@@ -29,9 +50,9 @@ import shutil
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -66,12 +87,21 @@ IDENTITY_KEYS = (
     "torch_version",
 )
 """Manifest fields that must match before a rerun adds images to a folder."""
+PROMPT_IDENTITY_KEYS = ("prompts_sha256", "first_seed", "guidance", "negative_prompt")
+"""The same for a ``--prompts`` job (absent from an unconditional job's manifest): image i's prompt, seed and
+guidance follow from these, whatever ``--num-images``."""
+PROMPT_KEYS = ("prompt", "negative_prompt", "seed", "guidance", "n")
+"""The keys of a JSONL prompts line (``prompt`` required)."""
+DEFAULT_GUIDANCE = 7.5
 PNG_NAME = re.compile(r"(\d+)\.png")
 SHARD_NAME = re.compile(r"(\d+)-(\d+)\.npz")
 WRITER_THREADS = 8
 """Files one process writes at once: PNG encoding and fsync overlap each other and the next unit's sampling."""
 TEMP_NAME = re.compile(r"\.(\d+\.png|\d+-\d+\.npz|manifest\.json|summary\.json)\..+")
 """Temporary files of an atomic write (``.NAME.XXXX``) that a killed job may have left."""
+
+PROMPT_WARNINGS_LOGGER = "fastdiff.models.stable_diffusion"
+"""Where the text-to-image pipeline logs a prompt's problems, at each call that holds the prompt."""
 
 T = TypeVar("T")
 
@@ -82,10 +112,12 @@ class JobError(FastdiffError):
 
 @dataclass
 class GenerateConfig:
-    """What ``generate`` makes: seeds ``first_seed .. first_seed + num_images - 1`` of ``model`` in ``out_dir``."""
+    """What ``generate`` makes: seeds ``first_seed .. first_seed + num_images - 1`` of ``model`` in ``out_dir``, or
+    with ``prompts`` (a text-to-image model) images 0..num_images-1 of the prompts file (``num_images`` None: as
+    many as the file lists)."""
 
     model: str
-    num_images: int
+    num_images: int | None
     out_dir: Path
     first_seed: int = 0
     sampler: str = "ddim"
@@ -98,6 +130,9 @@ class GenerateConfig:
     timeout_s: float = 1800.0
     progress: bool = True
     plan: Path | None = None
+    prompts: Path | None = None
+    guidance: float = DEFAULT_GUIDANCE
+    negative_prompt: str = ""
 
 
 @dataclass
@@ -146,22 +181,25 @@ class GenerateSummary:
 
 @dataclass(frozen=True)
 class Unit:
-    """A run of consecutive seeds that one rank samples and writes: one chunk (png) or one shard (npz)."""
+    """A run of consecutive file numbers that one rank samples and writes: one chunk (png) or one shard (npz).
+    The numbers are seeds, or image indices in a ``--prompts`` job (``noun`` "images")."""
 
     start: int
     stop: int
+    noun: str = "seeds"
 
     def chunks(self, batch: int) -> list[list[int]]:
-        """The seed batches, ``batch`` seeds each counted from ``start`` (the last may be shorter)."""
+        """The batches, ``batch`` numbers each counted from ``start`` (the last may be shorter)."""
         return [list(range(s, min(s + batch, self.stop))) for s in range(self.start, self.stop, batch)]
 
     @property
     def label(self) -> str:
-        return f"seeds {self.start}-{self.stop - 1}"
+        return f"{self.noun} {self.start}-{self.stop - 1}"
 
 
-def png_name(seed: int) -> str:
-    return f"{seed:06d}.png"
+def png_name(number: int) -> str:
+    """``000042.png``: the file of seed 42, or of image 42 in a ``--prompts`` job."""
+    return f"{number:06d}.png"
 
 
 def shard_name(unit: Unit) -> str:
@@ -186,6 +224,178 @@ def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
             with archive.open(info, "w", force_zip64=True) as f:
                 np.lib.format.write_array(f, np.ascontiguousarray(array), allow_pickle=False)
     return buffer.getvalue()
+
+
+# --- prompts -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PromptLine:
+    """One line of a prompts file, with the defaults of ``--guidance`` and ``--negative-prompt`` filled in."""
+
+    line: int
+    """The line number in the file (1-based, counting blank lines)."""
+    prompt: str
+    negative_prompt: str
+    guidance: float
+    seed: int | None
+    """The seed of the line's first image (then seed+1, ...); None: image i takes ``first_seed + i``."""
+    n: int
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """Everything that makes image ``index`` of a ``--prompts`` job."""
+
+    index: int
+    prompt: str
+    negative_prompt: str
+    guidance: float
+    seed: int
+
+
+@dataclass
+class PromptJob:
+    """The images of a prompts file: image i is entry ``i mod L`` of the L images its lines list (``n`` each)."""
+
+    path: Path
+    sha256: str
+    lines: list[PromptLine]
+    num_images: int
+    first_seed: int
+    starts: list[int] = field(init=False)
+    """Where each line's images begin in the list of L."""
+
+    def __post_init__(self) -> None:
+        self.starts = []
+        total = 0
+        for entry in self.lines:
+            self.starts.append(total)
+            total += entry.n
+
+    @property
+    def listed(self) -> int:
+        """L: the images the file lists, each line's ``n``."""
+        return self.starts[-1] + self.lines[-1].n
+
+    def image(self, index: int) -> ImageSpec:
+        repeat, position = divmod(index, self.listed)
+        line_index = bisect.bisect_right(self.starts, position) - 1
+        entry = self.lines[line_index]
+        if entry.seed is None:
+            seed = self.first_seed + index
+        else:
+            seed = entry.seed + repeat * entry.n + position - self.starts[line_index]
+        return ImageSpec(index, entry.prompt, entry.negative_prompt, entry.guidance, seed)
+
+    def images(self, indices: list[int]) -> list[ImageSpec]:
+        return [self.image(i) for i in indices]
+
+    def images_of_line(self, line_index: int) -> int:
+        """How many of the job's ``num_images`` come from ``lines[line_index]``."""
+        repeats, rest = divmod(self.num_images, self.listed)
+        start = self.starts[line_index]
+        return repeats * self.lines[line_index].n + min(max(rest - start, 0), self.lines[line_index].n)
+
+    def check(self) -> None:
+        """Every seed is in range and the images are all guided or all unguided (one-line error naming the line)."""
+        used = [k for k in range(len(self.lines)) if self.images_of_line(k) > 0]
+        for k in used:
+            entry = self.lines[k]
+            last = None if entry.seed is None else entry.seed + self.images_of_line(k) - 1
+            if last is not None and last > MAX_SEED:
+                raise FastdiffError(
+                    f"--prompts {self.path} line {entry.line}: seed {entry.seed} with {self.images_of_line(k)} "
+                    f"images goes past the largest seed {MAX_SEED}"
+                )
+        first = self.lines[used[0]]
+        for k in used:
+            entry = self.lines[k]
+            if (entry.guidance > 1) != (first.guidance > 1):
+                kinds = {True: "guided (> 1)", False: "unguided (<= 1)"}
+                raise FastdiffError(
+                    f"--prompts {self.path} line {entry.line}: guidance {entry.guidance:g} is "
+                    f"{kinds[entry.guidance > 1]} but line {first.line}'s {first.guidance:g} is "
+                    f"{kinds[first.guidance > 1]}: a job's images must be all guided or all unguided "
+                    "(split the file into two jobs)"
+                )
+
+    def manifest_record(self) -> list[dict[str, Any]]:
+        """The prompts as read (defaults filled in), for ``manifest.json``."""
+        return [asdict(entry) for entry in self.lines]
+
+
+def read_prompts(path: Path, guidance: float, negative_prompt: str) -> tuple[list[PromptLine], str]:
+    """The lines of a prompts file (module docstring: plain text or JSONL) and the file's sha256; every problem
+    is a one-line FastdiffError naming the line."""
+    where = f"--prompts {path}"
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise FastdiffError(f"{where}: no such file") from None
+    except IsADirectoryError:
+        raise FastdiffError(f"{where} is a folder, not a file") from None
+    except OSError as exc:
+        raise FastdiffError(f"cannot read {where}: {exc.strerror or exc}") from None
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark
+    numbered: list[tuple[int, str]] = []
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        try:
+            text = raw.decode("utf-8").strip()
+        except UnicodeDecodeError as exc:
+            raise FastdiffError(f"{where} line {number}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        if text:
+            numbered.append((number, text))
+    if not numbered:
+        raise FastdiffError(f"{where} holds no prompts")
+    if not numbered[0][1].startswith("{"):
+        return [PromptLine(number, text, negative_prompt, guidance, None, 1) for number, text in numbered], digest
+    lines = [
+        prompt_line(f"{where} line {number}", number, text, guidance, negative_prompt) for number, text in numbered
+    ]
+    return lines, digest
+
+
+def prompt_line(where: str, number: int, text: str, guidance: float, negative_prompt: str) -> PromptLine:
+    """One JSONL line: an object with ``prompt`` and optional ``negative_prompt``, ``seed``, ``guidance``, ``n``."""
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise FastdiffError(f"{where}: not JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(record, dict):
+        raise FastdiffError(f'{where}: expected a JSON object like {{"prompt": "..."}}, got {text[:60]}')
+    unknown = [key for key in record if key not in PROMPT_KEYS]
+    if unknown:
+        raise FastdiffError(f"{where}: unknown key {', '.join(map(repr, unknown))} (known: {', '.join(PROMPT_KEYS)})")
+    prompt = record.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise FastdiffError(f'{where}: "prompt" must be a non-empty string, got {prompt!r}')
+    negative = record.get("negative_prompt", negative_prompt)
+    if not isinstance(negative, str):
+        raise FastdiffError(f'{where}: "negative_prompt" must be a string, got {negative!r}')
+    scale = record.get("guidance", guidance)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale < 0:
+        raise FastdiffError(f'{where}: "guidance" must be a finite number >= 0, got {scale!r}')
+    seed = record.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+        raise FastdiffError(f'{where}: "seed" must be an integer in 0..{MAX_SEED}, got {seed!r}')
+    count = record.get("n", 1)
+    if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+        raise FastdiffError(f'{where}: "n" must be a positive integer, got {count!r}')
+    return PromptLine(number, prompt, negative, float(scale), seed, count)
+
+
+def load_prompt_job(config: GenerateConfig) -> PromptJob | None:
+    """The ``--prompts`` job of ``config`` (checked: seeds, guidance), None without ``--prompts``."""
+    if config.prompts is None:
+        return None
+    lines, digest = read_prompts(config.prompts, config.guidance, config.negative_prompt)
+    listed = sum(entry.n for entry in lines)
+    num_images = listed if config.num_images is None else config.num_images
+    job = PromptJob(config.prompts, digest, lines, num_images, config.first_seed)
+    job.check()
+    return job
 
 
 # --- ranks ---------------------------------------------------------------------------------------------------
@@ -271,6 +481,33 @@ class Ranks:
                 dist.destroy_process_group()
 
 
+class OncePerMessage(logging.Filter):
+    """Lets each distinct message through once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
+
+
+@contextlib.contextmanager
+def once_per_message(logger_name: str) -> Iterator[None]:
+    """While inside, the logger ``logger_name`` logs each distinct message once."""
+    logger = logging.getLogger(logger_name)
+    once = OncePerMessage()
+    logger.addFilter(once)
+    try:
+        yield
+    finally:
+        logger.removeFilter(once)
+
+
 def one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
@@ -327,8 +564,9 @@ def hash_model_files(root: Path) -> str:
 def model_hash(model: str) -> str:
     """The model's identity: a hash of its files, or the preset name for a preset without shipped weights."""
     from fastdiff.models import BUNDLED_DIR, PRESETS
+    from fastdiff.models.stable_diffusion import resolve_pipeline_dir
 
-    path = Path(model).expanduser()
+    path = resolve_pipeline_dir(model)  # a bundled text-to-image preset's folder, else the path as given
     if model in PRESETS and not path.exists():
         path = BUNDLED_DIR / model
         if not (path / "config.json").is_file():
@@ -351,10 +589,15 @@ def read_manifest(out_dir: Path) -> dict[str, Any] | None:
 
 def check_manifest(existing: dict[str, Any], identity: dict[str, Any], out_dir: Path) -> None:
     """Refuse to add to a folder made with other settings (one line naming every difference)."""
+    if ("prompts_sha256" in existing) != ("prompts_sha256" in identity):
+        made = "with" if "prompts_sha256" in existing else "without"
+        raise FastdiffError(
+            f"{out_dir / MANIFEST} was made {made} --prompts: use the same settings or another --out-dir"
+        )
     diffs = [
-        f"{key} {existing.get(key)!r} != {identity[key]!r}"
-        for key in IDENTITY_KEYS
-        if existing.get(key) != identity[key]
+        f"{key} {existing.get(key)!r} != {identity.get(key)!r}"
+        for key in (*IDENTITY_KEYS, *PROMPT_IDENTITY_KEYS)
+        if existing.get(key) != identity.get(key)
     ]
     if diffs:
         raise FastdiffError(
@@ -385,11 +628,19 @@ def remove_stale_temp_files(out_dir: Path) -> None:
             Path(entry.path).unlink(missing_ok=True)
 
 
+def first_number(config: GenerateConfig) -> int:
+    """The number of the job's first file: ``first_seed``, or image 0 of a ``--prompts`` job."""
+    return 0 if config.prompts is not None else config.first_seed
+
+
 def all_units(config: GenerateConfig) -> list[Unit]:
-    """The job's units, fixed by first seed, count and batch (png) or shard size (npz), never by world size."""
+    """The job's units, fixed by first seed (image 0 with prompts), count and batch (png) or shard size (npz),
+    never by world size."""
     step = config.batch if config.image_format == "png" else config.shard_size
-    end = config.first_seed + config.num_images
-    return [Unit(s, min(s + step, end)) for s in range(config.first_seed, end, step)]
+    first = first_number(config)
+    end = first + config.num_images
+    noun = "images" if config.prompts is not None else "seeds"
+    return [Unit(s, min(s + step, end), noun) for s in range(first, end, step)]
 
 
 def seed_ranges(seeds: set[int]) -> list[list[int]]:
@@ -431,8 +682,9 @@ def plan_job(config: GenerateConfig, identity: dict[str, Any]) -> Plan:
         remove_stale_temp_files(out_dir)
     units = all_units(config)
     if config.image_format == "png":
+        first = first_number(config)
         pending = [u for u in units if not all(s in seeds for s in range(u.start, u.stop))]
-        present = {s for s in seeds if config.first_seed <= s < config.first_seed + config.num_images}
+        present = {s for s in seeds if first <= s < first + config.num_images}
     else:
         planned = {shard_name(u): u for u in units}
         for name, shard in shards.items():
@@ -451,15 +703,16 @@ def plan_job(config: GenerateConfig, identity: dict[str, Any]) -> Plan:
             f"not enough free disk in {out_dir}: {missing} images need about {need / 2**20:.0f} MiB, "
             f"{free / 2**20:.0f} MiB free"
         )
-    write_json_atomic(out_dir / MANIFEST, {**(existing or {}), **identity, **folder_contents(out_dir)})
+    contents = folder_contents(out_dir, prompts=config.prompts is not None)
+    write_json_atomic(out_dir / MANIFEST, {**(existing or {}), **identity, **contents})
     return Plan(pending=pending, already_present=len(present))
 
 
-def folder_contents(out_dir: Path) -> dict[str, Any]:
-    """The manifest's record of the seeds the folder holds."""
+def folder_contents(out_dir: Path, prompts: bool = False) -> dict[str, Any]:
+    """The manifest's record of the seeds (with ``prompts``: the image indices) the folder holds."""
     seeds, shards = existing_outputs(out_dir)
     seeds.update(s for shard in shards.values() for s in range(shard.start, shard.stop))
-    return {"num_images": len(seeds), "seed_ranges": seed_ranges(seeds)}
+    return {"num_images": len(seeds), "image_ranges" if prompts else "seed_ranges": seed_ranges(seeds)}
 
 
 # --- sampling ------------------------------------------------------------------------------------------------
@@ -477,28 +730,59 @@ def load_pipeline(config: GenerateConfig, device: str):
             config.model, device=device, dtype=config.dtype, sampler=config.sampler, steps=config.steps,
             plan=config.plan,
         )  # fmt: skip
-    if not isinstance(pipe, Pipeline):
-        raise FastdiffError(f"{config.model} is a text-to-image model: fastdiff generate runs unconditional models")
+    if config.prompts is None and not isinstance(pipe, Pipeline):
+        raise FastdiffError(f"{config.model} is a text-to-image model: give --prompts FILE (one prompt a line)")
+    if config.prompts is not None and isinstance(pipe, Pipeline):
+        raise FastdiffError(f"{config.model} is an unconditional model: --prompts is for text-to-image models")
     return pipe
 
 
-def rank0_kernel_plan(pipe, config: GenerateConfig) -> dict[str, Any]:
+def image_shape(pipe) -> tuple[int, int, int]:
+    """(channels, height, width) of the pipeline's images (a text-to-image pipeline: at its default size)."""
+    from fastdiff.pipelines import Pipeline
+
+    if isinstance(pipe, Pipeline):
+        return pipe.sample_shape
+    return (pipe.vae.config.out_channels, *pipe.default_size)
+
+
+def rank0_kernel_plan(pipe, config: GenerateConfig, job: PromptJob | None) -> dict[str, Any]:
     """Rank 0's kernel plan at the job's batch size (its engine builds the batch's forward: from ``--plan``, a
     shipped or cached plan, or by tuning), as JSON for the other ranks: one plan, the same kernels, the same bytes
     on any number of ranks."""
-    pipe(batch_size=config.batch, seeds=0, output_type="tensor", progress=False)
+    if job is None:
+        pipe(batch_size=config.batch, seeds=0, output_type="tensor", progress=False)
+    else:
+        first = job.image(0)
+        pipe(
+            [first.prompt] * config.batch, negative_prompt=first.negative_prompt, guidance_scale=first.guidance,
+            seeds=0, output_type="tensor", progress=False,
+        )  # fmt: skip
     return pipe.engine.used_plan.to_json()
 
 
-def sample_unit(pipe, unit: Unit, batch: int) -> torch.Tensor:
-    """[n, C, H, W] in [-1, 1] on the CPU for the unit's seeds, sampled chunk by chunk."""
+def sample_chunk(pipe, numbers: list[int], job: PromptJob | None) -> torch.Tensor:
+    """[n, C, H, W] in [-1, 1] on the pipeline's device: the chunk's seeds, or its images of a ``--prompts`` job
+    (one prompt, negative prompt, guidance scale and seed each)."""
+    if job is None:
+        return pipe(batch_size=len(numbers), seeds=numbers, output_type="tensor", progress=False)
+    specs = job.images(numbers)
+    return pipe(
+        [spec.prompt for spec in specs],
+        negative_prompt=[spec.negative_prompt for spec in specs],
+        guidance_scale=[spec.guidance for spec in specs],
+        seeds=[spec.seed for spec in specs],
+        num_images_per_prompt=1,
+        output_type="tensor",
+        progress=False,
+    )
+
+
+def sample_unit(pipe, unit: Unit, batch: int, job: PromptJob | None = None) -> torch.Tensor:
+    """[n, C, H, W] in [-1, 1] on the CPU for the unit's seeds (images), sampled chunk by chunk."""
     import torch
 
-    images = [
-        pipe(batch_size=len(seeds), seeds=seeds, output_type="tensor", progress=False).cpu()
-        for seeds in unit.chunks(batch)
-    ]
-    return torch.cat(images)
+    return torch.cat([sample_chunk(pipe, numbers, job).cpu() for numbers in unit.chunks(batch)])
 
 
 @dataclass
@@ -521,9 +805,10 @@ def start_writes(
     unit: Unit,
     images: torch.Tensor,
     image_format: str,
-    parameters: dict[str, Any] | None = None,
+    parameters: list[dict[str, Any]] | None = None,
 ) -> Writes:
-    """Hand a unit's files to ``pool``, each written atomically (PNGs already there are left as they are)."""
+    """Hand a unit's files to ``pool``, each written atomically (PNGs already there are left as they are);
+    ``parameters``: what each PNG records (one dict per image of the unit)."""
     if image_format == "npz":
         import numpy as np
 
@@ -531,14 +816,15 @@ def start_writes(
         data = npz_bytes({"images": to_uint8(images), "seeds": seeds})
         return Writes(unit, [pool.submit(write_bytes_atomic, out_dir / shard_name(unit), data)], len(seeds))
     futures = []
-    for seed, image in zip(range(unit.start, unit.stop), to_pil(images), strict=True):
-        path = out_dir / png_name(seed)
+    per_image = parameters or [None] * (unit.stop - unit.start)
+    for number, image, own in zip(range(unit.start, unit.stop), to_pil(images), per_image, strict=True):
+        path = out_dir / png_name(number)
         if not path.is_file():  # else written by a run that was killed in the middle of this chunk
-            futures.append(pool.submit(save_png_atomic, image, path, {**(parameters or {}), "seed": seed}))
+            futures.append(pool.submit(save_png_atomic, image, path, own))
     return Writes(unit, futures, len(futures))
 
 
-def run_units(config: GenerateConfig, pipe, ranks: Ranks, plan: Plan) -> list[RankStats]:
+def run_units(config: GenerateConfig, pipe, ranks: Ranks, plan: Plan, job: PromptJob | None = None) -> list[RankStats]:
     """Sample this rank's share of ``plan.pending`` round by round while the previous unit's files are written;
     after each round all ranks report their counts (for the one progress bar) and failures (so that no rank
     waits for a dead one)."""
@@ -563,15 +849,14 @@ def run_units(config: GenerateConfig, pipe, ranks: Ranks, plan: Plan) -> list[Ra
             unit = mine[r] if r < len(mine) else None
             current = unit
             try:
-                images = sample_unit(pipe, unit, config.batch) if unit is not None else None
+                images = sample_unit(pipe, unit, config.batch, job) if unit is not None else None
+                parameters = unit_parameters(config, pipe, unit, job) if unit is not None else None
                 if writing is not None:
                     current = writing.unit
                     new = writing.wait()
                     writing = None
                 if unit is not None:
-                    writing = start_writes(
-                        pool, config.out_dir, unit, images, config.image_format, image_parameters(config)
-                    )
+                    writing = start_writes(pool, config.out_dir, unit, images, config.image_format, parameters)
             except Exception as exc:
                 log.exception("rank %d failed on %s", ranks.rank, current.label)
                 failure = f"failed on {current.label}: {one_line(exc)}"
@@ -601,19 +886,33 @@ def device_name(device: torch.device) -> str:
 def generate(config: GenerateConfig) -> GenerateSummary:
     """Generate the configured seeds into ``config.out_dir`` (see the module docstring); every rank gets the
     summary of the whole job."""
-    validate(config)
+    job = validate(config)
+    if job is not None:
+        config = replace(config, num_images=job.num_images)
     ranks = Ranks.start(config.device, config.timeout_s)
     try:
-        return generate_on(config, ranks)
+        return generate_on(config, ranks, job)
     finally:
         ranks.close()
 
 
-def validate(config: GenerateConfig) -> None:
-    """Every setting, and that files can be created in ``out_dir``: one-line errors before any work."""
-    if config.num_images <= 0:
+def validate(config: GenerateConfig) -> PromptJob | None:
+    """Every setting, the prompts file (the job it makes, returned) and that files can be created in ``out_dir``:
+    one-line errors before any work."""
+    if config.num_images is None and config.prompts is None:
+        raise FastdiffError("give --num-images N (or --prompts FILE for a text-to-image model)")
+    if config.num_images is not None and config.num_images <= 0:
         raise FastdiffError(f"--num-images must be positive, got {config.num_images}")
-    last = config.first_seed + config.num_images - 1
+    if config.prompts is not None and config.image_format != "png":
+        raise FastdiffError("--prompts jobs write PNGs only: drop --format npz")
+    guidance = config.guidance
+    if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not math.isfinite(guidance):
+        raise FastdiffError(f"--guidance must be a finite number >= 0, got {guidance!r}")
+    if guidance < 0:
+        raise FastdiffError(f"--guidance must be a finite number >= 0, got {guidance!r}")
+    job = load_prompt_job(config)
+    num_images = job.num_images if job is not None else config.num_images
+    last = config.first_seed + num_images - 1
     if config.first_seed < 0 or last > MAX_SEED:
         raise FastdiffError(f"seeds must be in 0..{MAX_SEED}, got --first-seed {config.first_seed} to {last}")
     if not (isinstance(config.timeout_s, (int, float)) and 0 < config.timeout_s < float("inf")):
@@ -627,9 +926,10 @@ def validate(config: GenerateConfig) -> None:
     if config.dtype not in DTYPES:
         raise FastdiffError(f"unknown dtype {config.dtype!r}: use one of {', '.join(DTYPES)}")
     check_output_location(config.out_dir, "--out-dir", folder=True)
+    return job
 
 
-def generate_on(config: GenerateConfig, ranks: Ranks) -> GenerateSummary:
+def generate_on(config: GenerateConfig, ranks: Ranks, job: PromptJob | None = None) -> GenerateSummary:
     setup_start = time.perf_counter()
     created = ranks.on_rank0(lambda: prepare_out_dir(config.out_dir))
     pipe, error = None, None
@@ -645,11 +945,11 @@ def generate_on(config: GenerateConfig, ranks: Ranks) -> GenerateSummary:
     except JobError:  # nothing was written: leave no folder behind either
         ranks.on_rank0(lambda: remove_empty_folders(config.out_dir, created))
         raise
-    plan = ranks.on_rank0(lambda: plan_job(config, job_identity(config, pipe.sample_shape)))
+    plan = ranks.on_rank0(lambda: plan_job(config, job_identity(config, image_shape(pipe), job)))
     if ranks.world_size > 1 and pipe.backend == "engine":  # every rank runs the kernels rank 0 runs
         from fastdiff.engine.kernel_plan import KernelPlan
 
-        shared = ranks.on_rank0(lambda: rank0_kernel_plan(pipe, config))
+        shared = ranks.on_rank0(lambda: rank0_kernel_plan(pipe, config, job))
         if ranks.rank != 0:
             pipe.plan = KernelPlan.from_json(shared, "rank 0's kernel plan")
     setup_seconds = time.perf_counter() - setup_start
@@ -663,7 +963,8 @@ def generate_on(config: GenerateConfig, ranks: Ranks) -> GenerateSummary:
             "chunks" if config.image_format == "png" else "shards",
             ranks.world_size,
         )
-    per_rank = run_units(config, pipe, ranks, plan)
+    with once_per_message(PROMPT_WARNINGS_LOGGER):  # a bad word of a prompt: one warning, not one per chunk
+        per_rank = run_units(config, pipe, ranks, plan, job)
     summary = GenerateSummary(
         out_dir=str(config.out_dir),
         rank=ranks.rank,
@@ -678,16 +979,30 @@ def generate_on(config: GenerateConfig, ranks: Ranks) -> GenerateSummary:
     if ranks.rank == 0:
         manifest = read_manifest(config.out_dir) or {}
         plan_digest = {"kernel_plan": pipe.plan_digest} if pipe.plan_digest else {}
-        write_json_atomic(config.out_dir / MANIFEST, {**manifest, **folder_contents(config.out_dir), **plan_digest})
+        contents = folder_contents(config.out_dir, prompts=job is not None)
+        write_json_atomic(config.out_dir / MANIFEST, {**manifest, **contents, **plan_digest})
         write_json_atomic(config.out_dir / SUMMARY, {**summary.to_json(), **run_settings(config)})
     return summary
 
 
-def job_identity(config: GenerateConfig, sample_shape: tuple[int, int, int]) -> dict[str, Any]:
-    """The manifest's record of what makes the images (``IDENTITY_KEYS``) plus the model as given."""
+def job_identity(
+    config: GenerateConfig, sample_shape: tuple[int, int, int], job: PromptJob | None = None
+) -> dict[str, Any]:
+    """The manifest's record of what makes the images (``IDENTITY_KEYS``, with prompts ``PROMPT_IDENTITY_KEYS``
+    too) plus the model as given and the prompts as read."""
     import torch
 
     channels, height, width = sample_shape
+    prompts = {}
+    if job is not None:
+        prompts = {
+            "prompts_file": str(job.path),
+            "prompts_sha256": job.sha256,
+            "first_seed": config.first_seed,
+            "guidance": config.guidance,
+            "negative_prompt": config.negative_prompt,
+            "prompts": job.manifest_record(),
+        }
     return {
         "model": config.model,
         "model_hash": model_hash(config.model),
@@ -700,6 +1015,7 @@ def job_identity(config: GenerateConfig, sample_shape: tuple[int, int, int]) -> 
         "shard_size": config.shard_size if config.image_format == "npz" else None,
         "fastdiff_version": fastdiff.__version__,
         "torch_version": torch.__version__,
+        **prompts,
     }
 
 
@@ -707,6 +1023,31 @@ def image_parameters(config: GenerateConfig) -> dict[str, Any]:
     """What each PNG records besides its seed (the same on every rank, so the bytes do not depend on the process
     count)."""
     return {"model": config.model, "sampler": config.sampler, "steps": config.steps, "dtype": config.dtype}
+
+
+def unit_parameters(config: GenerateConfig, pipe, unit: Unit, job: PromptJob | None) -> list[dict[str, Any]]:
+    """What each PNG of ``unit`` records (``fastdiff.images.png_info`` adds the fastdiff version): its seed and
+    ``image_parameters``; with prompts also its prompt, negative prompt, guidance and size. Call it right after
+    the unit is sampled: the kernel plan digest is the last call's."""
+    common = image_parameters(config)
+    if pipe.plan_digest is not None:
+        common["kernel_plan"] = pipe.plan_digest
+    numbers = range(unit.start, unit.stop)
+    if job is None:
+        return [{**common, "seed": seed} for seed in numbers]
+    _, height, width = image_shape(pipe)
+    return [
+        {
+            "prompt": spec.prompt,
+            "negative_prompt": spec.negative_prompt,
+            "guidance": spec.guidance,
+            "seed": spec.seed,
+            **common,
+            "height": height,
+            "width": width,
+        }
+        for spec in job.images(list(numbers))
+    ]
 
 
 def run_settings(config: GenerateConfig) -> dict[str, Any]:
@@ -731,19 +1072,59 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``fastdiff generate`` (sets ``func=run_generate``)."""
-    from fastdiff.cli_args import add_plan_argument, positive_float, positive_int, seed_int
+    from fastdiff.cli_args import (
+        add_plan_argument,
+        finite_nonnegative_float,
+        positive_float,
+        positive_int,
+        seed_int,
+    )
 
     defaults = GenerateConfig(model="", num_images=1, out_dir=Path())
     p.description = (
         "Generate seeds FIRST_SEED .. FIRST_SEED+N-1 into OUT_DIR as SEED.png files (or .npz shards "
-        "of a fixed seed range). Run alone or as 'torchrun --nproc-per-node G -m fastdiff.cli generate ...': "
+        "of a fixed seed range); for a text-to-image model, the images of a --prompts FILE as INDEX.png "
+        "(000000.png, ...: by image index, as seeds may repeat). Run alone or as "
+        "'torchrun --nproc-per-node G -m fastdiff.cli generate ...': "
         "the files are byte-identical whatever the number of processes. Rerunning the same command skips the "
         "images already written; OUT_DIR/manifest.json must match the settings. Rank 0 writes summary.json."
     )
-    p.add_argument("--model", required=True, help="preset name or a local diffusers/fastdiff model directory")
-    p.add_argument("--num-images", type=positive_int, required=True, help="number of images (seeds)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="preset name or a local diffusers/fastdiff model directory; a text-to-image model (fashion-mnist-t2i, "
+        "a StableDiffusionPipeline directory) needs --prompts",
+    )
+    p.add_argument(
+        "--num-images",
+        type=positive_int,
+        default=None,
+        help="number of images (seeds); required without --prompts; with --prompts: the first N of the images the "
+        "file lists, the list repeated as often as needed (default: the file's images, once)",
+    )
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="text-to-image prompts: one a line (blank lines skipped), or JSONL (first non-blank line starts with "
+        '{): {"prompt": "...", "negative_prompt": "...", "seed": S, "guidance": G, "n": K} a line, all but prompt '
+        "optional; image i gets seed FIRST_SEED+i, or S, S+1, ... on a line with seed; PNGs named by image index",
+    )
+    p.add_argument(
+        "--guidance",
+        type=finite_nonnegative_float,
+        default=defaults.guidance,
+        help="classifier-free guidance scale of the --prompts lines that give none; <= 1: unguided (a job is all "
+        "guided or all unguided)",
+    )
+    p.add_argument(
+        "--negative-prompt",
+        default=defaults.negative_prompt,
+        help="negative prompt of the --prompts lines without one (default: none)",
+    )
     p.add_argument("--out-dir", type=Path, required=True, help="output folder (created; shared by all nodes)")
-    p.add_argument("--first-seed", type=seed_int, default=defaults.first_seed, help="seed of the first image")
+    p.add_argument("--first-seed", type=seed_int, default=defaults.first_seed, help="seed of the first image (image 0)")
     p.add_argument("--sampler", default=defaults.sampler, choices=SAMPLERS, help="sampling algorithm")
     p.add_argument("--steps", type=positive_int, default=defaults.steps, help="number of denoising steps")
     p.add_argument(
@@ -756,7 +1137,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device", default=defaults.device, help="auto, cpu, cuda or cuda:N (under torchrun: cuda:LOCAL_RANK)"
     )
-    p.add_argument("--batch", type=positive_int, default=defaults.batch, help="seeds per batch on each process")
+    p.add_argument("--batch", type=positive_int, default=defaults.batch, help="images per batch on each process")
     p.add_argument("--format", dest="image_format", default=defaults.image_format, choices=FORMATS, help="file type")
     p.add_argument("--shard-size", type=positive_int, default=defaults.shard_size, help="seeds per .npz shard")
     p.add_argument(
@@ -783,6 +1164,9 @@ def run_generate(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         progress=not args.no_progress,
         plan=args.plan,
+        prompts=args.prompts,
+        guidance=args.guidance,
+        negative_prompt=args.negative_prompt,
     )
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:  # one voice for the job: rank 0 logs, the others only warn
