@@ -1,4 +1,5 @@
-"""Fixtures of the serve tests: a uvicorn server in a thread on a free port, a fast stand-in pipeline."""
+"""Fixtures of the serve tests: a uvicorn server in a thread on a free port, fast stand-in pipelines (unconditional
+and text-to-image) and the bundled fashion-mnist-t2i served on the CPU."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -94,6 +96,44 @@ class FakeFactory:
         return pipe
 
 
+class FakeTextPipeline:
+    """The surface of ``TextToImagePipeline`` the server uses, without a model: 32x32 default, sizes in multiples of
+    16 (vae_scale 4, three U-Net levels), no tokenizer (no prompt warnings). Image k is a flat gray of
+    ``seeds[k] % 256`` at the asked size; every call's keyword arguments are recorded in ``calls``."""
+
+    device = torch.device("cpu")
+    default_size = (32, 32)
+    vae_scale = 4
+    unet = SimpleNamespace(config=SimpleNamespace(block_out_channels=(8, 16, 16)))
+    vae = SimpleNamespace(config=SimpleNamespace(in_channels=3, out_channels=3))
+    components = SimpleNamespace(tokenizer=None)
+
+    def __init__(self, calls: list, gate: threading.Event) -> None:
+        self.calls = calls
+        self.gate = gate
+
+    def __call__(self, prompt: list[str], **kwargs):
+        assert kwargs["num_images_per_prompt"] == 1 and not kwargs["progress"]
+        self.calls.append({"prompt": list(prompt), **kwargs})
+        assert self.gate.wait(60), "test gate never opened"
+        height, width = kwargs["height"], kwargs["width"]
+        return [Image.new("L", (width, height), seed % 256) for seed in kwargs["seeds"]]
+
+
+class FakeTextFactory:
+    """``pipeline_factory(sampler, steps)`` making ``FakeTextPipeline``s; ``loads`` counts them."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.loads = 0
+
+    def __call__(self, sampler: str, steps: int) -> FakeTextPipeline:
+        self.loads += 1
+        return FakeTextPipeline(self.calls, self.gate)
+
+
 def wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -111,6 +151,23 @@ def serve_app():
 @pytest.fixture
 def fake_factory() -> FakeFactory:
     return FakeFactory()
+
+
+@pytest.fixture
+def fake_text_factory() -> FakeTextFactory:
+    return FakeTextFactory()
+
+
+@pytest.fixture(scope="session")
+def t2i_app():
+    """The bundled fashion-mnist-t2i on the CPU, loaded once: 2 steps, guidance 3, batches of 4 (one run size),
+    a generous wait so concurrent requests meet. Tests may serve it one after another."""
+    pytest.importorskip("transformers")
+    from fastdiff.serve.app import create_app
+
+    return create_app(
+        "fashion-mnist-t2i", device="cpu", steps=2, guidance=3.0, max_batch=4, max_wait_ms=300, queue_size=16
+    )
 
 
 @pytest.fixture
