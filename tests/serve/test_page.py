@@ -1,5 +1,6 @@
 """The page at / in a real browser: Debian's headless chromium, driven by Playwright, against a live server on the
-bundled fashion-mnist model. Generate shows one image per seed with its parameters; a bad field shows the 422."""
+bundled fashion-mnist model (and fashion-mnist-t2i: the prompt flow). Generate shows one image per seed with its
+parameters (and prompt, and the prompt's warnings); a bad field shows the 422."""
 
 from __future__ import annotations
 
@@ -74,4 +75,45 @@ def test_page_generates_images_with_their_parameters(browser, serve_app):
         page.wait_for_function("document.getElementById('error').textContent.length > 0", timeout=20_000)
         assert "steps: Input should be greater than or equal to 1" in page.inner_text("#error")
         assert page.locator("figure.result").count() == 0
+        page.close()
+
+
+def test_page_prompt_flow_on_the_bundled_text_model(browser, serve_app, t2i_app):
+    """fashion-mnist-t2i: the text fields show (guidance at the server's default, no img2img for its grayscale
+    VAE); a prompt gives one image per seed captioned with its prompt, and the prompt's warnings are listed."""
+    with serve_app(t2i_app) as url:
+        page = browser.new_page()
+        page.goto(url + "/")
+        page.wait_for_selector("#generate:enabled")
+        assert page.locator("#prompt").is_visible() and page.locator("#negative_prompt").is_visible()
+        assert page.input_value("#guidance") == "3" and page.input_value("#steps") == "2"
+        assert page.locator("#init_image-row").is_hidden()
+
+        page.fill("#prompt", "ankle boot zzyzx")
+        page.fill("#negative_prompt", "sandal")
+        page.fill("#guidance", "4")
+        page.fill("#seed", "7")
+        page.fill("#n", "2")
+        page.click("#generate")
+        page.wait_for_function("document.querySelectorAll('figure.result').length === 2", timeout=120_000)
+        page.wait_for_selector("#generate:enabled")
+        figures = page.locator("figure.result")
+        assert sorted(int(figures.nth(k).get_attribute("data-seed")) for k in range(2)) == [7, 8]
+        for k in range(2):
+            figure = figures.nth(k)
+            assert figure.get_attribute("data-prompt") == "ankle boot zzyzx"
+            assert figure.locator("figcaption .prompt").inner_text() == "ankle boot zzyzx"
+            caption = figure.locator("figcaption").inner_text()
+            assert "not: sandal" in caption and "guidance 4" in caption and "2 steps" in caption
+            assert figure.locator("img").evaluate("img => img.complete ? img.naturalWidth : 0") == 32
+        warnings = page.locator("#warnings li").all_inner_texts()
+        assert len(warnings) == 1 and "zzyzx" in warnings[0]  # the same warning of both requests, listed once
+        assert page.inner_text("#error") == ""
+
+        page.fill("#prompt", "")
+        page.fill("#n", "1")
+        page.click("#generate")
+        page.wait_for_function("document.getElementById('error').textContent.length > 0", timeout=20_000)
+        assert "'prompt' (or 'prompts') is required" in page.inner_text("#error")
+        assert page.locator("figure.result").count() == 0 and page.locator("#warnings li").count() == 0
         page.close()
