@@ -234,3 +234,59 @@ def test_image_request_fields_are_documented():
         assert schema[name].get("description"), name
     with pytest.raises(RequestError, match="the request is empty"):
         resolve({}, TEXT_INFO)
+
+
+@pytest.mark.slow
+def test_img2img_on_a_stable_diffusion_directory_alone_or_batched(tmp_path, serve_app):
+    """A tiny SD 1.5 directory (RGB VAE): /v1/model offers img2img; an img2img request's PNG is the same bytes alone
+    or batched with another of a different prompt, and records its strength; a text-only request beside it runs in
+    a batch of its own."""
+    pytest.importorskip("diffusers")
+    from sd_fixtures import write_tiny_sd_pipeline
+
+    root = tmp_path / "sd15"
+    write_tiny_sd_pipeline(root, "sd15", seed=3)
+    app = create_app(str(root), device="cpu", steps=4, max_batch=2, max_wait_ms=300)
+    info = app.state.model_info
+    assert info.img2img and info.default_guidance == 7.5 and info.channels == 3 and info.size_multiple == 64
+    init = png_base64(info.width, info.height, 90)
+    first = {"prompt": "a cat", "seed": 3, "init_image": init, "strength": 0.5}
+    second = {"prompt": "a dog", "seed": 4, "init_image": init, "strength": 0.5, "guidance": 3}
+    plain = {"prompt": "a cat", "seed": 3}
+    with serve_app(app) as url, httpx.Client(base_url=url, timeout=120) as client:
+        alone = client.post("/v1/images", json=first).json()
+        barrier = threading.Barrier(3)
+
+        def send(body: dict) -> dict:
+            barrier.wait()
+            with httpx.Client(base_url=url, timeout=120) as own:
+                response = own.post("/v1/images", json=body)
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        with ThreadPoolExecutor(3) as pool:
+            together, _, text_only = pool.map(send, [first, second, plain])
+    assert alone["timing"]["batch_images"] == 1 and together["timing"]["batch_images"] == 2
+    assert text_only["timing"]["batch_images"] == 1
+    png = base64.b64decode(alone["images"][0]["png_base64"])
+    assert base64.b64decode(together["images"][0]["png_base64"]) == png
+    assert base64.b64decode(text_only["images"][0]["png_base64"]) != png
+    parameters = png_parameters(png)
+    assert parameters["strength"] == 0.5 and parameters["prompt"] == "a cat" and parameters["guidance"] == 7.5
+    assert "strength" not in png_parameters(base64.b64decode(text_only["images"][0]["png_base64"]))
+
+
+def test_text_warmup_and_png_answer_with_warnings(fake_text_factory):
+    app = create_app("fake-t2i", pipeline_factory=fake_text_factory, max_batch=4, batch_buckets=[1], warmup=True)
+    warmups = fake_text_factory.calls
+    assert [len(call["prompt"]) for call in warmups] == [1, 4] and warmups[0]["prompt"] == [""]
+    assert warmups[1]["guidance_scale"] == [7.5] * 4 and (warmups[1]["height"], warmups[1]["width"]) == (32, 32)
+    with TestClient(app) as client:
+        body = {"prompt": "a cat", "negative_prompt": "dog", "guidance": 0.5, "seed": 12}
+        response = client.post("/v1/images", json=body, headers={"accept": "image/png"})
+    assert response.status_code == 200 and response.headers["content-type"] == "image/png"
+    assert json.loads(response.headers["x-fastdiff-warnings"]) == [
+        "negative_prompt is unused: guidance 0.5 <= 1 runs the model without it"
+    ]
+    assert png_parameters(response.content)["prompt"] == "a cat" and response.headers["x-fastdiff-seed"] == "12"
+    assert fake_text_factory.calls[-1]["seeds"] == [12]  # a batch of 1 runs at the bucket of 1
