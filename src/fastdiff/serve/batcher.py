@@ -2,8 +2,8 @@
 
 A batch starts from the oldest waiting request and takes, in arrival order, the waiting requests with the same
 ``BatchKey`` (sampler, steps; for text-to-image models also size, guided or not, and img2img strength) while their
-images fit in ``max_batch``. It waits at most ``max_wait_s`` after the
-oldest request arrived for more company, and starts at once when ``max_batch`` images are waiting.
+images fit in ``max_batch``. It waits at most ``max_wait_s`` after the oldest request arrived for more company, and
+starts at once when ``max_batch`` images are waiting.
 
 Every batch is sampled at a fixed *run size* (the smallest of ``buckets`` that holds its images), padded with
 filler images that are thrown away. Image k depends on seeds[k] only, but the float result of a kernel can depend
