@@ -19,6 +19,7 @@ httpx = pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402  (after the importorskip)
 
 from fastdiff.cli import main  # noqa: E402
+from fastdiff.errors import FastdiffError  # noqa: E402
 from fastdiff.serve.app import MAX_BODY_BYTES, create_app  # noqa: E402
 from fastdiff.serve.loadtest import run_loadtest  # noqa: E402
 
@@ -200,6 +201,8 @@ def test_loadtest_under_overload_sheds_with_429_and_answers_the_rest(fake_factor
     out = tmp_path / "load.json"
     with serve_app(app) as url:
         normal = run_loadtest(url, concurrency=2, requests=10, n=1)
+        with pytest.raises(FastdiffError, match="runs an unconditional model: it takes no prompts"):
+            run_loadtest(url, concurrency=1, requests=1, prompts=["a red dress"])
         overload_args = ["--concurrency", "12", "--requests", "60", "--seed", "1000", "--out", str(out)]
         exit_code = main(["loadtest", "--url", url, *overload_args])
     assert normal["ok"] == 10 and normal["rejected_429"] == 0 and normal["errors"] == 0

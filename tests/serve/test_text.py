@@ -17,6 +17,7 @@ httpx = pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402  (after the importorskip)
 
 from fastdiff.cli import main  # noqa: E402
+from fastdiff.errors import FastdiffError  # noqa: E402
 from fastdiff.serve.app import create_app  # noqa: E402
 from fastdiff.serve.loadtest import run_loadtest  # noqa: E402
 from fastdiff.serve.schema import (  # noqa: E402
@@ -188,6 +189,9 @@ def test_loadtest_draws_prompts_round_robin(fake_text_factory, serve_app, tmp_pa
     assert summary["ok"] == 6 and summary["errors"] == 0 and summary["prompts"] == 2
     drawn = [prompt for call in fake_text_factory.calls for prompt in call["prompt"]]
     assert {"one", "two"} <= set(drawn) and {"ankle boot", "a red dress", "bag"} <= set(drawn)
+    with serve_app(app) as url:
+        with pytest.raises(FastdiffError, match="runs a text-to-image model: give prompts"):
+            run_loadtest(url, concurrency=1, requests=1)
     prompts.write_text("\n  \n")
     assert main(["loadtest", "--url", "http://127.0.0.1:9", "--prompts", str(prompts)]) == 2
     assert "holds no prompt" in capsys.readouterr().err

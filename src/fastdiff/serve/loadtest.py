@@ -76,8 +76,13 @@ def run_loadtest(
     url = url.rstrip("/")
     try:
         httpx.get(f"{url}/health", timeout=10).raise_for_status()
-    except httpx.HTTPError as exc:
-        raise FastdiffError(f"no healthy fastdiff server at {url}: {exc}") from None
+        conditional = httpx.get(f"{url}/v1/model", timeout=10).raise_for_status().json()["conditional"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        raise FastdiffError(f"no healthy fastdiff server at {url}: {exc}".splitlines()[0]) from None
+    if conditional and not prompts:
+        raise FastdiffError(f"the server at {url} runs a text-to-image model: give prompts (--prompts FILE)")
+    if prompts and not conditional:
+        raise FastdiffError(f"the server at {url} runs an unconditional model: it takes no prompts")
     base = {"n": n} | ({"steps": steps} if steps else {}) | ({"sampler": sampler} if sampler else {})
     answers: list[Answer] = []
     lock = threading.Lock()
