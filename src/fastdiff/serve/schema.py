@@ -309,6 +309,8 @@ def decode_image(text: str, info: ModelInfo) -> Image.Image:
         image = Image.open(io.BytesIO(data), formats=("PNG", "JPEG"))
     except (UnidentifiedImageError, OSError):
         raise RequestError("init_image: not a PNG or JPEG image") from None
+    except Image.DecompressionBombError:
+        raise RequestError("init_image: its declared size is far too large") from None
     largest = info.max_side or max(info.height, info.width)
     if max(image.size) > largest or math.prod(image.size) == 0:
         raise RequestError(f"init_image is {image.height}x{image.width}: model {info.name!r} makes {info.sizes_text()}")
