@@ -175,18 +175,30 @@ class ConcurrentLaunches:
 def compile_candidates(model: BoundModel) -> int:
     """Compile, concurrently (:class:`ConcurrentLaunches`), every candidate that :func:`choose_impls` will time (those
     of ops with several candidates, not in the tuning cache yet), so its timing loop compiles nothing; returns how
-    many. Writes the arena: fill it afterwards."""
-    calls = []
+    many. One thread runs all of an op's candidates, one after another: they share the op's output and a fusion's
+    statistics buffer, which each call may resize. Writes the arena: fill it afterwards."""
+    per_op = []
     for op in model.ops:
         impls = candidates(model, op)
         if len(impls) < 2:
             continue
         known = TUNING_CACHE.get(tuning_key(model, op), {})
-        calls += [model.call(op, impl) for impl in impls if impl.name not in known]
+        calls = [model.call(op, impl) for impl in impls if impl.name not in known]
+        if calls:
+            per_op.append(functools.partial(call_each, calls))
     with ConcurrentLaunches(model.device) as launches:
-        for call in calls:
-            launches.submit(call)
-    return len(calls)
+        for calls in per_op:
+            launches.submit(calls)
+    return sum(len(calls.args[0]) for calls in per_op)
+
+
+def call_each(calls: list[Callable[[], None]]) -> None:
+    """Make every call, in order, whichever fail (each failure logged)."""
+    for call in calls:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - the timing loop meets it again and reports it
+            log.debug("a candidate's first launch failed: %s", exc)
 
 
 def choose_impls(model: BoundModel, reps: int) -> None:

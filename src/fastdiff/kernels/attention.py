@@ -455,8 +455,7 @@ def attention(
     if split_kv > 1:  # room for every config's query blocks (BLOCK_M divides 128; the smallest is 16)
         workspace = workspace if workspace is not None else SplitWorkspace()
         rows = batch * heads * triton.cdiv(lq, 128) * 128
-        workspace.reserve(split_kv * rows * (block_d + 2), batch * heads * triton.cdiv(lq, 16), q.device)
-        ws, counters = workspace.partials, workspace.counters
+        ws, counters = workspace.reserve(split_kv * rows * (block_d + 2), batch * heads * triton.cdiv(lq, 16), q.device)
     args = (
         q, k, v, out, scale * LOG2_E, heads, lq, lk, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         ws, counters, min(triton.next_power_of_2(programs), 4 * num_sms(q.device)),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -111,13 +112,18 @@ class SplitWorkspace:
 
     partials: torch.Tensor | None = field(default=None, repr=False)
     counters: torch.Tensor | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def reserve(self, partial_elems: int, counters: int, device: torch.device) -> None:
-        """Make room for ``partial_elems`` fp32 partials and ``counters`` counters on ``device``."""
-        if self.partials is None or self.partials.numel() < partial_elems or self.partials.device != device:
-            self.partials = torch.empty(partial_elems, device=device, dtype=torch.float32)
-        if self.counters is None or self.counters.numel() < counters or self.counters.device != device:
-            self.counters = torch.zeros(counters, device=device, dtype=torch.int32)
+    def reserve(self, partial_elems: int, counters: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(partials, counters) holding at least ``partial_elems`` fp32 partials and ``counters`` counters on
+        ``device``: the buffers only grow, and check and growth are one step, so a launch from another host thread
+        (the engine's concurrent first launches) never gets a buffer that a smaller request replaced."""
+        with self._lock:
+            if self.partials is None or self.partials.numel() < partial_elems or self.partials.device != device:
+                self.partials = torch.empty(partial_elems, device=device, dtype=torch.float32)
+            if self.counters is None or self.counters.numel() < counters or self.counters.device != device:
+                self.counters = torch.zeros(counters, device=device, dtype=torch.int32)
+            return self.partials, self.counters
 
 
 @dataclass(eq=False)

@@ -872,7 +872,7 @@ def conv2d(
     split_k = min(split_k, steps + triton.cdiv(cin_sc, block_k))
     if split_k > 1:
         workspace = workspace if workspace is not None else SplitWorkspace()
-        workspace.reserve(split_k * tiles * block_m * block_n, tiles, x.device)
+        partials, counters = workspace.reserve(split_k * tiles * block_m * block_n, tiles, x.device)
     stats_layout = (0, 0, 1)
     if stats is not None:
         stats_layout = _stats_layout(n, ho * wo, cout, stats.groups, block_m, block_n)
@@ -887,7 +887,7 @@ def conv2d(
     on_width = cout // norm_out.groups if norm_out is not None else 1
     _conv2d_kernel[grid](
         x, weight, bias if bias is not None else out, temb, res, out, stats.partials if stats is not None else out,
-        workspace.partials if split_k > 1 else out, workspace.counters if split_k > 1 else out,
+        partials if split_k > 1 else out, counters if split_k > 1 else out,
         shortcut if shortcut is not None else out, shortcut_weight if shortcut is not None else out,
         on, norm_out.weight if on_affine else out, norm_out.bias if on_affine else out,
         rows, h, w, cin, cin_sc, ho, wo, cout,

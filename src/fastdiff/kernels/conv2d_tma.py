@@ -362,11 +362,11 @@ def conv2d_tma(
     split_k = min(split_k, (4 if up2 else ksize**2) * triton.cdiv(cin, config.block_k))  # a step per split at least
     if split_k > 1:
         workspace = workspace if workspace is not None else SplitWorkspace()
-        workspace.reserve(split_k * programs * config.block_m * config.block_n, programs, x.device)
+        partials, counters = workspace.reserve(split_k * programs * config.block_m * config.block_n, programs, x.device)
     grid = (tiles * triton.cdiv(cout, config.block_n), 4 if up2 else 1, split_k)
     _conv2d_tma_kernel[grid](
         x_desc, w_desc, weight_scale if fp8 else out, bias if bias is not None else out, temb, res, out,
-        workspace.partials if split_k > 1 else out, workspace.counters if split_k > 1 else out,
+        partials if split_k > 1 else out, counters if split_k > 1 else out,
         n, cin, ho, wo, cout, *temb_strides, *res.stride(), *out.stride(),
         1.0 if out_scale is None else float(out_scale),
         PAD=padding, KSIZE=2 if up2 else ksize, UP2=up2, FP8=fp8,
