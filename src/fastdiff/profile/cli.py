@@ -27,19 +27,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``fastdiff profile`` (sets ``func=run_profile_cli``). Imports ``profile.report`` (and torch)
-    for the backend names. The counts are checked by ``profile.report.validate``, before any loading."""
+    for the backend names. The counts and the flags that do not apply to the model's kind are checked by
+    ``profile.config.resolve_config`` and ``validate``, before any loading."""
+    from fastdiff.profile.config import DEFAULT_GUIDANCE, DEFAULT_PROMPT, TEXT_DEFAULTS, UNCONDITIONAL_DEFAULTS
     from fastdiff.profile.report import BACKENDS
 
+    uncond, text = UNCONDITIONAL_DEFAULTS, TEXT_DEFAULTS
     p.description = (
         "Profile one model on each backend in one process and write DIR/report.md, DIR/report.json and "
         "PNG charts: time per op class, weight load to first step (sync copy, async copy, the engine's early "
         "start), latency, peak memory, NVML power and energy per image, and a roofline against ceilings this "
-        "command measures. On the CPU: the eager backend, times from time.perf_counter."
+        "command measures. On the CPU: the eager backend, times from time.perf_counter. "
+        "Text-to-image models (sd15, sd21: random weights; fashion-mnist-t2i; a Stable Diffusion pipeline directory "
+        "with model_index.json): the U-Net step by op class with each class's achieved TFLOP/s and GB/s, the time "
+        "of one image split into text encoder, U-Net loop and VAE decode, load to first image, peak memory, energy "
+        "and a roofline, on the backends eager, compile (torch.compile of the U-Net) and engine."
     )
-    p.add_argument("--model", default="ddpm-cifar10", help="preset name or model directory")
-    p.add_argument("--batch", type=int, default=1, help="images per batch")
-    p.add_argument("--sampler", default="ddpm", choices=SAMPLERS, help="sampler of the profiled loop")
-    p.add_argument("--steps", type=int, default=1000, help="steps of one end-to-end sample (per-image numbers)")
+    p.add_argument(
+        "--model", default="ddpm-cifar10",
+        help="unconditional preset or U-Net directory, or a text-to-image model: sd15, sd21, fashion-mnist-t2i or a "
+        "pipeline directory",
+    )  # fmt: skip
+    p.add_argument("--batch", type=int, default=1, help="images per batch (text-to-image: prompts)")
+    p.add_argument(
+        "--sampler", default=None, choices=SAMPLERS,
+        help=f"sampler of the profiled loop (default: {uncond['sampler']}; text-to-image: {text['sampler']})",
+    )  # fmt: skip
+    p.add_argument(
+        "--steps", type=int, default=None,
+        help=f"steps of one end-to-end sample, per-image numbers (default: {uncond['steps']}; text-to-image: "
+        f"{text['steps']})",
+    )  # fmt: skip
     p.add_argument(
         "--dtype",
         default="auto",
@@ -51,14 +69,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--backends", default="auto",
         help=f"comma-separated, from {', '.join(BACKENDS)} (auto: all on CUDA, eager on the CPU)",
     )  # fmt: skip
-    p.add_argument("--loads", type=int, default=20, help="fresh weight loads per mode for load-to-first-step")
-    p.add_argument("--timed-steps", type=int, default=20, help="steps per timed run (scaled to --steps)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per backend (median reported)")
+    p.add_argument(
+        "--loads", type=int, default=None,
+        help=f"fresh weight loads per mode for load-to-first-step (default: {uncond['loads']}); text-to-image: per "
+        f"backend, for load-to-first-image (default: {text['loads']}; the first one counts)",
+    )  # fmt: skip
+    p.add_argument(
+        "--timed-steps", type=int, default=None,
+        help=f"unconditional models only: steps per timed run, scaled to --steps (default: {uncond['timed_steps']}); "
+        "a text-to-image model's timed runs are whole images",
+    )  # fmt: skip
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per backend (median reported; text-to-image: images)"
+    )
     p.add_argument(
         "--energy-seconds", type=finite_nonnegative_float, default=5.0, help="length of each NVML energy window"
     )
     p.add_argument("--top", type=positive_int, default=10, help="costliest kernels listed per backend")
     p.add_argument("--seed", type=seed_int, default=0, help="first seed (image k uses seed+k)")
+    text_group = p.add_argument_group("text-to-image models only (refused for unconditional ones)")
+    text_group.add_argument(
+        "--guidance", type=finite_nonnegative_float, default=None,
+        help=f"classifier-free guidance scale (default: {DEFAULT_GUIDANCE}); above 1 the U-Net runs on 2x the batch "
+        "([uncond; cond] text states), 1 or less: the conditional model alone",
+    )  # fmt: skip
+    text_group.add_argument(
+        "--height", type=positive_int, default=None,
+        help="image height in pixels, a multiple of 8 (default: the model's: 512 for sd15, 768 for sd21, 32 for "
+        "fashion-mnist-t2i)",
+    )  # fmt: skip
+    text_group.add_argument(
+        "--width", type=positive_int, default=None, help="image width in pixels (default: the model's, as --height)"
+    )
+    text_group.add_argument(
+        "--prompt", default=None,
+        help=f"the prompt of every image (default: {DEFAULT_PROMPT!r}; padded to the text encoder's 77 tokens, so "
+        "its words do not change the time)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, required=True, help="output folder (report.md, report.json, *.png)")
     p.set_defaults(func=run_profile_cli)
 
@@ -66,6 +113,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_profile_cli(args: argparse.Namespace) -> int:
     import torch
 
+    from fastdiff.profile.config import resolve_config
     from fastdiff.profile.report import BACKENDS, ProfileConfig, markdown_report, run_profile, write_report
 
     check_output_location(args.out, "--out", folder=True)
@@ -78,8 +126,10 @@ def run_profile_cli(args: argparse.Namespace) -> int:
     cfg = ProfileConfig(
         model=args.model, batch=args.batch, sampler=args.sampler, steps=args.steps, dtype=dtype, device=device,
         backends=backends, loads=args.loads, timed_steps=args.timed_steps, repeats=args.repeats,
-        energy_seconds=args.energy_seconds, seed=args.seed, top=args.top,
+        energy_seconds=args.energy_seconds, seed=args.seed, top=args.top, guidance=args.guidance,
+        height=args.height, width=args.width, prompt=args.prompt,
     )  # fmt: skip
+    resolve_config(cfg)  # flags that do not apply to the model: one line, before any import of its parts
     result = run_profile(cfg)
     written = write_report(result, args.out)
     print(markdown_report(result))

@@ -13,98 +13,52 @@ CPU) on the same model, weights, seeds and x_T:
    and the measured ceilings of the device (``profile.roofline.measure_ceilings``).
 
 ``write_report(result, out_dir)`` writes ``report.json``, ``report.md`` and the PNG charts, all or nothing.
+
+A text-to-image model (``profile.config.is_text_model``: sd15, sd21, fashion-mnist-t2i, a pipeline directory) is
+profiled by ``profile.text_to_image`` (its own schema and Markdown; the same charts).
 """
 
 from __future__ import annotations
 
 import copy
-import gc
 import json
 import logging
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
 from tqdm.auto import tqdm
 
 from fastdiff.atomic import write_folder_atomic
-from fastdiff.bench.breakdown import OP_CLASSES, classify, plot_breakdown, profile_breakdown, sampler_range
-from fastdiff.bench.counts import Cost, aten_op_cost
+from fastdiff.bench.breakdown import plot_breakdown, profile_breakdown, sampler_range
+from fastdiff.bench.counts import Cost
 from fastdiff.bench.energy import EnergyMeter
 from fastdiff.bench.env import environment
 from fastdiff.bench.ops import sampler_step_row, step_op_rows
-from fastdiff.bench.roofline import measure_ceilings, plot_roofline, roofline_point
+from fastdiff.bench.roofline import measure_ceilings, plot_roofline
 from fastdiff.bench.runner import build_system, measure_energy, seeded_model_factory
 from fastdiff.bench.systems import System
 from fastdiff.devices import DTYPES, synchronize, time_ms
-from fastdiff.errors import FastdiffError
 from fastdiff.models import PRESETS, load_unet
+from fastdiff.profile import text_to_image
+from fastdiff.profile.config import BACKENDS, ProfileConfig, is_text_model, resolve_config, validate
+from fastdiff.profile.config import elem_bytes as _elem_bytes
+from fastdiff.profile.config import free as _free
+from fastdiff.profile.kernels import POINT_KEYS, aten_kernel_rows, kernel_row, roofline_section
+from fastdiff.profile.tables import breakdown_lines, ceilings_line, fmt, mib, roofline_lines
 from fastdiff.samplers import Sampler, ScheduleConfig, initial_noise, make_sampler, seed_tensor, step_noise
 
 log = logging.getLogger(__name__)
 
 SCHEMA = "fastdiff.profile/1"
-BACKENDS = ("engine", "eager", "compile")
 LOAD_MODES = ("sync", "async", "early-start")
-POINT_KEYS = ("name", "class", "intensity", "tflops", "gbps", "bound", "seconds")
-"""What report.json keeps of each roofline point (the top kernels keep everything)."""
-
-
-@dataclass
-class ProfileConfig:
-    model: str = "ddpm-cifar10"
-    batch: int = 1
-    sampler: str = "ddpm"
-    steps: int = 1000
-    dtype: str = "fp16"
-    device: str = "cuda"
-    backends: tuple[str, ...] = BACKENDS
-    loads: int = 20
-    timed_steps: int = 20
-    """Steps per timed run (every step of a loop costs the same); per-sample numbers scale it to ``steps``."""
-    repeats: int = 3
-    energy_seconds: float = 5.0
-    seed: int = 0
-    top: int = 10
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _elem_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def validate(cfg: ProfileConfig) -> torch.device:
-    """The device to profile on, after checking ``cfg`` (one-line :class:`FastdiffError` for bad input)."""
-    if cfg.batch <= 0 or cfg.steps <= 0 or cfg.timed_steps <= 0 or cfg.repeats <= 0 or cfg.loads <= 0:
-        raise FastdiffError("batch, steps, timed steps, repeats and loads must be positive")
-    if cfg.dtype not in DTYPES:
-        raise FastdiffError(f"unknown dtype {cfg.dtype!r}: choose from {', '.join(DTYPES)}")
-    unknown = [b for b in cfg.backends if b not in BACKENDS]
-    if unknown or not cfg.backends:
-        raise FastdiffError(f"unknown backend {unknown[0] if unknown else ''!r}: choose from {', '.join(BACKENDS)}")
-    device = torch.device(cfg.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise FastdiffError("profile on cuda asked for but no CUDA GPU is available (use --device cpu)")
-    if device.type == "cpu":
-        if cfg.dtype != "fp32":
-            raise FastdiffError(f"the CPU profile runs fp32 (got --dtype {cfg.dtype})")
-        if any(b != "eager" for b in cfg.backends):
-            raise FastdiffError("on the CPU only the eager backend is profiled (engine and compile need CUDA)")
-    elif device.type != "cuda":
-        raise FastdiffError(f"unsupported device {cfg.device!r}: use cpu or cuda")
-    return device
+__all__ = ["BACKENDS", "POINT_KEYS", "SCHEMA", "ProfileConfig", "aten_kernel_rows", "markdown_report",
+           "roofline_section", "run_profile", "validate", "write_report"]  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------- backends
@@ -138,52 +92,6 @@ def _fused_model(system: System):
     return next(iter(system.engine.step_models.values()))
 
 
-# ------------------------------------------------------------------------------------------------- roofline
-def _conv_out_hw(shapes: list, concrete: list) -> tuple[int, int] | None:
-    """Output H, W of an ``aten::conv2d``/``aten::convolution`` event from its stride/padding/dilation arguments."""
-    x, w = shapes[0], shapes[1]
-    stride, padding, dilation = (concrete[i] if i < len(concrete) else None for i in (3, 4, 5))
-    if not (isinstance(stride, list) and isinstance(padding, list) and isinstance(dilation, list)):
-        return None
-    return tuple((x[2 + d] + 2 * padding[d] - dilation[d] * (w[2 + d] - 1) - 1) // stride[d] + 1 for d in range(2))  # type: ignore[return-value]
-
-
-def aten_kernel_rows(run_step: Callable[[], None], device: torch.device, elem_bytes: int, steps: int = 2) -> list:
-    """Per-op (kernel) rows of one eager step: every outermost ``aten::`` op of a profiled step, grouped by name and
-    input shapes, with its time (CUDA: device time of the kernels it launched; CPU: its CPU time incl. children)
-    and its cost from :func:`aten_op_cost`; ops with no known cost are kept with ``cost`` None."""
-    run_step()
-    synchronize(device)
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities, record_shapes=True) as prof:
-        for _ in range(steps):
-            run_step()
-        synchronize(device)
-    groups: dict[tuple, dict] = {}
-    for e in prof.events():
-        if e.device_type != DeviceType.CPU or not e.name.startswith("aten::"):
-            continue
-        if e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"):
-            continue  # counted by its outermost aten op
-        us = e.device_time_total if cuda else e.cpu_time_total
-        concrete = list(getattr(e, "concrete_inputs", None) or [])
-        key = (e.name, repr(e.input_shapes), repr(concrete[3:6]) if "conv" in e.name else "")
-        row = groups.setdefault(key, {"name": e.name, "shapes": e.input_shapes, "concrete": concrete, "us": 0.0})
-        row["us"] += us
-        row["n"] = row.get("n", 0) + 1
-    rows = []
-    for row in groups.values():
-        out_shape = None
-        if "conv" in row["name"] and len(row["shapes"]) >= 2 and len(row["shapes"][0]) == 4:
-            hw = _conv_out_hw(row["shapes"], row["concrete"])
-            out_shape = None if hw is None else [0, 0, *hw]
-        cost = aten_op_cost(row["name"], row["shapes"], elem_bytes, out_shape)
-        label = f"{row['name'].removeprefix('aten::')} {'x'.join(map(str, row['shapes'][0])) if row['shapes'] else ''}"
-        rows.append(_kernel_row(label.strip(), classify(row["name"]), row["n"] / steps, row["us"] / row["n"], cost))
-    return rows
-
-
 def engine_kernel_rows(system: System) -> list:
     """Per-op rows of one engine step: every fused op's time with its chosen implementation (CUDA graph of
     repeated launches, see ``FusedModel.time_ops``) and its cost from ``engine_op_cost``, plus the sampler
@@ -193,35 +101,8 @@ def engine_kernel_rows(system: System) -> list:
     rows = []
     for r in [*step_op_rows(fused), sampler_step_row(fused, system.engine.current)]:
         name = r["name"] if r["kind"] == "sampler_step" else f"{r['name']} ({r['kind']}, {r['impl']})"
-        rows.append(_kernel_row(name, r["class"], 1.0, r["us"], Cost(r["flops"], r["bytes"])))
+        rows.append(kernel_row(name, r["class"], 1.0, r["us"], Cost(r["flops"], r["bytes"])))
     return rows
-
-
-def _kernel_row(name: str, cls: str, calls: float, us_per_call: float, cost: Cost | None) -> dict:
-    return {"name": name, "class": cls, "calls_per_step": calls, "us_per_call": us_per_call,
-            "flops": None if cost is None else cost.flops, "bytes": None if cost is None else cost.bytes}  # fmt: skip
-
-
-def roofline_section(rows: list[dict], ceilings: dict, top: int) -> dict:
-    """Roofline points of every row with a counted cost and a positive time; the ``top`` costliest (by time per
-    step) with their bound and % of it; and how much of the kernel time the counted rows cover."""
-    points = []
-    for row in rows:
-        if row["flops"] is None or not row["us_per_call"] > 0 or not row["bytes"]:
-            continue
-        point = roofline_point(Cost(row["flops"], row["bytes"]), row["us_per_call"] / 1e6, ceilings)
-        points.append({**row, **point, "ms_per_step": row["us_per_call"] * row["calls_per_step"] / 1e3})
-    total_ms = sum(r["us_per_call"] * r["calls_per_step"] for r in rows) / 1e3
-    counted_ms = sum(p["ms_per_step"] for p in points)
-    points.sort(key=lambda p: -p["ms_per_step"])
-    return {
-        "kernels": len(rows),
-        "kernels_counted": len(points),
-        "kernel_ms_per_step": total_ms,
-        "counted_ms_per_step": counted_ms,
-        "top": points[:top],
-        "points": [{k: p[k] for k in POINT_KEYS} for p in points],
-    }
 
 
 # --------------------------------------------------------------------------------------------- load to step
@@ -288,8 +169,12 @@ def measure_loads(make_model, batch: int, dtype: torch.dtype, device: torch.devi
 
 # ------------------------------------------------------------------------------------------------- the run
 def run_profile(cfg: ProfileConfig) -> dict:
-    """Every measurement of the report, as a JSON-ready dict (see the module docstring)."""
+    """Every measurement of the report, as a JSON-ready dict (see the module docstring; a text-to-image model's:
+    ``profile.text_to_image.run_text_profile``). The configuration is resolved and checked before any loading."""
+    cfg = resolve_config(cfg)
     device = validate(cfg)
+    if is_text_model(cfg.model):
+        return text_to_image.run_text_profile(cfg, device)
     dtype = DTYPES[cfg.dtype]
     probe = load_unet(cfg.model, device="cpu")
     schedule = ScheduleConfig.from_diffusers(getattr(probe, "scheduler_config", None))
@@ -430,16 +315,10 @@ def _memory(system: System, name: str, device: torch.device, dtype: torch.dtype)
 
 
 # ------------------------------------------------------------------------------------------------- writing
-def _mib(n: float | None) -> str:
-    return "–" if n is None else f"{n / 2**20:.1f}"
-
-
-def _fmt(v: float | None, spec: str = ".3g") -> str:
-    return "–" if v is None else format(v, spec)
-
-
 def markdown_report(result: dict) -> str:
     """The report as Markdown (tables of every section; charts linked by file name)."""
+    if result.get("schema") == text_to_image.SCHEMA:
+        return text_to_image.markdown_report(result)
     cfg, env, ceil = result["config"], result["env"], result["ceilings"]
     b = result["backends"]
     names = list(b)
@@ -452,32 +331,14 @@ def markdown_report(result: dict) -> str:
         + f"; sample {'x'.join(map(str, cfg['sample_shape']))}. torch {env['torch']}, triton {env['triton']}, "
         f"driver {env['driver']}, CUDA {env['cuda']}, git {env['git_sha']}, {env['date']}.",
         "",
-        f"Measured ceilings (by this command): **{ceil['tflops']:.1f} TFLOP/s** ({ceil['matmul']} matmul), "
-        f"**{ceil['gbps']:.0f} GB/s** (device copy of {ceil['copy_bytes'] / 2**20:.0f} MiB, read + write); "
-        f"{ceil['method']}.",
+        ceilings_line(ceil),
         "",
         "## 1. Time per step by op class",
         "",
         "ms per step and % of the end-to-end step (whose remainder is idle: GPU launch gaps, or host time on the CPU).",
         "",
-        "| class | " + " | ".join(names) + " |",
-        "|---|" + "---:|" * len(names),
+        *breakdown_lines(b),
     ]
-    for cls in (*OP_CLASSES, "idle"):
-        cells = []
-        for n in names:
-            bd = b[n]["breakdown"]
-            ms = bd["idle_ms"] if cls == "idle" else bd["per_class_ms"][cls]
-            cells.append(f"{ms:.3f} ({100 * ms / bd['end_to_end_ms']:.0f}%)")
-        lines.append(f"| {cls} | " + " | ".join(cells) + " |")
-    e2e = [f"**{b[n]['breakdown']['end_to_end_ms']:.3f}**" for n in names]
-    lines.append("| **end-to-end step** | " + " | ".join(e2e) + " |")
-    lines.append("| kernels per step | " + " | ".join(_fmt(b[n]["breakdown"]["kernels_per_step"], ".0f") for n in names)
-                 + " |")  # fmt: skip
-    lines += ["", "![breakdown](breakdown.png)", ""]
-    for n in names:
-        lines.append(f"- {n}: {b[n]['breakdown']['profiled_run']}.")
-    lines += ["", f"Method: {b[names[0]]['breakdown']['method']}.", ""]
 
     loads = result["load_to_first_step"]
     lines += [
@@ -506,11 +367,11 @@ def markdown_report(result: dict) -> str:
         lat, mem, en = b[n]["latency"], b[n]["memory"], b[n]["energy"]
         lines.append(
             f"| {n} | {lat['ms_per_step']:.3f} | {lat['s_per_image']:.4g} | {lat['images_per_s']:.3g} | "
-            f"{b[n]['time_to_ready_s']:.1f} | {_mib(mem.get('peak_allocated_bytes'))} | "
-            f"{_mib(mem.get('peak_reserved_bytes'))} | {_mib(mem.get('plan_peak_bytes'))} | "
-            f"{_mib(mem['weight_bytes'])} | "
-            f"{_mib(mem.get('activation_bytes'))} | {_fmt(en.get('avg_power_w'), '.0f')} | "
-            f"{_fmt(en.get('j_per_image'))} | {_fmt(en.get('j_per_image_above_idle'))} |"
+            f"{b[n]['time_to_ready_s']:.1f} | {mib(mem.get('peak_allocated_bytes'))} | "
+            f"{mib(mem.get('peak_reserved_bytes'))} | {mib(mem.get('plan_peak_bytes'))} | "
+            f"{mib(mem['weight_bytes'])} | "
+            f"{mib(mem.get('activation_bytes'))} | {fmt(en.get('avg_power_w'), '.0f')} | "
+            f"{fmt(en.get('j_per_image'))} | {fmt(en.get('j_per_image_above_idle'))} |"
         )
     idle = result["idle_watts"]
     lines += [
@@ -521,35 +382,7 @@ def markdown_report(result: dict) -> str:
         "## 4. Roofline",
         "",
     ]
-    for n in names:
-        roof = b[n]["roofline"]
-        if "skipped" in roof:
-            lines += [f"**{n}**: skipped: {roof['skipped']}.", ""]
-            continue
-        lines += [
-            f"**{n}**: {roof['kernels_counted']} of {roof['kernels']} kernels counted, "
-            f"{roof['counted_ms_per_step']:.3f} of {roof['kernel_ms_per_step']:.3f} ms per step. "
-            f"![roofline {n}](roofline-{n}.png)",
-            "",
-            "| kernel | class | calls/step | ms/step | GFLOP | MB | FLOP/B | TFLOP/s | GB/s | bound | % of bound |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
-        ]
-        for p in roof["top"]:
-            lines.append(
-                f"| {p['name']} | {p['class']} | {p['calls_per_step']:.0f} | {p['ms_per_step']:.4f} | "
-                f"{p['flops'] / 1e9:.3g} | {p['bytes'] / 1e6:.3g} | {p['intensity']:.3g} | {p['tflops']:.3g} | "
-                f"{p['gbps']:.0f} | {p['bound']} | {p['pct_of_bound']:.0f}% |"
-            )
-        if any(p["pct_of_bound"] > 100 for p in roof["top"]):
-            lines += ["Above 100%: the kernel beat the measured ceiling, so that matmul or copy is not this device's "
-                      "true peak (common on CPUs, where the convolution library outruns torch.mm).", ""]  # fmt: skip
-        lines.append("")
-    lines += [
-        "Counted FLOPs and bytes are ideal (each tensor read or written once; see fastdiff.bench.counts); time per "
-        "kernel: the engine's ops each timed in a CUDA graph of repeated launches, eager ops from the profiler trace "
-        "(device time of the kernels each launched, or CPU time on the CPU).",
-        "",
-    ]
+    lines += roofline_lines(b)
     return "\n".join(lines)
 
 
