@@ -17,7 +17,7 @@ from fastdiff.devices import synchronize
 
 POINT_KEYS = ("name", "class", "intensity", "tflops", "gbps", "bound", "seconds")
 """What report.json keeps of each roofline point (the top kernels keep everything)."""
-RATE_GROUPS = ("convolution", "gemm", "attention", "normalisation", "elementwise", "sampler", "other")
+RATE_GROUPS = ("convolution", "gemm", "attention", "normalisation", "elementwise", "sampler", "transfer", "other")
 """The op classes of the rates table: ``fastdiff.bench.breakdown``'s, with its "convolution" split into convolutions
 and GEMMs (dense matmuls: the transformer blocks' linear layers, the time MLP), which it counts together."""
 GEMM_OPS = frozenset({"linear", "addmm", "mm", "matmul"})
