@@ -8,6 +8,8 @@
 # A short run first fills the Triton and engine caches, so neither timed run pays for compiling kernels.
 # NUM_IMAGES (default 65536: about 60 s on one GPU), BATCH (256), SAMPLER (ddim), STEPS (20), DTYPE (fp16),
 # FORMAT (png) override the settings; WORK is where the image folders go (not $OUT: too many files).
+# Last, scripts/bench_writer.py times the host's PNG writers alone (no GPU): the old per-file fsync writer and
+# generate's UnitWriter at 1, 2, 4 threads, into the result's "host_writers" (images/s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -33,7 +35,11 @@ echo "== torchrun --nproc-per-node 2: $NUM_IMAGES images"
 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m fastdiff.cli generate "${flags[@]}" \
     --num-images "$NUM_IMAGES" --out-dir "$WORK/two" 2>&1 | tee "$OUT/generate-2gpu.log" | tail -n 3
 
-python3 - "$WORK" "$OUT/generate-ddpm-cifar10-2gpu.json" <<'EOF'
+echo "== host PNG writers alone (scripts/bench_writer.py)"
+python3 scripts/bench_writer.py --images 8192 --batch "$BATCH" --repeats 2 --dir "$WORK" 2>&1 \
+    | tee "$OUT/bench-writer.log" | tail -n 1 > "$OUT/bench-writer.json"
+
+python3 - "$WORK" "$OUT/generate-ddpm-cifar10-2gpu.json" "$OUT/bench-writer.json" <<'EOF'
 import hashlib, json, sys
 from pathlib import Path
 
@@ -41,7 +47,11 @@ import torch
 
 from fastdiff.bench.env import environment
 
-work, out = Path(sys.argv[1]), Path(sys.argv[2])
+work, out, writers = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+try:
+    host_writers = json.loads(writers.read_text())
+except (OSError, ValueError):
+    host_writers = None
 
 
 def digests(folder: Path) -> dict[str, str]:
@@ -75,6 +85,7 @@ result = {
     "files_compared": len(one),
     "files_differing": len(differ),
     "first_differing": differ[:10],
+    "host_writers": host_writers,
     "one_gpu": s1,
     "two_gpus": s2,
 }

@@ -136,17 +136,17 @@ import os, signal, sys, time
 import fastdiff.generate
 from fastdiff.cli import main
 
-save = fastdiff.generate.save_png_atomic
+publish = fastdiff.generate.publish
 
-def save_or_die(image, path, parameters=None):
+def publish_or_die(tmp, path):
     # rank 1 dies by SIGKILL once seed 5 is on disk and seed 6 (same chunk) is not: a chunk cut in half
     if os.environ["RANK"] == "1" and path.name == "000006.png":
         while not path.with_name("000005.png").exists():
             time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGKILL)
-    save(image, path, parameters)
+    publish(tmp, path)
 
-fastdiff.generate.save_png_atomic = save_or_die
+fastdiff.generate.publish = publish_or_die
 sys.exit(main(sys.argv[1:]))
 """
 

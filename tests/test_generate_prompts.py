@@ -152,21 +152,22 @@ def test_plain_text_prompts_one_image_a_line(tmp_path, one_thread):
 def test_a_failed_run_then_rerun_gives_the_same_bytes(reference, prompts_file, tmp_path, monkeypatch, one_thread):
     out = tmp_path / "out"
     argv = prompts_argv(prompts_file, out, "--num-images", str(NUM_IMAGES))
-    save = generate_module.save_png_atomic
+    write = generate_module.write_temporary
 
-    def save_until_image_3(image, path, parameters=None):  # image 3 (the second of chunk 2-3) cannot be written
+    def write_but_image_3(path, data):  # image 3 (the second of chunk 2-3) cannot be written
         if path.name == "000003.png":
             raise OSError(28, "No space left on device")
-        save(image, path, parameters)
+        return write(path, data)
 
-    monkeypatch.setattr(generate_module, "save_png_atomic", save_until_image_3)
+    monkeypatch.setattr(generate_module, "write_temporary", write_but_image_3)
     assert main(argv) == 2
     before = mtimes(out)
-    assert {"000000.png", "000001.png", "000002.png"} <= set(before) and "000003.png" not in before
-    assert "000006.png" not in before  # stopped after that chunk
-    (out / ".000005.png.1a2b3c.tmp").write_bytes(b"\x89PNG half")  # what a write cut by SIGKILL would leave
+    assert {"000000.png", "000001.png"} <= set(before) and "000006.png" not in before
+    assert "000002.png" not in before and "000003.png" not in before  # a unit's files appear together or not at all
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # its temporary files are removed
+    (out / ".000006.png.1a2b3c.tmp").write_bytes(b"\x89PNG half")  # what a write cut by SIGKILL would leave
 
-    monkeypatch.setattr(generate_module, "save_png_atomic", save)
+    monkeypatch.setattr(generate_module, "write_temporary", write)
     assert main(argv) == 0
     assert folder_pngs(out) == folder_pngs(reference)
     assert all(mtimes(out)[name] == mtime for name, mtime in before.items())  # finished images were not redone
@@ -308,17 +309,17 @@ import os, signal, sys, time
 import fastdiff.generate
 from fastdiff.cli import main
 
-save = fastdiff.generate.save_png_atomic
+publish = fastdiff.generate.publish
 
-def save_or_die(image, path, parameters=None):
+def publish_or_die(tmp, path):
     # rank 1 dies by SIGKILL once image 2 is on disk and image 3 (same chunk) is not: a chunk cut in half
     if os.environ["RANK"] == "1" and path.name == "000003.png":
         while not path.with_name("000002.png").exists():
             time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGKILL)
-    save(image, path, parameters)
+    publish(tmp, path)
 
-fastdiff.generate.save_png_atomic = save_or_die
+fastdiff.generate.publish = publish_or_die
 sys.exit(main(sys.argv[1:]))
 """
 

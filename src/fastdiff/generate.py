@@ -26,8 +26,20 @@ prompts as read, ``--first-seed``, ``--guidance`` and ``--negative-prompt``: a r
 defaults is refused. Each PNG records its parameters (prompt, negative prompt, seed, guidance, sampler, steps,
 size, dtype, model, fastdiff version, kernel plan digest) in its ``parameters`` text chunk. Only PNG output.
 
+Files, and what a crash leaves. Each round queues a unit's sampling, converts it to uint8 on the device and
+starts its copy into pinned host memory without waiting, hands it to the writer and only then waits for the
+previous unit's files, so the GPU samples unit r while the host writes unit r-1. The writer encodes a unit's PNGs
+in a pool of threads (zlib runs without the GIL) straight into temporary files ``.NAME.RANDOM.tmp``, then makes
+them durable together (one ``syncfs`` of the folder's filesystem on Linux, which flushes whatever else is
+waiting to be written there too; elsewhere an fsync per file), then renames
+each onto its name and fsyncs the folder once; only then does the unit count as done (progress, summary). A
+name therefore appears only after its bytes are on disk: after a kill or a power cut every ``NNNNNN.png`` (and
+shard) is whole, the rerun trusts the files it finds without reading them, redoes the missing ones and deletes
+the leftover temporary files. A unit whose encoding or writing fails publishes none of its files.
+
 Under ``torchrun`` (RANK, WORLD_SIZE, LOCAL_RANK set) each rank joins torch.distributed (NCCL on GPUs, gloo on
-CPUs) and uses ``cuda:LOCAL_RANK``; the output folder must be one that every node sees.
+CPUs; the rounds' reports go through a gloo group beside NCCL) and uses ``cuda:LOCAL_RANK``; the output folder
+must be one that every node sees.
 
 Every bad input (settings, the prompts file: line by line) fails in one line before any model loads.
 The module imports torch and numpy where they are used, so ``fastdiff generate --help`` answers at once.
@@ -46,21 +58,23 @@ import logging
 import math
 import os
 import re
+import secrets
 import shutil
+import sys
 import tempfile
 import time
 import zipfile
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import fastdiff
-from fastdiff.atomic import check_output_location, write_bytes_atomic, write_text_atomic
+from fastdiff.atomic import check_output_location, write_text_atomic
 from fastdiff.cli_args import DTYPES, MAX_SEED, SAMPLERS
 from fastdiff.errors import FastdiffError
-from fastdiff.images import save_png_atomic, to_pil, to_uint8
+from fastdiff.images import png_bytes
 
 if TYPE_CHECKING:
     import numpy as np
@@ -96,7 +110,7 @@ DEFAULT_GUIDANCE = 7.5
 PNG_NAME = re.compile(r"(\d+)\.png")
 SHARD_NAME = re.compile(r"(\d+)-(\d+)\.npz")
 WRITER_THREADS = 8
-"""Files one process writes at once: PNG encoding and fsync overlap each other and the next unit's sampling."""
+"""The most PNG encoder threads of one process (``writer_threads``)."""
 TEMP_NAME = re.compile(r"\.(\d+\.png|\d+-\d+\.npz|manifest\.json|summary\.json)\..+")
 """Temporary files of an atomic write (``.NAME.XXXX``) that a killed job may have left."""
 
@@ -402,13 +416,17 @@ def load_prompt_job(config: GenerateConfig) -> PromptJob | None:
 
 
 class Ranks:
-    """This process's place in the job: rank, world size, device; collectives are no-ops for one process."""
+    """This process's place in the job: rank, world size, device; collectives are no-ops for one process.
 
-    def __init__(self, rank: int, world_size: int, device: str, owns_group: bool) -> None:
+    The collectives pass Python objects through ``objects_group``: a gloo group beside an NCCL one, so that a
+    round's report neither waits behind the sampling queued on the GPU nor holds up the next one."""
+
+    def __init__(self, rank: int, world_size: int, device: str, owns_group: bool, objects_group: Any = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.owns_group = owns_group
+        self.objects_group = objects_group
 
     @classmethod
     def start(cls, device: str, timeout_s: float) -> Ranks:
@@ -436,7 +454,10 @@ class Ranks:
                 dist.init_process_group(backend, timeout=timeout, device_id=torch.device(device))
             else:
                 dist.init_process_group(backend, timeout=timeout)
-        return cls(dist.get_rank(), dist.get_world_size(), device, owns_group)
+        objects_group = None
+        if dist.get_backend() == "nccl":
+            objects_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(dist.get_rank(), dist.get_world_size(), device, owns_group, objects_group)
 
     def gather(self, obj: T) -> list[T]:
         """Every rank's ``obj``, in rank order."""
@@ -445,7 +466,7 @@ class Ranks:
         import torch.distributed as dist
 
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj)
+        dist.all_gather_object(gathered, obj, group=self.objects_group)
         return gathered
 
     def on_rank0(self, action: Callable[[], T]) -> T:
@@ -462,7 +483,7 @@ class Ranks:
         if self.world_size > 1:
             import torch.distributed as dist
 
-            dist.broadcast_object_list(outcome, src=0)
+            dist.broadcast_object_list(outcome, src=0, group=self.objects_group)
         if outcome[1] is not None:
             raise JobError(outcome[1])
         return outcome[0]
@@ -474,11 +495,16 @@ class Ranks:
                 raise JobError(message if self.world_size == 1 else f"rank {rank}: {message}")
 
     def close(self) -> None:
-        if self.owns_group:
-            import torch.distributed as dist
+        if self.world_size == 1 and not self.owns_group:
+            return
+        import torch.distributed as dist
 
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        if not dist.is_initialized():
+            return
+        if self.owns_group:
+            dist.destroy_process_group()  # the objects group too
+        elif self.objects_group is not None:
+            dist.destroy_process_group(self.objects_group)
 
 
 class OncePerMessage(logging.Filter):
@@ -778,25 +804,236 @@ def sample_chunk(pipe, numbers: list[int], job: PromptJob | None) -> torch.Tenso
     )
 
 
-def sample_unit(pipe, unit: Unit, batch: int, job: PromptJob | None = None) -> torch.Tensor:
-    """[n, C, H, W] in [-1, 1] on the CPU for the unit's seeds (images), sampled chunk by chunk."""
+def sample_unit(pipe, unit: Unit, batch: int, job: PromptJob | None = None) -> list[HostPixels]:
+    """The unit's images (seeds, or images of a ``--prompts`` job), chunk by chunk, each on its way to the host
+    as uint8 (``to_host``): on a GPU this returns once the work is queued."""
+    return [to_host(sample_chunk(pipe, numbers, job)) for numbers in unit.chunks(batch)]
+
+
+@dataclass
+class HostPixels:
+    """uint8 [n, H, W, C] images in host memory, complete once ``ready`` (a CUDA event; None: already) is done."""
+
+    pixels: torch.Tensor
+    ready: Any = None
+
+    def wait(self) -> np.ndarray:
+        if self.ready is not None:
+            self.ready.synchronize()  # releases the GIL while it waits
+        return self.pixels.numpy()
+
+
+def to_host(images: torch.Tensor) -> HostPixels:
+    """[n, C, H, W] in [-1, 1] -> uint8 [n, H, W, C] (``fastdiff.images.to_uint8``'s rounding), converted where
+    the images are; from a GPU copied into pinned host memory without waiting (an event marks the copy done), so
+    the next chunk's sampling is queued while this one is still on its way."""
     import torch
 
-    return torch.cat([sample_chunk(pipe, numbers, job).cpu() for numbers in unit.chunks(batch)])
+    pixels = ((images.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    pixels = pixels.permute(0, 2, 3, 1).contiguous()
+    if images.device.type != "cuda":
+        return HostPixels(pixels)
+    host = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=True)
+    host.copy_(pixels, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(images.device))
+    return HostPixels(host, ready)
+
+
+# --- writing -------------------------------------------------------------------------------------------------
+
+
+def encode_png(pixels: np.ndarray, parameters: dict[str, Any] | None) -> bytes:
+    """One uint8 [H, W, C] image as PNG bytes (grayscale for one channel, RGB for three), ``parameters`` in its
+    text chunk (``fastdiff.images.png_bytes`` / ``png_info``: the fastdiff version added)."""
+    from PIL import Image
+
+    image = Image.fromarray(pixels[..., 0], mode="L") if pixels.shape[-1] == 1 else Image.fromarray(pixels)
+    return png_bytes(image, parameters)
+
+
+def write_temporary(path: Path, data: bytes) -> Path:
+    """``data`` in a new file ``.NAME.RANDOM.tmp`` beside ``path`` (mode 0o666 less the umask), not yet flushed to
+    disk; returns its path. A killed job may leave it: ``remove_stale_temp_files`` clears it on the rerun."""
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+            break
+        except FileExistsError:
+            continue
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def publish(tmp: Path, path: Path) -> None:
+    """Give a flushed temporary file its name (atomic: the name shows the whole file or nothing)."""
+    os.replace(tmp, path)
+
+
+def _load_syncfs() -> Callable[[int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+
+
+SYNCFS = _load_syncfs()
+"""Linux's ``syncfs(fd)``: writes back every dirty file of one filesystem and commits its journal once."""
+
+
+def flush_to_disk(folder_fd: int, files: list[Path]) -> None:
+    """Make the data of ``files`` (in the folder open as ``folder_fd``) durable: one ``syncfs`` of the folder's
+    filesystem for several files (Linux), else one ``fsync`` each."""
+    if len(files) > 1 and SYNCFS is not None and SYNCFS(folder_fd) == 0:
+        return
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def fsync_folder(folder_fd: int) -> None:
+    """Make the renames in a folder durable (POSIX; a no-op where folders cannot be fsynced)."""
+    with contextlib.suppress(OSError):
+        os.fsync(folder_fd)
 
 
 @dataclass
 class Writes:
-    """A unit's files being written in the background, and how many new images they hold."""
+    """A unit's files being written in the background; ``wait`` returns how many new images they hold."""
 
     unit: Unit
-    futures: list[Future[Any]]
-    images: int
+    future: Future[int]
 
     def wait(self) -> int:
-        for future in self.futures:
-            future.result()
-        return self.images
+        return self.future.result()
+
+
+class UnitWriter:
+    """Writes each unit's files in the background, so that sampling goes on meanwhile (module docstring, "Files").
+
+    ``start`` hands a unit to one of two unit threads, which waits for its pixels and writes them
+    (``write_unit``: ``threads`` encoder threads encode the PNGs into temporary files, one flush to disk, the
+    renames, one folder fsync).
+    """
+
+    def __init__(self, out_dir: Path, threads: int) -> None:
+        self.out_dir = out_dir
+        self.encoders = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastdiff-png")
+        self.blocks = 2 * threads
+        self.units = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fastdiff-unit")
+
+    def __enter__(self) -> UnitWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.units.shutdown(wait=True)
+        self.encoders.shutdown(wait=True)
+
+    def start(
+        self,
+        unit: Unit,
+        chunks: list[HostPixels],
+        image_format: str,
+        parameters: list[dict[str, Any]] | None = None,
+    ) -> Writes:
+        """Write ``unit`` (its chunks' pixels; ``parameters``: one dict per PNG) in the background."""
+
+        def write() -> int:
+            import numpy as np
+
+            pixels = np.concatenate([chunk.wait() for chunk in chunks])
+            return write_unit(self.out_dir, unit, pixels, image_format, parameters, self.encoders, self.blocks)
+
+        return Writes(unit, self.units.submit(write))
+
+
+def write_unit(
+    out_dir: Path,
+    unit: Unit,
+    pixels: np.ndarray,
+    image_format: str,
+    parameters: list[dict[str, Any]] | None = None,
+    encoders: ThreadPoolExecutor | None = None,
+    blocks: int = 1,
+) -> int:
+    """Write a unit's uint8 [n, H, W, C] ``pixels``: its PNGs (``parameters``: one dict per image; those already
+    there, from a run killed in the middle of this unit, are left as they are) or its npz shard. The files are
+    written as temporary files (PNGs encoded by ``encoders`` in blocks, else here), flushed to disk together,
+    renamed onto their names, and the folder fsynced; returns how many images were written. If a file cannot be
+    encoded or written, the unit's temporary files are removed and none is named (a failing rename leaves the
+    files named before it: whole files)."""
+    import numpy as np
+
+    if image_format == "npz":
+        seeds = np.arange(unit.start, unit.stop, dtype=np.int64)
+        path = out_dir / shard_name(unit)
+        written = [(write_temporary(path, npz_bytes({"images": pixels, "seeds": seeds})), path)]
+        count = len(seeds)
+    else:
+        per_image = parameters or [None] * len(pixels)
+        paths = [out_dir / png_name(number) for number in range(unit.start, unit.stop)]
+        todo = [
+            (path, image, own)
+            for path, image, own in zip(paths, pixels, per_image, strict=True)
+            if not path.is_file()  # else written by a run that was killed in the middle of this unit
+        ]
+        written = encode_and_write_all(todo, encoders, blocks)
+        count = len(todo)
+    try:
+        if written:
+            folder_fd = os.open(out_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            try:
+                flush_to_disk(folder_fd, [tmp for tmp, _ in written])
+                for tmp, path in written:
+                    publish(tmp, path)
+                fsync_folder(folder_fd)
+            finally:
+                os.close(folder_fd)
+    except BaseException:
+        for tmp, _ in written:  # those not renamed yet
+            tmp.unlink(missing_ok=True)
+        raise
+    return count
+
+
+def encode_and_write_all(
+    todo: list[tuple[Path, np.ndarray, dict[str, Any] | None]], encoders: ThreadPoolExecutor | None, blocks: int
+) -> list[tuple[Path, Path]]:
+    """``encode_and_write`` of every (path, pixels, parameters), in ``blocks`` blocks on ``encoders`` (None: here);
+    all or nothing: if one fails, every temporary file is removed and the first error raised."""
+    if encoders is None or blocks < 2 or len(todo) < 2:
+        return encode_and_write(todo)
+    size = math.ceil(len(todo) / blocks)
+    futures = [encoders.submit(encode_and_write, todo[k : k + size]) for k in range(0, len(todo), size)]
+    wait(futures)
+    written: list[tuple[Path, Path]] = []
+    errors = []
+    for future in futures:
+        try:
+            written.extend(future.result())
+        except Exception as exc:  # that block removed its own temporary files
+            errors.append(exc)
+    if errors:
+        for tmp, _ in written:
+            tmp.unlink(missing_ok=True)
+        raise errors[0]
+    return written
 
 
 def start_writes(
@@ -805,29 +1042,41 @@ def start_writes(
     unit: Unit,
     images: torch.Tensor,
     image_format: str,
-    parameters: list[dict[str, Any]] | None = None,
+    parameters: dict[str, Any] | None = None,
 ) -> Writes:
-    """Hand a unit's files to ``pool``, each written atomically (PNGs already there are left as they are);
-    ``parameters``: what each PNG records (one dict per image of the unit)."""
-    if image_format == "npz":
-        import numpy as np
+    """Write one unit's images ([n, C, H, W] in [-1, 1]) through ``pool`` (``write_unit``, encoded in that one
+    thread), each PNG recording ``parameters`` and its seed; ``run_units`` uses a ``UnitWriter`` instead."""
+    per_image = None if parameters is None else [{**parameters, "seed": s} for s in range(unit.start, unit.stop)]
+    pixels = to_host(images).wait()
+    return Writes(unit, pool.submit(write_unit, out_dir, unit, pixels, image_format, per_image))
 
-        seeds = np.arange(unit.start, unit.stop, dtype=np.int64)
-        data = npz_bytes({"images": to_uint8(images), "seeds": seeds})
-        return Writes(unit, [pool.submit(write_bytes_atomic, out_dir / shard_name(unit), data)], len(seeds))
-    futures = []
-    per_image = parameters or [None] * (unit.stop - unit.start)
-    for number, image, own in zip(range(unit.start, unit.stop), to_pil(images), per_image, strict=True):
-        path = out_dir / png_name(number)
-        if not path.is_file():  # else written by a run that was killed in the middle of this chunk
-            futures.append(pool.submit(save_png_atomic, image, path, own))
-    return Writes(unit, futures, len(futures))
+
+def encode_and_write(block: list[tuple[Path, np.ndarray, dict[str, Any] | None]]) -> list[tuple[Path, Path]]:
+    """Encode each (path, pixels, parameters) as a PNG into a temporary file beside its path; (temporary, path)
+    pairs. On failure the temporary files written so far are removed."""
+    written: list[tuple[Path, Path]] = []
+    try:
+        for path, pixels, parameters in block:
+            written.append((write_temporary(path, encode_png(pixels, parameters)), path))
+    except BaseException:
+        for tmp, _ in written:
+            tmp.unlink(missing_ok=True)
+        raise
+    return written
+
+
+def writer_threads() -> int:
+    """Encoder threads per process: the CPUs this process may use, shared with the other ranks of its host
+    (``LOCAL_WORLD_SIZE``), 2 to ``WRITER_THREADS``."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    per_rank = cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(2, min(WRITER_THREADS, per_rank))
 
 
 def run_units(config: GenerateConfig, pipe, ranks: Ranks, plan: Plan, job: PromptJob | None = None) -> list[RankStats]:
-    """Sample this rank's share of ``plan.pending`` round by round while the previous unit's files are written;
-    after each round all ranks report their counts (for the one progress bar) and failures (so that no rank
-    waits for a dead one)."""
+    """Sample this rank's share of ``plan.pending`` round by round: each round queues a unit's sampling and hands
+    it to the writer, then waits for the previous unit's files; after each round all ranks report their counts
+    (for the one progress bar) and failures (so that no rank waits for a dead one)."""
     from tqdm.auto import tqdm
 
     mine = plan.pending[ranks.rank :: ranks.world_size]
@@ -841,7 +1090,7 @@ def run_units(config: GenerateConfig, pipe, ranks: Ranks, plan: Plan, job: Promp
     )
     written = 0
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=WRITER_THREADS) as pool:
+    with UnitWriter(config.out_dir, writer_threads()) as writer:
         writing: Writes | None = None
         for r in range(rounds + 1):  # the extra round waits for the last writes
             failure = None
@@ -849,14 +1098,15 @@ def run_units(config: GenerateConfig, pipe, ranks: Ranks, plan: Plan, job: Promp
             unit = mine[r] if r < len(mine) else None
             current = unit
             try:
-                images = sample_unit(pipe, unit, config.batch, job) if unit is not None else None
-                parameters = unit_parameters(config, pipe, unit, job) if unit is not None else None
+                queued = None
+                if unit is not None:
+                    chunks = sample_unit(pipe, unit, config.batch, job)
+                    parameters = unit_parameters(config, pipe, unit, job)  # now: the kernel plan of this unit
+                    queued = writer.start(unit, chunks, config.image_format, parameters)
                 if writing is not None:
                     current = writing.unit
                     new = writing.wait()
-                    writing = None
-                if unit is not None:
-                    writing = start_writes(pool, config.out_dir, unit, images, config.image_format, parameters)
+                writing = queued
             except Exception as exc:
                 log.exception("rank %d failed on %s", ranks.rank, current.label)
                 failure = f"failed on {current.label}: {one_line(exc)}"
@@ -1120,7 +1370,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--negative-prompt",
-        default=defaults.negative_prompt,
+        default=None,
         help="negative prompt of the --prompts lines without one (default: none)",
     )
     p.add_argument("--out-dir", type=Path, required=True, help="output folder (created; shared by all nodes)")
@@ -1166,7 +1416,7 @@ def run_generate(args: argparse.Namespace) -> int:
         plan=args.plan,
         prompts=args.prompts,
         guidance=args.guidance,
-        negative_prompt=args.negative_prompt,
+        negative_prompt=args.negative_prompt or "",
     )
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:  # one voice for the job: rank 0 logs, the others only warn

@@ -1,0 +1,90 @@
+"""``fastdiff generate``'s writer (CPU): uint8 conversion as ``fastdiff.images.to_uint8`` does it, a unit's PNGs
+flushed to disk before any of them gets its name, a failing unit publishing nothing, threads per rank."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import fastdiff.generate as generate_module
+from fastdiff.generate import HostPixels, Unit, UnitWriter, to_host, writer_threads
+from fastdiff.images import to_uint8
+
+
+def test_to_host_rounds_as_to_uint8():
+    images = torch.linspace(-1.2, 1.2, 2 * 3 * 5 * 7).reshape(2, 3, 5, 7)
+    host = to_host(images)
+    assert host.ready is None
+    np.testing.assert_array_equal(host.wait(), to_uint8(images))
+
+
+def unit_pixels(unit: Unit, channels: int = 3) -> HostPixels:
+    count = unit.stop - unit.start
+    pixels = torch.arange(count * 4 * 4 * channels, dtype=torch.int64).reshape(count, 4, 4, channels) % 256
+    return HostPixels(pixels.to(torch.uint8))
+
+
+def test_a_units_files_get_their_names_only_after_they_are_flushed(tmp_path, monkeypatch):
+    events = []
+    flush, publish = generate_module.flush_to_disk, generate_module.publish
+
+    def flush_and_note(folder_fd, files):
+        assert [p.name for p in tmp_path.glob("0*.png")] == ["000011.png"]  # none of the new files named yet
+        events.append(("flush", sorted(f.name.split(".")[1] for f in files)))
+        flush(folder_fd, files)
+
+    def publish_and_note(tmp, path):
+        events.append(("publish", path.stem))
+        publish(tmp, path)
+
+    monkeypatch.setattr(generate_module, "flush_to_disk", flush_and_note)
+    monkeypatch.setattr(generate_module, "publish", publish_and_note)
+    unit = Unit(10, 14)
+    (tmp_path / "000011.png").write_bytes(b"kept")  # written by an earlier, killed run: left as it is
+    parameters = [{"seed": seed} for seed in range(10, 14)]
+    with UnitWriter(tmp_path, threads=2) as writer:
+        assert writer.start(unit, [unit_pixels(unit)], "png", parameters).wait() == 3
+    assert events[0] == ("flush", ["000010", "000012", "000013"])
+    assert sorted(events[1:]) == [("publish", "000010"), ("publish", "000012"), ("publish", "000013")]
+    assert (tmp_path / "000011.png").read_bytes() == b"kept"
+    with Image.open(tmp_path / "000012.png") as image:
+        assert image.mode == "RGB" and json.loads(image.text["parameters"])["seed"] == 12
+        np.testing.assert_array_equal(np.asarray(image), unit_pixels(unit).wait()[2])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"0000{k}.png" for k in range(10, 14)]
+
+
+def test_a_unit_that_fails_to_write_publishes_nothing(tmp_path, monkeypatch):
+    write = generate_module.write_temporary
+
+    def write_but_one(path, data):
+        if path.name == "000002.png":
+            raise OSError(28, "No space left on device")
+        return write(path, data)
+
+    monkeypatch.setattr(generate_module, "write_temporary", write_but_one)
+    unit = Unit(0, 6)
+    with UnitWriter(tmp_path, threads=2) as writer, pytest.raises(OSError, match="No space left"):
+        writer.start(unit, [unit_pixels(unit, channels=1)], "png").wait()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_without_syncfs_each_file_is_fsynced(tmp_path, monkeypatch):
+    synced = []
+    fsync = generate_module.os.fsync
+    monkeypatch.setattr(generate_module, "SYNCFS", None)
+    monkeypatch.setattr(generate_module.os, "fsync", lambda fd: synced.append(fd) or fsync(fd))
+    unit = Unit(0, 3)
+    with UnitWriter(tmp_path, threads=1) as writer:
+        assert writer.start(unit, [unit_pixels(unit)], "png").wait() == 3
+    assert len(synced) == 3 + 1  # each file, then the folder
+
+
+@pytest.mark.parametrize(("local_world_size", "expected"), [("1", 8), ("2", 8), ("4", 4), ("64", 2)])
+def test_writer_threads_share_the_cpus_among_the_ranks_of_a_host(monkeypatch, local_world_size, expected):
+    monkeypatch.setattr(generate_module.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
+    assert writer_threads() == expected
