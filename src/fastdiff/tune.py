@@ -55,9 +55,15 @@ def run_tune(args: argparse.Namespace) -> int:
     check_output_location(args.out, "--out")
     existing = KernelPlan.load(args.out) if args.out.exists() else None
 
+    import os
+
     import torch
 
+    from fastdiff.engine.tuning import TUNE_COMPILE_THREADS
     from fastdiff.pipelines import Pipeline, TextToImagePipeline
+
+    # this process makes a plan and no images: its candidates compile on several threads (engine/tuning.py)
+    os.environ.setdefault("FASTDIFF_COMPILE_THREADS", str(TUNE_COMPILE_THREADS))
 
     if not torch.cuda.is_available():
         raise FastdiffError("fastdiff tune needs a CUDA GPU: none is available")

@@ -1,6 +1,9 @@
-"""``ConcurrentLaunches``: first launches from several host threads (CUDA), in order elsewhere; the thread count."""
+"""``ConcurrentLaunches`` (``fastdiff tune``'s candidate compiles): first launches from several host threads (CUDA),
+in order elsewhere; the thread count."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -9,14 +12,16 @@ from fastdiff.engine.tuning import ConcurrentLaunches, compile_threads
 
 
 def test_thread_count_follows_the_environment(monkeypatch):
+    """One thread unless FASTDIFF_COMPILE_THREADS asks for more (at most the CPUs this process may use)."""
+    cpus = len(os.sched_getaffinity(0))
     monkeypatch.setenv("FASTDIFF_COMPILE_THREADS", "3")
-    assert compile_threads() == 3
+    assert compile_threads() == min(3, cpus)
     monkeypatch.setenv("FASTDIFF_COMPILE_THREADS", "0")
     assert compile_threads() == 1
     monkeypatch.setenv("FASTDIFF_COMPILE_THREADS", "many")
-    assert 1 <= compile_threads() <= 16
+    assert compile_threads() == 1
     monkeypatch.delenv("FASTDIFF_COMPILE_THREADS")
-    assert 1 <= compile_threads() <= 16
+    assert compile_threads() == 1
 
 
 def test_off_cuda_the_calls_run_at_once_in_order_and_failures_raise():

@@ -41,7 +41,6 @@ lowerings' and kernels' (:mod:`fastdiff.engine.ir`).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -64,7 +63,6 @@ from fastdiff.engine.lower import lowering_for
 from fastdiff.engine.plan import BufferSpec, MemoryPlan, plan_memory
 from fastdiff.engine.shortcut import SHORTCUT
 from fastdiff.engine.tuning import (
-    ConcurrentLaunches,
     choose_impls,
     compile_candidates,
     load_tuning_cache,
@@ -312,30 +310,22 @@ class FusedModel:
         """The first forward, interleaved with the weight upload: for each module, pack its weights on the host
         and queue their copy on the copy stream, then queue its compute behind that module's event only. The
         GPU runs module k while the host packs and the copy engine uploads modules k+1, ... (the context-stage
-        ops run in model order too, on the context set so far). On CUDA the ops launch from several host threads
-        (:class:`fastdiff.engine.tuning.ConcurrentLaunches`), so their kernels compile at once, and then run again
-        in model order.
+        ops run in model order too, on the context set so far). Its kernels compile one after another: launched
+        from several host threads (``ConcurrentLaunches``) and run again in model order, the first forward compiled
+        1.7x faster from empty caches on the H100 but made the images of later sampling differ between processes
+        (241 of 256 at ddpm-cifar10 batch 256; git 735dba6, cause not found; docs/engine/kernel-plans.md).
         """
         self._check_input(x_in)
         self._x_in, self.tensors = x_in, {}
-        with ConcurrentLaunches(self.device) as launches:
-            for op in self.ops:
-                packed = host_weights(op, self.dtype, self.device, self.conv_impl, taps_fit(self, op))
-                self.device_weights[op.name] = self.streamer.submit(op.name, packed)
-                op.weights = {}  # the fp32 source copies are no longer needed
-                if op.name not in self.impls:
-                    self.impls[op.name] = candidates(self, op)[0]
-                call = self.call(op, self._first_forward_impl(op))
-                launches.submit(functools.partial(self._after_upload, op.name, call))
+        for op in self.ops:
+            packed = host_weights(op, self.dtype, self.device, self.conv_impl, taps_fit(self, op))
+            self.device_weights[op.name] = self.streamer.submit(op.name, packed)
+            op.weights = {}  # the fp32 source copies are no longer needed
+            self.streamer.wait(op.name)
+            if op.name not in self.impls:
+                self.impls[op.name] = candidates(self, op)[0]
+            self.call(op, self._first_forward_impl(op))()
         self.bind(x_in)
-        if launches.concurrent:  # the threads launched the ops in any order: the forward again, in model order
-            for call in (*self._context_calls, *self._calls):
-                call()
-
-    def _after_upload(self, name: str, call: Callable[[], None]) -> None:
-        """``call`` on the current stream once op ``name``'s weights are on the device."""
-        self.streamer.wait(name)
-        call()
 
     def _first_forward_impl(self, op: Op) -> Impl:
         """``op``'s implementation in the streamed first forward: a fusion that may not run there

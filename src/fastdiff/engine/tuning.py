@@ -111,21 +111,23 @@ def candidate_times(model: BoundModel, op: Op, impls: tuple[Impl, ...], reps: in
     return {impl: known[impl.name] for impl in impls}
 
 
-DEFAULT_COMPILE_THREADS = 16
-"""Host threads that compile (and first launch) kernels at once, at most; ``FASTDIFF_COMPILE_THREADS`` overrides it
-(1: one after the other)."""
+TUNE_COMPILE_THREADS = 16
+"""Host threads ``fastdiff tune`` compiles the candidates on (at most the CPUs it may use), when
+``FASTDIFF_COMPILE_THREADS`` does not say."""
 
 
 def compile_threads() -> int:
-    """Threads :class:`ConcurrentLaunches` uses: ``FASTDIFF_COMPILE_THREADS``, else :data:`DEFAULT_COMPILE_THREADS` (at
-    most the CPUs this process may use)."""
+    """Threads :class:`ConcurrentLaunches` uses: ``FASTDIFF_COMPILE_THREADS``, else 1. A process that samples
+    compiles one kernel at a time: on the H100 (git 735dba6), candidates compiled on 16 threads in the process
+    that then sampled, and a first forward launched from 16 threads, made images differ between processes; the
+    cause was not found. ``fastdiff tune`` (which samples nothing) sets :data:`TUNE_COMPILE_THREADS`."""
     value = os.environ.get("FASTDIFF_COMPILE_THREADS", "").strip()
     if value:
         try:
-            return max(1, int(value))
+            return max(1, min(int(value), len(os.sched_getaffinity(0))))
         except ValueError:
             log.warning("ignoring FASTDIFF_COMPILE_THREADS=%r: not an integer", value)
-    return max(1, min(DEFAULT_COMPILE_THREADS, len(os.sched_getaffinity(0))))
+    return 1
 
 
 class ConcurrentLaunches:
