@@ -161,7 +161,7 @@ def test_cuda_text_report_engine_eager_compile(tmp_path):
     b = result["backends"]
     for name in ("engine", "eager", "compile"):
         assert b[name]["memory"]["peak_allocated_bytes"] >= b[name]["memory"]["weight_bytes"] > 0
-        assert b[name]["energy"]["j_per_image"] > 0
+        assert "skipped" in b[name]["energy"] or b[name]["energy"]["j_per_image"] > 0  # NVML may be missing
     for name in ("engine", "eager"):
         assert b[name]["breakdown"]["kernels_per_step"] > 0
         assert b[name]["roofline"]["kernels_counted"] > 0 and b[name]["class_rates"]["gemm"]["tflops"] > 0

@@ -46,7 +46,7 @@ from fastdiff.bench.ops import ENGINE_OP_CLASS, step_op_rows
 from fastdiff.bench.roofline import measure_ceilings
 from fastdiff.bench.systems import COMPILE_CONFIGS, compile_model
 from fastdiff.bench.text_to_image import FastdiffT2I
-from fastdiff.devices import DTYPES, synchronize
+from fastdiff.devices import DTYPES, synchronize, time_ms
 from fastdiff.engine import FusedModel
 from fastdiff.engine.graph import SamplingLoop
 from fastdiff.engine.tuning import time_call_us
@@ -184,16 +184,7 @@ class TextBackend:
     def pipeline_ms(self) -> float:
         """ms of one ``TextToImagePipeline`` call (its text states cached by the first call)."""
         synchronize(self.device)
-        if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            self._call_pipeline()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
-        t0 = time.perf_counter()
-        self._call_pipeline()
-        return (time.perf_counter() - t0) * 1e3
+        return time_ms(self._call_pipeline, self.device)
 
     # one U-Net step, for the profiler
     def step_fn(self, context: torch.Tensor) -> Callable[[], None]:
@@ -471,11 +462,11 @@ def _extra_loads(name: str, comps, cfg: ProfileConfig, device: torch.device, fir
         free(device)
     ms = [t * 1e3 for t in times]
     notes = {
-        "eager": "modules copied to the device in the model dtype, then one pipeline call",
+        "eager": "a host copy of the fp32 components, copied to the device in the model dtype, then one pipeline call",
         "compile": "as eager, then torch.compile of the U-Net: compiled and its CUDA graphs recorded in the call",
-        "engine": "text encoder and VAE copied, the U-Net streamed by the engine's early start, traced, tuned (or "
-        "from a kernel plan: the first load tunes, later ones find its cache), its loop captured, the VAE decode "
-        "fused, in the call",
+        "engine": "a host copy of the fp32 components; text encoder and VAE copied, the U-Net streamed by the "
+        "engine's early start, traced, tuned (or from a kernel plan: the first load tunes, later ones find its "
+        "cache), its loop captured, the VAE decode fused, in the call",
     }
     return {"first_ms": ms[0], "best_ms": min(ms), "worst_ms": max(ms), "avg_ms": statistics.fmean(ms),
             "median_ms": statistics.median(ms), "all_ms": ms, "note": notes[name]}  # fmt: skip
