@@ -431,3 +431,15 @@ def test_step_cache_reaches_both_backends(fast, monkeypatch):
         with pytest.raises(InterruptedError):
             pipe("a cat", cache_interval=interval, steps=3, progress=False)
     assert seen == [2, 3]
+
+
+def test_random_weight_presets_are_text_to_image_names(tmp_path, monkeypatch):
+    """ "sd15" / "sd21" name random-weight Stable Diffusion pipelines (speed runs), unless a folder of that name
+    exists here (a local path wins, as for the other presets)."""
+    from fastdiff.models.stable_diffusion import is_random_preset
+
+    assert t2i.is_text_to_image_dir("sd15") and t2i.is_text_to_image_dir("sd21")
+    assert not t2i.is_text_to_image_dir("ddpm-cifar10") and not is_random_preset("sd3")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sd15").mkdir()
+    assert not is_random_preset("sd15") and not t2i.is_text_to_image_dir("sd15")

@@ -123,6 +123,12 @@ def resolve_pipeline_dir(name_or_path: str | Path) -> Path:
     return path
 
 
+def is_random_preset(name_or_path: str | Path) -> bool:
+    """Whether ``name_or_path`` names a Stable Diffusion architecture preset (``SD_PRESETS``: random weights) and no
+    local file or folder of that name exists."""
+    return str(name_or_path) in SD_PRESETS and not Path(name_or_path).expanduser().exists()
+
+
 @dataclass
 class StableDiffusionComponents:
     """Everything a text-to-image sampler needs, on one device and dtype."""
@@ -144,11 +150,18 @@ def load_stable_diffusion(
     dtype: torch.dtype = torch.float32,
 ) -> StableDiffusionComponents:
     """Load U-Net, VAE, CLIP text encoder, tokenizer and scheduler config from a diffusers pipeline directory
-    (or a bundled text-to-image preset name: ``BUNDLED_PIPELINES``).
+    (or a bundled text-to-image preset name: ``BUNDLED_PIPELINES``; or "sd15" / "sd21": ``random_components``,
+    random weights for speed measurements, when no file or folder has that name).
 
     Weight files may be safetensors or .bin, in any floating dtype; every model is converted to ``dtype``.
     Each missing or unusable piece raises a one-line FastdiffError naming it.
     """
+    if is_random_preset(path):
+        parts = random_components(str(path))
+        parts.unet.scheduler_config = parts.scheduler_config
+        for model in (parts.unet, parts.vae, parts.text_encoder):
+            model.to(device=device, dtype=dtype)
+        return parts
     root = resolve_pipeline_dir(path)
     if not root.exists():
         raise FastdiffError(f"Stable Diffusion path not found: {root}")

@@ -31,6 +31,7 @@ from fastdiff.models.autoencoder_kl import AutoencoderKLConfig
 from fastdiff.models.stable_diffusion import (
     StableDiffusionComponents,
     encode_prompts,
+    is_random_preset,
     load_stable_diffusion,
     log_prompt_warnings,
     resolve_pipeline_dir,
@@ -54,9 +55,10 @@ InitImage = Image.Image | list[Image.Image] | np.ndarray | torch.Tensor
 
 
 def is_text_to_image_dir(path: str | Path) -> bool:
-    """Whether ``path`` is a diffusers pipeline directory (it has model_index.json) or a bundled text-to-image
-    preset name (``fastdiff.models.stable_diffusion.BUNDLED_PIPELINES``), not a U-Net or unconditional preset."""
-    return (resolve_pipeline_dir(path) / "model_index.json").is_file()
+    """Whether ``path`` is a diffusers pipeline directory (it has model_index.json), a bundled text-to-image preset
+    name (``fastdiff.models.stable_diffusion.BUNDLED_PIPELINES``) or a random-weight Stable Diffusion preset ("sd15",
+    "sd21"), not a U-Net or unconditional preset."""
+    return is_random_preset(path) or (resolve_pipeline_dir(path) / "model_index.json").is_file()
 
 
 def check_size(height: int | None, width: int | None) -> None:
