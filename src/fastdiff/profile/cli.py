@@ -71,8 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--loads", type=int, default=None,
-        help=f"fresh weight loads per mode for load-to-first-step (default: {uncond['loads']}); text-to-image: per "
-        f"backend, for load-to-first-image (default: {text['loads']}; the first one counts)",
+        help="fresh weight loads: per mode for load-to-first-step, or per backend for a text-to-image model's "
+        f"load-to-first-image, its first one included (default: {uncond['loads']}; text-to-image: {text['loads']})",
     )  # fmt: skip
     p.add_argument(
         "--timed-steps", type=int, default=None,
@@ -129,7 +129,7 @@ def run_profile_cli(args: argparse.Namespace) -> int:
         energy_seconds=args.energy_seconds, seed=args.seed, top=args.top, guidance=args.guidance,
         height=args.height, width=args.width, prompt=args.prompt,
     )  # fmt: skip
-    resolve_config(cfg)  # flags that do not apply to the model: one line, before any import of its parts
+    resolve_config(cfg)  # flags that do not apply to the model's kind: one line, before any loading
     result = run_profile(cfg)
     written = write_report(result, args.out)
     print(markdown_report(result))
