@@ -5,6 +5,7 @@ GEMM split of the rates table; the engine and compile backends on the GPU."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -12,10 +13,13 @@ from torch import nn
 
 from fastdiff.bench.breakdown import OP_CLASSES
 from fastdiff.cli import main
+from fastdiff.engine.graph import SamplingLoop
+from fastdiff.kernels.sampler_step import OP as SAMPLER_STEP
 from fastdiff.profile import report
 from fastdiff.profile import text_to_image as t2i
 from fastdiff.profile.config import DEFAULT_GUIDANCE, DEFAULT_PROMPT, ProfileConfig, resolve_config
 from fastdiff.profile.kernels import aten_kernel_rows, class_rates
+from fastdiff.samplers import ScheduleConfig, make_sampler
 
 CUDA = torch.cuda.is_available()
 CEILINGS = {"tflops": 1.0, "gbps": 100.0}
@@ -169,3 +173,41 @@ def test_cuda_text_report_engine_eager_compile(tmp_path):
     assert b["engine"]["memory"]["plan_peak_bytes"] > 0
     assert "skipped" in b["compile"]["roofline"]
     assert (tmp_path / "report" / "roofline-engine.png").is_file()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not CUDA, reason="the Triton kernel needs CUDA or "
+                    "TRITON_INTERPRET=1")  # fmt: skip
+@pytest.mark.parametrize("sampler_name", ["ddim", "dpmsolver++_sde"])
+def test_guided_sampler_row_runs_the_guided_step(monkeypatch, sampler_name):
+    """The engine's sampler-step row of a guided loop: the fused step on the 2B-row model output with the loop's
+    guidance scales (what ``bench.ops.sampler_step_row`` cannot time), its cost counting the guidance FLOPs."""
+    device = torch.device("cuda" if CUDA else "cpu")
+    sampler = make_sampler(sampler_name, ScheduleConfig(), 4, device=device)
+    b, shape = 2, (4, 3, 5)
+    output = torch.randn((2 * b, *shape), device=device).contiguous(memory_format=torch.channels_last)
+
+    class Fused:  # the one FusedModel method the row calls
+        def forward_from_row(self, x_in):
+            assert tuple(x_in.shape) == (2 * b, *shape)
+            return output
+
+    loop = SamplingLoop(lambda x_in, index: output, sampler, (b, *shape), torch.float32, device, use_graphs=False,
+                        guided=True)  # fmt: skip
+    guidance = torch.tensor([3.0, 7.5], device=device)
+    loop.load(torch.randn((b, *shape), device=device), torch.arange(b, device=device), guidance)
+    calls = []
+
+    def time_once(call, reps):
+        call()
+        calls.append(reps)
+        return 12.5
+
+    monkeypatch.setattr(t2i, "time_call_us", time_once)
+    x_before = loop.x.clone()
+    row = t2i.guided_sampler_row(Fused(), loop)
+    assert calls and row["us"] == 12.5 and row["class"] == "sampler" and row["shape"] == [b, *shape]
+    assert torch.equal(loop.x, x_before)  # timed on copies of the loop's state
+    history = (loop.h1 if sampler.uses_h1 else None, loop.h2, loop.aux)
+    seeds = {"seeds": loop.seeds if sampler.needs_noise else None}
+    unguided, _ = SAMPLER_STEP.cost((loop.x, output, sampler.coefs, 0, *history), seeds)
+    assert row["flops"] == unguided + 3 * loop.x.numel() and row["bytes"] > 0  # guidance: 3 FLOPs per element
