@@ -441,3 +441,18 @@ def test_random_weight_presets_are_text_to_image_names(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "sd15").mkdir()
     assert not is_random_preset("sd15") and not t2i.is_text_to_image_dir("sd15")
+
+
+@pytest.mark.slow
+def test_img2img_on_the_grayscale_bundled_model():
+    """fashion-mnist-t2i's VAE takes one channel: an RGB init image is encoded as the mean of its channels, so a
+    tinted image gives the image of its gray mean."""
+    pipe = TextToImagePipeline.from_pretrained("fashion-mnist-t2i", device="cpu", steps=4)
+    gray = np.random.default_rng(0).random((32, 32, 1), dtype=np.float32) * 0.8
+    kwargs = dict(seeds=3, strength=0.5, guidance_scale=3.0, output_type="np", progress=False)
+    out = pipe("a photo of a bag", image=np.repeat(gray, 3, axis=-1), **kwargs)
+    assert out.shape == (1, 32, 32, 1)
+    tinted = np.repeat(gray, 3, axis=-1) * np.array([0.8, 1.0, 1.2], dtype=np.float32)  # the same channel mean
+    np.testing.assert_allclose(pipe("a photo of a bag", image=tinted, **kwargs), out, atol=1e-4)
+    other = pipe("a photo of a bag", image=np.repeat(gray[::-1], 3, axis=-1), **kwargs)
+    assert np.abs(other - out).max() > 0.05  # the init image matters

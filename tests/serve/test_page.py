@@ -79,15 +79,15 @@ def test_page_generates_images_with_their_parameters(browser, serve_app):
 
 
 def test_page_prompt_flow_on_the_bundled_text_model(browser, serve_app, t2i_app):
-    """fashion-mnist-t2i: the text fields show (guidance at the server's default, no img2img for its grayscale
-    VAE); a prompt gives one image per seed captioned with its prompt, and the prompt's warnings are listed."""
+    """fashion-mnist-t2i: the text fields show (guidance at the server's default, the init image for img2img); a
+    prompt gives one image per seed captioned with its prompt, and the prompt's warnings are listed."""
     with serve_app(t2i_app) as url:
         page = browser.new_page()
         page.goto(url + "/")
         page.wait_for_selector("#generate:enabled")
         assert page.locator("#prompt").is_visible() and page.locator("#negative_prompt").is_visible()
         assert page.input_value("#guidance") == "3" and page.input_value("#steps") == "2"
-        assert page.locator("#init_image-row").is_hidden()
+        assert page.locator("#init_image-row").is_visible()
 
         page.fill("#prompt", "ankle boot zzyzx")
         page.fill("#negative_prompt", "sandal")

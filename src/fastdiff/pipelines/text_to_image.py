@@ -382,7 +382,10 @@ class TextToImagePipeline(EnginePipeline):
         return states.repeat_interleave(per_prompt, dim=0)
 
     def _encode(self, pixels: torch.Tensor, prompts: int, per_prompt: int, seeds: torch.Tensor) -> torch.Tensor:
-        """Scaled VAE latents [N, 4, h, w] of the init image(s): posterior mean + std · seeded noise."""
+        """Scaled VAE latents [N, 4, h, w] of the init image(s): posterior mean + std · seeded noise. A grayscale VAE
+        (one input channel, as fashion-mnist-t2i's) gets the mean of the RGB channels (exact for gray images)."""
+        if self.vae.config.in_channels == 1:
+            pixels = pixels.mean(dim=1, keepdim=True)
         posterior = self.vae.encode(pixels.to(self.device, self.dtype))
         mean, std = posterior.mean.float(), posterior.std.float()
         repeats = per_prompt * (prompts if pixels.shape[0] == 1 else 1)

@@ -107,8 +107,7 @@ def describe_model(
             default_guidance=guidance,
             size_multiple=multiple,
             max_side=MAX_SIDE_FACTOR * max(height, width) // multiple * multiple,
-            # the pipeline's img2img hands the VAE RGB pixels: a grayscale VAE (fashion-mnist-t2i) cannot take them
-            img2img=pipe.vae.config.in_channels == 3,
+            img2img=True,
         )
     channels, height, width = pipe.sample_shape
     return ModelInfo(
