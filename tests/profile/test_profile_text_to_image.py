@@ -59,8 +59,18 @@ def check_text_result(result: dict, backends: list[str], steps: int, batch: int)
         assert set(comp) == {"text_encoder", "unet", "vae"} and all(v > 0 for v in comp.values())
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a CPU shared with other processes, several threads that wait on each other make the
+    same op 10-100x slower at times, so two time windows (the timed step, the profiled one) would not compare."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
-def test_cpu_text_report(tmp_path, capsys):
+def test_cpu_text_report(tmp_path, capsys, one_thread):
     out = tmp_path / "report"
     argv = ["profile", "--device", "cpu", "--model", "fashion-mnist-t2i", "--steps", "2", "--repeats", "2",
             "--loads", "2", "--top", "5", "--out", str(out)]  # fmt: skip
@@ -73,8 +83,10 @@ def test_cpu_text_report(tmp_path, capsys):
     bd = eager["breakdown"]
     assert bd["per_class_ms"]["convolution"] > 0 and bd["per_class_ms"]["attention"] > 0
     assert bd["per_class_ms"]["sampler"] > 0 and bd["per_class_ms"]["transfer"] == 0
-    # the profiled step (ops slowed by the profiler; a busy CPU) against the step timed without it: the same order
-    assert 0.1 < bd["end_to_end_ms"] / eager["latency"]["ms_per_step"] < 10, (bd, eager["latency"])
+    # the profiled step (ops slowed by the profiler) against the step timed without it, and the per-op rows' step
+    step_ms = eager["latency"]["ms_per_step"]
+    assert 0.3 < bd["end_to_end_ms"] / step_ms < 4, (bd, eager["latency"])
+    assert 0.2 < eager["roofline"]["kernel_ms_per_step"] / step_ms < 4, (eager["roofline"], eager["latency"])
 
     rates = eager["class_rates"]
     for group in ("convolution", "gemm", "attention", "normalisation"):  # the transformer blocks' GEMMs apart
