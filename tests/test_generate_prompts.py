@@ -349,3 +349,12 @@ def test_killed_rank_then_torchrun_rerun_finishes_identically(reference, prompts
     assert folder_pngs(out) == folder_pngs(reference)
     assert all(mtimes(out)[name] == mtime for name, mtime in before.items())
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+def test_a_prompts_warning_is_logged_once_not_once_a_chunk(tmp_path, caplog):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("zebra bag\n" * 3)
+    with caplog.at_level("WARNING"):
+        assert main(prompts_argv(prompts, tmp_path / "out", "--batch", "1", "--steps", "1")) == 0
+    warnings = [r.getMessage() for r in caplog.records if "zebra" in r.getMessage()]
+    assert len(warnings) == 1 and "not in the model's vocabulary" in warnings[0], warnings
