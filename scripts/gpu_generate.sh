@@ -8,8 +8,9 @@
 # A short run first fills the Triton and engine caches, so neither timed run pays for compiling kernels.
 # NUM_IMAGES (default 65536: about 60 s on one GPU), BATCH (256), SAMPLER (ddim), STEPS (20), DTYPE (fp16),
 # FORMAT (png) override the settings; WORK is where the image folders go (not $OUT: too many files).
-# Last, scripts/bench_writer.py times the host's PNG writers alone (no GPU): the old per-file fsync writer and
-# generate's UnitWriter at 1, 2, 4 threads, into the result's "host_writers" (images/s).
+# Then the sampler alone on one GPU (same settings, no files: "sampler_only_images_per_s_1gpu", and generate's
+# fraction of it), and scripts/bench_writer.py times the host's PNG writers alone (no GPU): the old per-file
+# fsync writer, generate's UnitWriter at 1, 2, 4 threads and a process pool, as "host_writers" (images/s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -35,11 +36,35 @@ echo "== torchrun --nproc-per-node 2: $NUM_IMAGES images"
 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m fastdiff.cli generate "${flags[@]}" \
     --num-images "$NUM_IMAGES" --out-dir "$WORK/two" 2>&1 | tee "$OUT/generate-2gpu.log" | tail -n 3
 
+echo "== the sampler alone on one GPU: $NUM_IMAGES images, no files (what generate's host side must keep up with)"
+SAMPLER="$SAMPLER" STEPS="$STEPS" DTYPE="$DTYPE" BATCH="$BATCH" NUM_IMAGES="$NUM_IMAGES" python3 - \
+    > "$OUT/sampler-only.json" <<'PY' || echo '{"sampler_only_images_per_s": null}' > "$OUT/sampler-only.json"
+import json, os, time
+
+import torch
+
+from fastdiff.pipelines import Pipeline
+
+batch, count = int(os.environ["BATCH"]), int(os.environ["NUM_IMAGES"])
+torch.manual_seed(0)  # random weights, as generate's RANDOM_INIT_SEED
+pipe = Pipeline.from_pretrained("ddpm-cifar10", device="cuda:0", dtype=os.environ["DTYPE"],
+                                sampler=os.environ["SAMPLER"], steps=int(os.environ["STEPS"]))
+for _ in range(3):
+    pipe(batch_size=batch, seeds=0, output_type="tensor", progress=False)
+torch.cuda.synchronize()
+start = time.perf_counter()
+for first in range(0, count, batch):
+    pipe(batch_size=min(batch, count - first), seeds=first, output_type="tensor", progress=False)
+torch.cuda.synchronize()
+print(json.dumps({"sampler_only_images_per_s": round(count / (time.perf_counter() - start), 1)}))
+PY
+cat "$OUT/sampler-only.json"
+
 echo "== host PNG writers alone (scripts/bench_writer.py)"
 python3 scripts/bench_writer.py --images 8192 --batch "$BATCH" --repeats 2 --dir "$WORK" 2>&1 \
     | tee "$OUT/bench-writer.log" | tail -n 1 > "$OUT/bench-writer.json"
 
-python3 - "$WORK" "$OUT/generate-ddpm-cifar10-2gpu.json" "$OUT/bench-writer.json" <<'EOF'
+python3 - "$WORK" "$OUT/generate-ddpm-cifar10-2gpu.json" "$OUT/bench-writer.json" "$OUT/sampler-only.json" <<'EOF'
 import hashlib, json, sys
 from pathlib import Path
 
@@ -47,11 +72,18 @@ import torch
 
 from fastdiff.bench.env import environment
 
-work, out, writers = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
-try:
-    host_writers = json.loads(writers.read_text())
-except (OSError, ValueError):
-    host_writers = None
+work, out, writers, sampler = (Path(arg) for arg in sys.argv[1:5])
+
+
+def read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+host_writers = read_json(writers)
+sampler_only = (read_json(sampler) or {}).get("sampler_only_images_per_s")
 
 
 def digests(folder: Path) -> dict[str, str]:
@@ -81,6 +113,8 @@ result = {
     "images_per_s_1gpu": s1["images_per_s"],
     "images_per_s_2gpu": s2["images_per_s"],
     "speedup": round(s2["images_per_s"] / s1["images_per_s"], 3),
+    "sampler_only_images_per_s_1gpu": sampler_only,
+    "generate_vs_sampler_1gpu": round(s1["images_per_s"] / sampler_only, 3) if sampler_only else None,
     "identical_files": not differ and len(one) > 0,
     "files_compared": len(one),
     "files_differing": len(differ),
@@ -90,6 +124,7 @@ result = {
     "two_gpus": s2,
 }
 out.write_text(json.dumps(result, indent=2) + "\n")
-keys = ("gpus", "images_per_s_1gpu", "images_per_s_2gpu", "speedup", "identical_files", "files_compared")
+keys = ("gpus", "images_per_s_1gpu", "images_per_s_2gpu", "speedup", "sampler_only_images_per_s_1gpu",
+        "generate_vs_sampler_1gpu", "identical_files", "files_compared")
 print(json.dumps({k: result[k] for k in keys}))
 EOF
