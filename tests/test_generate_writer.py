@@ -88,3 +88,38 @@ def test_writer_threads_share_the_cpus_among_the_ranks_of_a_host(monkeypatch, lo
     monkeypatch.setattr(generate_module.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
     assert writer_threads() == expected
+
+
+def test_each_round_queues_the_next_unit_before_it_waits_for_the_last_ones_files(tmp_path, monkeypatch):
+    events = []
+
+    class NotedResult:
+        def __init__(self, unit):
+            self.unit = unit
+
+        def result(self):
+            events.append(("wait", self.unit.start))
+            return self.unit.stop - self.unit.start
+
+    def sample(pipe, unit, batch, job=None):
+        events.append(("sample", unit.start))
+        return [unit_pixels(unit)]
+
+    def start(writer, unit, chunks, image_format, parameters=None):
+        events.append(("start", unit.start))
+        return generate_module.Writes(unit, NotedResult(unit))
+
+    monkeypatch.setattr(generate_module, "sample_unit", sample)
+    monkeypatch.setattr(generate_module.UnitWriter, "start", start)
+    config = generate_module.GenerateConfig("m", 6, tmp_path, batch=2, progress=False)
+    plan = generate_module.Plan(pending=generate_module.all_units(config), already_present=0)
+    pipe = type("FakePipe", (), {"device": torch.device("cpu"), "plan_digest": None})()
+    ranks = generate_module.Ranks(0, 1, "cpu", owns_group=False)
+    (stats,) = generate_module.run_units(config, pipe, ranks, plan)
+    assert stats.images == 6
+    assert events == [
+        ("sample", 0), ("start", 0),
+        ("sample", 2), ("start", 2), ("wait", 0),  # unit 2 is on its way before unit 0's files are awaited
+        ("sample", 4), ("start", 4), ("wait", 2),
+        ("wait", 4),
+    ]  # fmt: skip
