@@ -218,6 +218,8 @@ def test_text_model_without_prompts_and_prompts_for_an_unconditional_model(tmp_p
     assert len(err) == 1 and "is a text-to-image model: give --prompts FILE" in err[0], err
     assert not out.exists()
     assert main(["generate", "--model", MODEL, "--out-dir", str(out)]) == 2
+    assert "is a text-to-image model: give --prompts FILE" in capsys.readouterr().err
+    assert main(["generate", "--model", "fashion-mnist", "--out-dir", str(out)]) == 2
     assert "give --num-images N (or --prompts FILE" in capsys.readouterr().err
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("bag\n")

@@ -1149,6 +1149,13 @@ def generate(config: GenerateConfig) -> GenerateSummary:
 def validate(config: GenerateConfig) -> PromptJob | None:
     """Every setting, the prompts file (the job it makes, returned) and that files can be created in ``out_dir``:
     one-line errors before any work."""
+    from fastdiff.pipelines.text_to_image import is_text_to_image_dir
+
+    text_model = is_text_to_image_dir(config.model)
+    if text_model and config.prompts is None:
+        raise FastdiffError(f"{config.model} is a text-to-image model: give --prompts FILE (one prompt a line)")
+    if not text_model and config.prompts is not None:
+        raise FastdiffError(f"{config.model} is an unconditional model: --prompts is for text-to-image models")
     if config.num_images is None and config.prompts is None:
         raise FastdiffError("give --num-images N (or --prompts FILE for a text-to-image model)")
     if config.num_images is not None and config.num_images <= 0:

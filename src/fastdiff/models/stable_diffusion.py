@@ -236,10 +236,16 @@ def load_text_encoder(transformers: Any, folder: Path, class_name: str) -> nn.Mo
         raise FastdiffError(f"missing {folder / 'config.json'}")
     if not any((folder / name).is_file() for name in TEXT_ENCODER_WEIGHTS):
         raise FastdiffError(f"no weights in {folder}: expected one of {', '.join(TEXT_ENCODER_WEIGHTS)}")
+    progress_bars = transformers.utils.logging
+    shown = progress_bars.is_progress_bar_enabled()
+    progress_bars.disable_progress_bar()  # no "Loading weights" bar: a load is quick and errors stay one line
     try:
         return getattr(transformers, class_name).from_pretrained(str(folder), local_files_only=True)
     except Exception as exc:  # transformers raises OSError, ValueError, RuntimeError, ... for bad files
         raise FastdiffError(f"cannot load text encoder {folder}: {first_line(exc)}") from exc
+    finally:
+        if shown:
+            progress_bars.enable_progress_bar()
 
 
 def load_tokenizer(transformers: Any, folder: Path, class_name: str) -> Any:

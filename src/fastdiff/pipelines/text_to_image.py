@@ -78,8 +78,8 @@ def vae_scale_factor(vae_config: AutoencoderKLConfig) -> int:
 def guidance_scales(guidance_scale: float | Sequence[float], prompts: int) -> list[float]:
     """One classifier-free guidance scale per prompt from one scale or a list of ``prompts`` scales: finite, >= 0,
     and all guided (> 1) or all unguided (<= 1, the conditional model alone)."""
-    scales = [guidance_scale] * prompts if isinstance(guidance_scale, numbers.Real) else guidance_scale
-    if not isinstance(scales, Sequence) or isinstance(scales, str) or len(scales) != prompts:
+    scales = list(guidance_scale) if isinstance(guidance_scale, (list, tuple)) else [guidance_scale] * prompts
+    if len(scales) != prompts:
         raise FastdiffError(f"guidance_scale must be one number or one per prompt ({prompts}), got {guidance_scale!r}")
     for scale in scales:
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale < 0:
