@@ -297,6 +297,8 @@ def profile_table() -> str:
     notes = []
     for path in sorted(PROFILES.glob("*/report.json")):
         d = json.loads(path.read_text())
+        if d.get("schema") == "fastdiff.profile.text_to_image/1":
+            continue  # a text-to-image report has its own layout (its report.md)
         modes = d["load_to_first_step"]["modes"]
         load = " / ".join(num(m.get("avg_ms"), ".0f") for m in modes.values())
         link = f"[{path.parent.name}]({link_to('profile', path.parent / 'report.md')})"

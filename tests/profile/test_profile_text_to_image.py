@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from fastdiff.bench import ops
 from fastdiff.bench.breakdown import OP_CLASSES
 from fastdiff.cli import main
 from fastdiff.engine.graph import SamplingLoop
@@ -191,8 +192,8 @@ def test_cuda_text_report_engine_eager_compile(tmp_path):
                     "TRITON_INTERPRET=1")  # fmt: skip
 @pytest.mark.parametrize("sampler_name", ["ddim", "dpmsolver++_sde"])
 def test_guided_sampler_row_runs_the_guided_step(monkeypatch, sampler_name):
-    """The engine's sampler-step row of a guided loop: the fused step on the 2B-row model output with the loop's
-    guidance scales (what ``bench.ops.sampler_step_row`` cannot time), its cost counting the guidance FLOPs."""
+    """The engine's sampler-step row of a guided loop (``bench.ops.sampler_step_row``): the fused step on the 2B-row
+    model output with the loop's guidance scales, its cost counting the guidance FLOPs."""
     device = torch.device("cuda" if CUDA else "cpu")
     sampler = make_sampler(sampler_name, ScheduleConfig(), 4, device=device)
     b, shape = 2, (4, 3, 5)
@@ -214,9 +215,9 @@ def test_guided_sampler_row_runs_the_guided_step(monkeypatch, sampler_name):
         calls.append(reps)
         return 12.5
 
-    monkeypatch.setattr(t2i, "time_call_us", time_once)
+    monkeypatch.setattr(ops, "time_call_us", time_once)
     x_before = loop.x.clone()
-    row = t2i.guided_sampler_row(Fused(), loop)
+    row = ops.sampler_step_row(Fused(), loop)
     assert calls and row["us"] == 12.5 and row["class"] == "sampler" and row["shape"] == [b, *shape]
     assert torch.equal(loop.x, x_before)  # timed on copies of the loop's state
     history = (loop.h1 if sampler.uses_h1 else None, loop.h2, loop.aux)

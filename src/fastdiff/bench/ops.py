@@ -86,7 +86,8 @@ def step_op_rows(fused: FusedModel, reps: int = 20) -> list[dict]:
 def sampler_step_row(fused: FusedModel, loop: SamplingLoop) -> dict:
     """The fused sampler step of ``loop`` as a row of :func:`step_op_rows`: timed like the ops (``time_call_us``)
     on copies of the loop's state (the timing writes garbage into its outputs), on the model output of one
-    forward; its cost from the kernel module (reads the state and the model output, writes the state)."""
+    forward (2B rows with the loop's guidance scales when it is guided); its cost from the kernel module (reads the
+    state and the model output, writes the state)."""
     sampler = loop.sampler
     out = fused.forward_from_row(loop.x_in)
     index = torch.zeros(1, dtype=torch.int64, device=loop.device)
@@ -94,7 +95,7 @@ def sampler_step_row(fused: FusedModel, loop: SamplingLoop) -> dict:
     history = [state[1] if sampler.uses_h1 else None, loop.h2, loop.aux]
     seeds = loop.seeds if sampler.needs_noise else None
     args = (state[0], out, sampler.coefs, index, *(t.clone() if t is not None else None for t in history))
-    kwargs = {"seeds": seeds, "clip_range": sampler.clip_range}
+    kwargs = {"seeds": seeds, "guidance": loop.guidance, "clip_range": sampler.clip_range}
 
     def call() -> None:
         sampler_step(*args, **kwargs, out=tuple(state))

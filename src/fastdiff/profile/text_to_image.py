@@ -42,18 +42,15 @@ from torch import nn
 from fastdiff.bench.breakdown import profile_breakdown, sampler_range
 from fastdiff.bench.energy import EnergyMeter
 from fastdiff.bench.env import environment
-from fastdiff.bench.ops import ENGINE_OP_CLASS, step_op_rows
+from fastdiff.bench.ops import sampler_step_row, step_op_rows
 from fastdiff.bench.roofline import measure_ceilings
 from fastdiff.bench.systems import COMPILE_CONFIGS, compile_model
 from fastdiff.bench.text_to_image import FastdiffT2I
 from fastdiff.devices import DTYPES, synchronize, time_ms
 from fastdiff.engine import FusedModel
 from fastdiff.engine.graph import SamplingLoop
-from fastdiff.engine.tuning import time_call_us
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.cost_model import Cost
-from fastdiff.kernels.sampler_step import OP as SAMPLER_STEP
-from fastdiff.kernels.sampler_step import sampler_step
 from fastdiff.models.stable_diffusion import (
     SD_PRESETS,
     StableDiffusionComponents,
@@ -233,35 +230,13 @@ def _engine_step(loop: SamplingLoop, x_t, seeds, guidance) -> Callable[[], None]
 def engine_rows(loop: SamplingLoop, fused: FusedModel) -> list[dict]:
     """Per-op rows of one engine step: every fused op of the U-Net (``bench.ops.step_op_rows``: its implementation
     timed in a CUDA graph of repeated launches, its cost from ``engine_op_cost``) and the fused sampler step with
-    guidance (:func:`guided_sampler_row`). Needs CUDA."""
+    guidance (``bench.ops.sampler_step_row``). Needs CUDA."""
     rows = []
-    for r in [*step_op_rows(fused), guided_sampler_row(fused, loop)]:
+    for r in [*step_op_rows(fused), sampler_step_row(fused, loop)]:
         name = r["name"] if r["kind"] == "sampler_step" else f"{r['name']} ({r['kind']}, {r['impl']})"
         group = "gemm" if r["kind"] in GEMM_KINDS else r["class"]
         rows.append(kernel_row(name, r["class"], 1.0, r["us"], Cost(r["flops"], r["bytes"]), group))
     return rows
-
-
-def guided_sampler_row(fused: FusedModel, loop: SamplingLoop) -> dict:
-    """The loop's fused sampler step as a ``step_op_rows`` row, timed like the ops (``time_call_us``) on copies of
-    the loop's state, with its guidance scales (``bench.ops.sampler_step_row`` passes none, which a guided loop's
-    2B-row model output does not fit); its cost from the kernel module."""
-    sampler = loop.sampler
-    out = fused.forward_from_row(loop.x_in)
-    index = torch.zeros(1, dtype=torch.int64, device=loop.device)
-    state = [t.clone() for t in loop.state]
-    history = [state[1] if sampler.uses_h1 else None, loop.h2, loop.aux]
-    args = (state[0], out, sampler.coefs, index, *(t.clone() if t is not None else None for t in history))
-    kwargs = {"seeds": loop.seeds if sampler.needs_noise else None, "guidance": loop.guidance,
-              "clip_range": sampler.clip_range}  # fmt: skip
-
-    def call() -> None:
-        sampler_step(*args, **kwargs, out=tuple(state))
-
-    flops, moved = SAMPLER_STEP.cost(args, kwargs)
-    return {"name": "sampler_step", "kind": "sampler_step", "class": ENGINE_OP_CLASS["sampler_step"],
-            "impl": "triton", "shape": list(loop.x.shape), "us": time_call_us(call, 20), "flops": flops,
-            "bytes": moved}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------- the run
@@ -588,4 +563,4 @@ def markdown_report(result: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["SCHEMA", "TextBackend", "engine_rows", "guided_sampler_row", "markdown_report", "run_text_profile"]
+__all__ = ["SCHEMA", "TextBackend", "engine_rows", "markdown_report", "run_text_profile"]
