@@ -46,6 +46,8 @@ MEASURED_CODE = {
 file that moved counts by its code, as if it had not moved (the diff follows renames across the whole tree)."""
 MEASURED_CODE["headline"] = MEASURED_CODE["bench"]
 MEASURED_CODE["ready"] = MEASURED_CODE["bench"][:-1] + ("src/fastdiff/pipelines", "benchmarks/ready.py")
+MEASURED_CODE["tune"] = MEASURED_CODE["bench"][:-1] + ("src/fastdiff/pipelines", "src/fastdiff/tune.py")
+MEASURED_CODE["bulk"] = MEASURED_CODE["bench"][:-1] + ("src/fastdiff/pipelines", "src/fastdiff/generate.py")
 
 
 def without_docstrings(source: str) -> str:
@@ -618,6 +620,58 @@ def ready_table() -> str:
     return "\n".join(lines + [""] + sorted(set(notes)))
 
 
+def tune_table() -> str:
+    """``benchmarks/tune_presets.py``: ``fastdiff tune`` per preset from empty caches (the cold, no-plan time)."""
+    lines = [
+        "| run | model | batch | guidance | GPU | compile threads | wall s | status | git |",
+        "| --- | --- | ---: | ---: | --- | --- | ---: | --- | --- |",
+    ]
+    shas = []
+    for path in sorted(RESULTS.glob("tune-presets-*.json")):
+        d = json.loads(path.read_text())
+        env = d["env"]
+        shas.append(env["git_sha"])
+        for job in d["jobs"]:
+            status = job.get("skipped") or ("ok" if job.get("rc") == 0 else f"failed ({job.get('rc')})")
+            wall = f"{job['wall_s']:.0f}" if "wall_s" in job else "–"
+            threads = job.get("compile_threads", "–")
+            threads = "16 (tune's default)" if threads == "default" else threads
+            lines.append(
+                f"| `{path.stem}` | {job['model']} | {job['batch']} | {job.get('guidance', '–')} | {machine(env)} "
+                f"| {threads} | {wall} | {status} | {env['git_sha'][:7]} |"
+            )
+    if not shas:
+        return "_No tuning run committed yet._"
+    notes = [freshness(sha, "tune") for sha in sorted(set(shas))]
+    return "\n".join(lines + [""] + sorted(set(notes)))
+
+
+def bulk_table() -> str:
+    """``scripts/gpu_generate.sh``: ``fastdiff generate`` on one GPU and under torchrun on two, the sampler alone, and
+    whether the two folders hold the same bytes."""
+    lines = [
+        "| run | GPUs | images | 1 GPU img/s | 2 GPUs img/s | speed-up | sampler alone img/s | generate / sampler "
+        "| files differing 1 vs 2 GPUs | git |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    shas = []
+    for path in sorted(RESULTS.glob("generate-*.json")):
+        d = json.loads(path.read_text())
+        shas.append(d["git_sha"])
+        sampler = d.get("sampler_only_images_per_s_1gpu")
+        ratio = d.get("generate_vs_sampler_1gpu")
+        lines.append(
+            f"| `{path.stem}` | {len(d['gpus'])}x {d['gpus'][0]} | {d['files_compared']} "
+            f"| {d['images_per_s_1gpu']:.0f} | {d['images_per_s_2gpu']:.0f} | {d['speedup']:.2f}x "
+            f"| {'–' if sampler is None else f'{sampler:.0f}'} | {'–' if ratio is None else f'{ratio:.2f}'} "
+            f"| {d['files_differing']} of {d['files_compared']} | {d['git_sha'][:7]} |"
+        )
+    if not shas:
+        return "_No bulk generation run committed yet._"
+    notes = [freshness(sha, "bulk") for sha in sorted(set(shas))]
+    return "\n".join(lines + [""] + sorted(set(notes)))
+
+
 SECTIONS: dict[str, Callable[[], str]] = {
     "headline": headline_table,
     "kernels": kernels_table,
@@ -631,6 +685,8 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "t2i-model": t2i_model_table,
     "t2i-quality": t2i_quality_tables,
     "ready": ready_table,
+    "tune": tune_table,
+    "bulk": bulk_table,
 }
 """Each generated table by its marker name."""
 
@@ -644,6 +700,8 @@ DOCUMENTS = {
         "compile",
         "bench",
         "ready",
+        "tune",
+        "bulk",
         "t2i",
         "profile",
         "serve",
