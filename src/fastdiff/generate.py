@@ -38,8 +38,12 @@ shard) is whole, the rerun trusts the files it finds without reading them, redoe
 the leftover temporary files. A unit whose encoding or writing fails publishes none of its files.
 
 Under ``torchrun`` (RANK, WORLD_SIZE, LOCAL_RANK set) each rank joins torch.distributed (NCCL on GPUs, gloo on
-CPUs; the rounds' reports go through a gloo group beside NCCL) and uses ``cuda:LOCAL_RANK``; the output folder
-must be one that every node sees.
+CPUs; the rounds' reports go through a gloo group beside NCCL) and uses ``cuda:LOCAL_RANK``. Several nodes
+(``torchrun --nnodes N --node-rank K --master-addr ... --master-port ...`` on each) work the same way: the global
+ranks share the chunks, and the output folder must be one that every node sees (rank 0 alone writes the manifest
+and the summary). A process or node that dies, or does not answer within ``--timeout``, fails every collective:
+the processes left stop with one line (printed by the first process of each node, since rank 0 may be the one
+gone), keep their whole files, and rerunning the same command on every node completes the job.
 
 Every bad input (settings, the prompts file: line by line) fails in one line before any model loads.
 The module imports torch and numpy where they are used, so ``fastdiff generate --help`` answers at once.
@@ -122,6 +126,12 @@ T = TypeVar("T")
 
 class JobError(FastdiffError):
     """An error that every rank of the job raises alike (after a collective); rank 0 reports it."""
+
+
+class LostRanks(JobError):
+    """A collective failed: another process (or a whole node) died, or did not answer within ``--timeout``.
+
+    Rank 0 may be the one that is gone, so the first process of each node (LOCAL_RANK 0) reports it."""
 
 
 @dataclass
@@ -421,12 +431,21 @@ class Ranks:
     The collectives pass Python objects through ``objects_group``: a gloo group beside an NCCL one, so that a
     round's report neither waits behind the sampling queued on the GPU nor holds up the next one."""
 
-    def __init__(self, rank: int, world_size: int, device: str, owns_group: bool, objects_group: Any = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        device: str,
+        owns_group: bool,
+        objects_group: Any = None,
+        timeout_s: float = GenerateConfig.timeout_s,
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.owns_group = owns_group
         self.objects_group = objects_group
+        self.timeout_s = timeout_s
 
     @classmethod
     def start(cls, device: str, timeout_s: float) -> Ranks:
@@ -447,17 +466,27 @@ class Ranks:
         elif device != "cpu":
             raise FastdiffError(f"under torchrun use --device auto, cuda or cpu (rank r takes GPU r), got {device}")
         owns_group = not dist.is_initialized()
-        if owns_group:
-            backend = "nccl" if device.startswith("cuda") else "gloo"
-            timeout = datetime.timedelta(seconds=timeout_s)
-            if backend == "nccl":
-                dist.init_process_group(backend, timeout=timeout, device_id=torch.device(device))
-            else:
-                dist.init_process_group(backend, timeout=timeout)
-        objects_group = None
-        if dist.get_backend() == "nccl":
-            objects_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-        return cls(dist.get_rank(), dist.get_world_size(), device, owns_group, objects_group)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        try:
+            if owns_group:
+                if device.startswith("cuda"):
+                    dist.init_process_group("nccl", timeout=timeout, device_id=torch.device(device))
+                else:
+                    dist.init_process_group("gloo", timeout=timeout)
+            objects_group = None
+            if dist.get_backend() == "nccl":
+                objects_group = dist.new_group(backend="gloo", timeout=timeout)
+        except Exception as exc:  # the rendezvous or a connection to a peer failed, or timed out
+            raise LostRanks(lost_ranks_message(rank, world_size, timeout_s, exc, "could not join")) from exc
+        return cls(dist.get_rank(), dist.get_world_size(), device, owns_group, objects_group, timeout_s)
+
+    def collective(self, call: Callable[[], T]) -> T:
+        """``call()`` (a collective); a failure (a peer died, or hung past the timeout) raises :class:`LostRanks`."""
+        try:
+            return call()
+        except Exception as exc:
+            raise LostRanks(lost_ranks_message(self.rank, self.world_size, self.timeout_s, exc)) from exc
 
     def gather(self, obj: T) -> list[T]:
         """Every rank's ``obj``, in rank order."""
@@ -466,7 +495,7 @@ class Ranks:
         import torch.distributed as dist
 
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj, group=self.objects_group)
+        self.collective(lambda: dist.all_gather_object(gathered, obj, group=self.objects_group))
         return gathered
 
     def on_rank0(self, action: Callable[[], T]) -> T:
@@ -483,7 +512,7 @@ class Ranks:
         if self.world_size > 1:
             import torch.distributed as dist
 
-            dist.broadcast_object_list(outcome, src=0, group=self.objects_group)
+            self.collective(lambda: dist.broadcast_object_list(outcome, src=0, group=self.objects_group))
         if outcome[1] is not None:
             raise JobError(outcome[1])
         return outcome[0]
@@ -505,6 +534,19 @@ class Ranks:
             dist.destroy_process_group()  # the objects group too
         elif self.objects_group is not None:
             dist.destroy_process_group(self.objects_group)
+
+
+def lost_ranks_message(rank: int, world_size: int, timeout_s: float, exc: BaseException, what: str = "lost") -> str:
+    """One line for a failed collective: who, the backend's first sentence (gloo's ``[file.cc:N] Connection
+    closed by peer [host]:port. This is typically ...``: the part after the source location, up to the first
+    full stop) and what to do."""
+    detail = one_line(exc).split(": ", 1)[-1]
+    detail = re.sub(r"^\[[^\]]*\]\s*", "", detail).split(". ")[0].rstrip(".") or type(exc).__name__
+    return (
+        f"rank {rank} of {world_size} {what} the other processes ({detail}): a process or node died, or did not "
+        f"answer within --timeout {timeout_s:g} s; the finished images are kept: run the same command again on "
+        "every node to complete the job"
+    )
 
 
 class OncePerMessage(logging.Filter):
@@ -1426,10 +1468,15 @@ def run_generate(args: argparse.Namespace) -> int:
         negative_prompt=args.negative_prompt or "",
     )
     rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if rank != 0:  # one voice for the job: rank 0 logs, the others only warn
         logging.getLogger("fastdiff").setLevel(max(logging.WARNING, logging.getLogger("fastdiff").getEffectiveLevel()))
     try:
         summary = generate(config)
+    except LostRanks:
+        if local_rank != 0:  # the first process of each node reports it (rank 0 may be gone)
+            return 2
+        raise
     except JobError:
         if rank != 0:  # rank 0 prints the same line
             return 2
