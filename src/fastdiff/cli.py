@@ -127,6 +127,14 @@ def add_sample_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="classifier-free guidance scale, >= 0; <= 1 turns guidance off, as in diffusers (default: 7.5)",
     )
+    p.add_argument(
+        "--guidance-parallel",
+        action="store_true",
+        default=None,
+        help="run the two guidance halves of each U-Net call on two processes (launch with torchrun "
+        "--nproc-per-node 2: one GPU each, cuda:LOCAL_RANK; gloo on the CPU); both give the same images, rank 0 "
+        "writes them. Eager backend (the engine's loop is not split yet)",
+    )
     size_help = "image {}, a multiple of 8 (default: the model's sample size x the VAE's scale factor, 8 for SD)"
     p.add_argument("--height", type=positive_int, default=None, help=size_help.format("height"))
     p.add_argument("--width", type=positive_int, default=None, help=size_help.format("width"))
@@ -169,7 +177,7 @@ def check_batch_fits(batch: int, sample_shape: tuple[int, ...], device: torch.de
         )
 
 
-TEXT_FLAGS = ("negative_prompt", "guidance", "height", "width", "init_image", "strength")
+TEXT_FLAGS = ("negative_prompt", "guidance", "height", "width", "init_image", "strength", "guidance_parallel")
 """``fastdiff sample`` flags that only apply with --prompt."""
 DEFAULT_GUIDANCE = 7.5
 DEFAULT_STRENGTH = 0.6
@@ -227,10 +235,16 @@ def run_sample(args: argparse.Namespace) -> int:
     if args.save_dir is not None:
         check_output_location(args.save_dir, "--save-dir", folder=True)
     init_image = check_text_flags(args)
+    device, backend, rank = args.device, None, 0
+    if args.guidance_parallel:
+        device, rank = start_guidance_parallel(args)
+        backend = "eager"
     pipe = Pipeline.from_pretrained(
-        args.model, device=args.device, dtype=args.dtype, sampler=args.sampler, steps=args.steps, karras=args.karras,
-        plan=args.plan,
+        args.model, device=device, dtype=args.dtype, sampler=args.sampler, steps=args.steps, karras=args.karras,
+        plan=args.plan, backend=backend,
     )  # fmt: skip
+    if args.guidance_parallel:
+        pipe.split_guidance()
     params: dict[str, Any] = {"model": str(args.model), "sampler": args.sampler, "steps": pipe.steps, "eta": args.eta}
     if args.karras:
         params["karras"] = True
@@ -267,10 +281,17 @@ def run_sample(args: argparse.Namespace) -> int:
             image=init_image,
             strength=strength,
             eta=args.eta,
-            progress=not args.no_progress,
+            progress=not args.no_progress and rank == 0,
             cache_interval=args.cache_interval,
         )
         params.update(width=images[0].width, height=images[0].height)
+    if args.guidance_parallel:
+        import torch.distributed as dist
+
+        params["guidance_parallel"] = True
+        dist.destroy_process_group()
+        if rank != 0:  # both ranks hold the same images: rank 0 writes them
+            return 0
     seconds = time.perf_counter() - start
     if pipe.plan_digest is not None:  # the engine's kernels: equal digests, equal kernels
         params["kernel_plan"] = pipe.plan_digest
@@ -299,6 +320,31 @@ def run_sample(args: argparse.Namespace) -> int:
         seconds,
     )
     return 0
+
+
+def start_guidance_parallel(args: argparse.Namespace) -> tuple[str, int]:
+    """Checks for --guidance-parallel (before loading), then this process's device (``cuda:LOCAL_RANK`` when
+    --device is auto and a GPU is present) and the joined torch.distributed group (NCCL on GPUs, gloo on the CPU);
+    returns (device, rank)."""
+    from fastdiff.pipelines.guidance_parallel import check_launch
+
+    check_launch()
+    guidance = DEFAULT_GUIDANCE if args.guidance is None else args.guidance
+    if guidance <= 1:
+        raise FastdiffError(f"--guidance-parallel splits classifier-free guidance: --guidance {guidance} is off")
+    if args.cache_interval > 1:
+        raise FastdiffError("--guidance-parallel runs every step in full: drop --cache-interval")
+    import torch
+    import torch.distributed as dist
+
+    device = args.device
+    if device == "auto":
+        device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+    cuda = str(device).startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(torch.device(device))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return device, dist.get_rank()
 
 
 def build_parser(complete: bool = False) -> argparse.ArgumentParser:

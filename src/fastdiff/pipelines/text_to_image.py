@@ -37,6 +37,7 @@ from fastdiff.models.stable_diffusion import (
     resolve_pipeline_dir,
 )
 from fastdiff.pipelines.base import EnginePipeline, check_output_type, expand_seeds, load_plan, resolve_backend
+from fastdiff.pipelines.guidance_parallel import GuidanceSplit
 from fastdiff.samplers import SAMPLERS, Sampler, ScheduleConfig, initial_noise, make_sampler, run_sampler, seed_tensor
 from fastdiff.samplers.noise import draw
 
@@ -163,6 +164,8 @@ class TextToImagePipeline(EnginePipeline):
         self.karras = karras
         self._samplers: dict[tuple[str, int, int, float], Sampler] = {}
         self._text_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.guidance_split: GuidanceSplit | None = None
+        """Set by ``split_guidance``: guided calls run half of each U-Net call in this process."""
         self.last_prompt_warnings: list[str] = []
         """The last call's prompt warnings (``encode_prompts``: unknown words, truncation), one line each."""
         self.sampler_for(sampler, steps)  # validates the name and step count now, not at the first call
@@ -237,6 +240,16 @@ class TextToImagePipeline(EnginePipeline):
             )
         return self._samplers[key]
 
+    def split_guidance(self, group: torch.distributed.ProcessGroup | None = None) -> None:
+        """Run guided calls as one of two processes of ``group`` (``fastdiff.pipelines.guidance_parallel``): this
+        rank computes one guidance half of each U-Net call and both ranks return the same images. Eager backend
+        only; ``torch.distributed`` must be initialised with two processes."""
+        if self.backend != "eager":
+            raise FastdiffError(
+                "guidance-parallel runs on the eager backend (backend='eager'): the engine's loop is not split yet"
+            )
+        self.guidance_split = GuidanceSplit(group)
+
     @torch.no_grad()
     def __call__(
         self,
@@ -285,6 +298,8 @@ class TextToImagePipeline(EnginePipeline):
         """
         self.last_prompt_warnings = []
         step_cache.check(self.unet, cache_interval)
+        if self.guidance_split is not None and cache_interval > 1:
+            raise FastdiffError("guidance-parallel runs every step in full: use cache_interval=1")
         prompts = [prompt] if isinstance(prompt, str) else prompt
         if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
             raise FastdiffError(f"prompt must be a string or a non-empty list of strings, got {prompt!r}")
@@ -347,7 +362,8 @@ class TextToImagePipeline(EnginePipeline):
             home = self.unet.conv_in.weight.device  # the engine backend keeps the U-Net in host memory
             try:
                 unet = self.unet.to(self.device)
-                x0 = denoise(unet, run, x, context, guidance, seed_ids, self.dtype, progress, cache_interval)
+                split = self.guidance_split if guided else None
+                x0 = denoise(unet, run, x, context, guidance, seed_ids, self.dtype, progress, cache_interval, split)
             finally:
                 self.unet.to(home)
             decoded = self.vae.decode((x0 / self.vae.config.scaling_factor).to(self.dtype)).float()
@@ -410,13 +426,17 @@ def denoise(
     model_dtype: torch.dtype,
     progress: bool = False,
     cache_interval: int = 1,
+    split: GuidanceSplit | None = None,
 ) -> torch.Tensor:
     """Run ``sampler`` from state ``x`` (fp32 [B, ...]) conditioned on text states ``context``; returns the clean
     latents. With ``guidance`` [B] the U-Net sees [x; x] against ``context`` = [uncond; cond] (2B rows) and the
     sampler step combines the halves; step noise is drawn from ``seeds``. ``cache_interval`` N > 1: step caching
-    (``fastdiff.models.step_cache.cached_forward``)."""
+    (``fastdiff.models.step_cache.cached_forward``). ``split``: this process computes one half of each guided
+    U-Net call and gathers the other (``fastdiff.pipelines.guidance_parallel``)."""
     context = context.to(model_dtype)
-    if step_cache.check(unet, cache_interval) > 1:
+    if split is not None:
+        model = split.wrap(lambda inp, t, rows: unet(inp, t, context[rows]))
+    elif step_cache.check(unet, cache_interval) > 1:
         model = lambda inp, t, deep: step_cache.cached_forward(unet, inp, t, deep, context)  # noqa: E731
     else:
         model = lambda inp, t: unet(inp, t, context)  # noqa: E731
