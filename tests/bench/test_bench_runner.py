@@ -102,3 +102,24 @@ def test_compile_configs_are_accepted_by_torch_compile(name):
 def test_compile_model_rejects_a_misspelt_option():
     with pytest.raises(RuntimeError, match="max_autotun"):
         compile_model(torch.nn.Conv2d(2, 4, 3), CompileConfig("reduce-overhead", (("max_autotun", True),)))
+
+
+def test_plan_reaches_the_engine_systems_and_a_bad_file_fails_first(tmp_path, capsys):
+    """``fastdiff bench --plan FILE``: the engine systems (pixel and text-to-image) take the plan; a plan file that
+    is not one is a one-line error before any model loads."""
+    from fastdiff.bench.runner import build_system
+    from fastdiff.bench.text_to_image import FastdiffT2I
+    from fastdiff.cli import main
+    from fastdiff.engine.kernel_plan import KernelPlan
+
+    plan = KernelPlan("NVIDIA H100 80GB HBM3")
+    system = build_system("engine-fp16", lambda: None, torch.device("cpu"), torch.zeros(1), plan=plan)
+    assert system.plan is plan
+    assert build_system("engine-fp8", lambda: None, torch.device("cpu"), torch.zeros(1), plan=plan).plan is plan
+    assert FastdiffT2I(None, torch.float16, torch.device("cpu"), "engine", plan=plan).plan is plan
+    bad = tmp_path / "plan.json"
+    bad.write_text("{not json")
+    for model in ("ddpm-cifar10", "fashion-mnist-t2i"):
+        assert main(["bench", "--model", model, "--device", "cpu", "--plan", str(bad), "--out-dir", str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "plan.json" in err[0], err

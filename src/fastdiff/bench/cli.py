@@ -12,6 +12,7 @@ from fastdiff.atomic import AtomicOutputs, check_output_location, write_text_ato
 from fastdiff.cli_args import (
     SAMPLERS,
     add_command,
+    add_plan_argument,
     check_seed_range,
     finite_nonnegative_float,
     positive_int,
@@ -95,19 +96,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"), help="where the JSON goes")
     p.add_argument("--name", default=None, help="result file name stem (default: model-batch-sampler)")
     p.add_argument("--plot", action="store_true", help="also save a bar chart PNG next to the JSON")
+    add_plan_argument(p)
     p.set_defaults(func=run_bench_cli)
 
 
 def run_text_to_image_cli(args: argparse.Namespace) -> int:
     from fastdiff.bench.runner import ALL_SYSTEMS
     from fastdiff.bench.text_to_image import T2I_SYSTEMS, TextToImageBenchConfig, run_text_to_image_bench
+    from fastdiff.pipelines.base import load_plan
 
+    plan = load_plan(args.plan)  # a bad plan file fails before anything loads
     if args.sampler not in (None, "ddim"):
         raise FastdiffError(f"the text-to-image bench runs DDIM (DDIMScheduler); got --sampler {args.sampler}")
     systems = T2I_SYSTEMS if args.systems == ",".join(ALL_SYSTEMS) else tuple(s for s in args.systems.split(",") if s)
     cfg = TextToImageBenchConfig(
         model=args.model, batch=args.batch, steps=args.steps or 20, repeats=args.repeats, systems=systems,
-        seed=args.seed, device=args.device, cache_interval=args.cache_interval,
+        seed=args.seed, device=args.device, cache_interval=args.cache_interval, plan=plan,
     )  # fmt: skip
     path = args.out_dir / f"{args.name or f't2i-bench-{args.model}-b{args.batch}'}.json"
     check_output_location(path, "--out-dir")
@@ -126,6 +130,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     from fastdiff.bench.report import markdown_table, op_tables_markdown, plot_result
     from fastdiff.bench.runner import ALL_SYSTEMS, OPTIONAL_SYSTEMS, BenchConfig, result_path, run_bench
     from fastdiff.models.stable_diffusion import SD_PRESETS
+    from fastdiff.pipelines.base import load_plan
     from fastdiff.pipelines.text_to_image import is_text_to_image_dir
     from fastdiff.samplers import check_cache_interval
 
@@ -161,6 +166,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         device=args.device,
         cache_interval=args.cache_interval,
         op_table=args.op_table,
+        plan=load_plan(args.plan),
     )
     result = run_bench(cfg)
     path = result_path(result, args.out_dir, args.name)

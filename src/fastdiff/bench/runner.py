@@ -19,6 +19,7 @@ from fastdiff.bench.ops import engine_op_table
 from fastdiff.bench.roofline import measure_ceilings
 from fastdiff.bench.systems import COMPILE_CONFIGS, CompileSystem, DiffusersSystem, EagerSystem, EngineSystem, System
 from fastdiff.devices import DTYPES, synchronize, time_ms
+from fastdiff.engine.kernel_plan import KernelPlan
 from fastdiff.errors import FastdiffError
 from fastdiff.models import PRESETS, load_unet
 from fastdiff.quality.psnr import psnr
@@ -64,6 +65,8 @@ class BenchConfig:
     cache_interval: int = 1
     """Step caching (``fastdiff.models.step_cache``) in the eager and engine systems: a full U-Net forward every
     N-th step (1: off); torch.compile and diffusers run every step in full. Each row's ``extra`` says which."""
+    plan: KernelPlan | None = None
+    """The kernel plan the engine systems take (``--plan``; None: the shipped or cached one, else they tune)."""
     op_table: bool = True
     """On CUDA, each engine row's ``extra["op_table"]`` (``fastdiff.bench.ops``: every op's time, FLOPs, bytes and %
     of the ceilings, kernels per step), against ceilings measured once per run (the result's ``ceilings``)."""
@@ -104,12 +107,13 @@ def build_system(
     warmup_x: torch.Tensor,
     schedule: ScheduleConfig | None = None,
     cache_interval: int = 1,
+    plan: KernelPlan | None = None,
 ) -> System:
     """The system ``name`` ("<kind>-<dtype>", e.g. "engine-fp16") on ``make_model()``'s weights (step caching every
     ``cache_interval`` steps where the system has it: eager and engine)."""
     kind, _, dtype_name = name.rpartition("-")
     if name == "engine-fp8":  # fp16 activations, e4m3 convs after each GroupNorm (fastdiff.engine.fp8)
-        return EngineSystem(make_model, torch.float16, device, warmup_x, cache_interval, fp8=True)
+        return EngineSystem(make_model, torch.float16, device, warmup_x, cache_interval, fp8=True, plan=plan)
     if dtype_name not in DTYPES:
         raise FastdiffError(f"unknown bench system {name!r}: choose from {', '.join(ALL_SYSTEMS + OPTIONAL_SYSTEMS)}")
     dtype = DTYPES[dtype_name]
@@ -122,7 +126,7 @@ def build_system(
     if kind == "diffusers+compile":
         return DiffusersSystem(make_model, dtype, device, schedule, compile_warmup=warmup_x)
     if kind == "engine":
-        return EngineSystem(make_model, dtype, device, warmup_x, cache_interval)
+        return EngineSystem(make_model, dtype, device, warmup_x, cache_interval, plan=plan)
     raise FastdiffError(f"unknown bench system {name!r}: choose from {', '.join(ALL_SYSTEMS + OPTIONAL_SYSTEMS)}")
 
 
@@ -189,7 +193,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             continue
         try:
             system = build_system(
-                name, seeded_model_factory(cfg.model, cfg.seed), device, x_t, schedule, cfg.cache_interval
+                name, seeded_model_factory(cfg.model, cfg.seed), device, x_t, schedule, cfg.cache_interval, cfg.plan
             )
             row.extra["cache_interval"] = system.cache_interval
             measure_system(row, system, cfg, device, sampler, q_sampler,

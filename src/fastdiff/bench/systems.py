@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fastdiff.engine import DEFAULT_STEPS_PER_GRAPH, Engine, SamplingLoop, kernel_cache_state
+from fastdiff.engine.kernel_plan import KernelPlan
 from fastdiff.models import step_cache
 from fastdiff.samplers import SAMPLER_SCHEDULERS, Sampler, ScheduleConfig, run_sampler
 
@@ -203,10 +204,11 @@ class EngineSystem(System):
         warmup_batch: torch.Tensor | None = None,
         cache_interval: int = 1,
         fp8: bool = False,
+        plan: KernelPlan | None = None,
     ) -> None:
         super().__init__(dtype, cache_interval)
         self.make_model, self.device, self.warmup_batch = make_model, torch.device(device), warmup_batch
-        self.fp8 = fp8
+        self.fp8, self.plan = fp8, plan
         self.name = "engine"
         self.notes = f"fused kernels + planned buffers + CUDA graphs of {DEFAULT_STEPS_PER_GRAPH} steps"
         if fp8:
@@ -217,7 +219,7 @@ class EngineSystem(System):
     def prepare(self) -> None:
         cache = kernel_cache_state()
         self.model = self.make_model().eval()
-        self.engine = Engine(self.device, fp8=self.fp8)
+        self.engine = Engine(self.device, fp8=self.fp8, plan=self.plan)
         if self.warmup_batch is not None:
             step = self.engine.step_model(self.model, self.warmup_batch.shape[0], self.dtype)
             if getattr(step, "ops_timed", 0):  # the files existed but not for these shapes: it timed and compiled

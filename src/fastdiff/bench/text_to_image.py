@@ -34,6 +34,7 @@ from fastdiff.bench.env import environment
 from fastdiff.bench.ops import achieved, step_op_rows
 from fastdiff.bench.runner import error_line
 from fastdiff.devices import DTYPES, synchronize, time_ms
+from fastdiff.engine.kernel_plan import KernelPlan
 from fastdiff.errors import FastdiffError
 from fastdiff.models.stable_diffusion import (
     SD_PRESETS,
@@ -71,6 +72,8 @@ class TextToImageBenchConfig:
     systems: tuple[str, ...] = T2I_SYSTEMS
     seed: int = 0
     device: str = "cuda"
+    plan: KernelPlan | None = None
+    """The kernel plan the engine systems take (None: the shipped or cached one, else they tune)."""
     cache_interval: int = 1
     """Step caching (``fastdiff.models.step_cache``) in fastdiff's systems: a full U-Net forward every N-th step
     (1: off); diffusers runs every step in full. Each row's ``extra`` says which."""
@@ -143,8 +146,11 @@ class DiffusersT2I:
 class FastdiffT2I:
     """fastdiff's TextToImagePipeline (eager or engine) on copies of the components."""
 
-    def __init__(self, comps: StableDiffusionComponents, dtype: torch.dtype, device: torch.device, backend: str):
-        self.comps, self.dtype, self.device, self.backend = comps, dtype, device, backend
+    def __init__(
+        self, comps: StableDiffusionComponents, dtype: torch.dtype, device: torch.device, backend: str,
+        plan: KernelPlan | None = None,
+    ) -> None:  # fmt: skip
+        self.comps, self.dtype, self.device, self.backend, self.plan = comps, dtype, device, backend, plan
         self.notes = "DDIM (equal to DDIMScheduler), one U-Net call on [x; x] per step, fused guidance"
         if backend == "engine":
             self.notes += "; engine: U-Net loop in CUDA graphs, VAE decode in a second graph"
@@ -158,7 +164,7 @@ class FastdiffT2I:
         # the engine streams its own packed U-Net weights from the host copy; eager needs the module on the GPU
         comps.unet = copy.deepcopy(comps.unet).to(self.device if self.backend == "eager" else "cpu", self.dtype)
         self.pipe = TextToImagePipeline(
-            comps, sampler="ddim", steps=20, device=self.device, dtype=self.dtype, backend=self.backend
+            comps, sampler="ddim", steps=20, device=self.device, dtype=self.dtype, backend=self.backend, plan=self.plan
         )
 
     def generate(self, prompts: list[str], latents: torch.Tensor, cfg: TextToImageBenchConfig) -> torch.Tensor:
@@ -228,7 +234,7 @@ def run_text_to_image_bench(cfg: TextToImageBenchConfig, on_row: Callable[[dict]
             if kind.startswith("diffusers"):
                 system: DiffusersT2I | FastdiffT2I = DiffusersT2I(comps, dtype, device, compiled="compile" in kind)
             else:
-                system = FastdiffT2I(comps, dtype, device, backend=kind)
+                system = FastdiffT2I(comps, dtype, device, backend=kind, plan=cfg.plan)
             images[name] = measure_calls(row, system, cfg, prompts, latents, device).cpu()
             row.unet_step_ms = unet_step_ms(system, cfg, unet_rows, latent_shape, text_dim, tokens, gen, device)
             if kind == "engine" and device.type == "cuda":
