@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import collections
 import copy
 import json
 import logging
@@ -56,6 +57,27 @@ MAX_SIDE_FACTOR = 2
 """Largest side: this many times the default (as fastdiff serve)."""
 WARMUP_CALLS = 3
 """Pipeline calls before serving: the first compiles the U-Net, the next ones record and replay its CUDA graphs."""
+
+
+def init_cudagraph_tls() -> None:
+    """Give this thread the CUDA-graph tree state of ``torch.compile(mode="reduce-overhead")``: Inductor keeps it in
+    a ``threading.local`` set up only on the thread that imported ``torch._inductor.cudagraph_trees``, and torch
+    releases before that set-up moved into ``get_obj`` fail with a bare ``assert torch._C._is_key_in_tls(...)`` on
+    any other thread. Run first on the worker thread (the executor's initializer)."""
+    try:
+        from torch._inductor import cudagraph_trees as trees
+    except ImportError:
+        return
+    local = getattr(trees, "local", None)
+    if local is None or hasattr(local, "tree_manager_containers"):
+        return
+    if hasattr(trees, "_initialize_tls"):
+        trees._initialize_tls(local)
+        return
+    local.tree_manager_containers = {}
+    local.tree_manager_locks = collections.defaultdict(threading.Lock)
+    torch._C._stash_obj_in_tls("tree_manager_containers", local.tree_manager_containers)
+    torch._C._stash_obj_in_tls("tree_manager_locks", local.tree_manager_locks)
 
 
 def import_diffusers() -> Any:
@@ -143,7 +165,11 @@ class ReferenceSampler:
         diffusers = import_diffusers()
         self.device = torch.device(device)
         self.compiled = compile_unet
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference-sampler")
+        self.executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="reference-sampler",
+            initializer=init_cudagraph_tls if compile_unet else None,
+        )
         pipe = diffusers.StableDiffusionPipeline.from_pretrained(
             model, torch_dtype=DTYPES[dtype], safety_checker=None, requires_safety_checker=False
         )
@@ -187,17 +213,16 @@ class ReferenceSampler:
         generators = [torch.Generator(self.device).manual_seed(seed) for seed in request.seeds]
         height, width = request.size
         negative = [request.negative_prompt] * len(prompts) if request.negative_prompt else None
-        with torch.inference_mode():
-            return self.pipe(
-                prompt=prompts,
-                negative_prompt=negative,
-                height=height,
-                width=width,
-                num_inference_steps=request.steps,
-                guidance_scale=request.guidance,
-                generator=generators,
-                output_type="pil",
-            ).images
+        return self.pipe(
+            prompt=prompts,
+            negative_prompt=negative,
+            height=height,
+            width=width,
+            num_inference_steps=request.steps,
+            guidance_scale=request.guidance,
+            generator=generators,
+            output_type="pil",
+        ).images
 
     def warmup(self, calls: int = WARMUP_CALLS) -> None:
         """Sample one image of the default size ``calls`` times on the worker thread."""

@@ -8,6 +8,7 @@ import base64
 import importlib.util
 import io
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,22 @@ def test_memory_sampling_reads_rss_and_the_torch_gauges():
     before = {"rss_mib": 100.0, "gpu_process_mib": None, "torch_allocated_mib": 10.0, "time": 1.0}
     after = {"rss_mib": 103.5, "gpu_process_mib": 5.0, "torch_allocated_mib": 10.0, "time": 9.0}
     assert memory_growth(before, after) == {"rss_mib": 3.5, "torch_allocated_mib": 0.0}
+
+
+@pytest.mark.slow  # importing torch._inductor takes about 2 s
+def test_the_worker_thread_gets_the_cudagraph_tree_state():
+    """torch.compile(mode="reduce-overhead") looks its CUDA-graph trees up in thread-local state that older torch
+    releases set up on the importing thread only: the reference's worker thread sets up its own."""
+    trees = pytest.importorskip("torch._inductor.cudagraph_trees")
+    reference = load_reference()
+    seen = {}
+
+    def worker() -> None:
+        reference.init_cudagraph_tls()
+        seen["state"] = hasattr(trees.local, "tree_manager_containers")
+        seen["container"] = trees.get_container(0) is trees.get_container(0)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen == {"state": True, "container": True}
