@@ -74,17 +74,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_nodes(entry: list[str], logs: Path) -> list[subprocess.Popen]:
-    """Two ``torchrun --nnodes 2 --nproc-per-node 2`` of ``entry`` (a script or ``-m module``, then its argv), each
-    in its own session, stderr to ``logs/node{N}.err``."""
+def start_nodes(
+    entry: list[str], logs: Path, node_1_entry: list[str] | None = None, nproc: int = 2
+) -> list[subprocess.Popen]:
+    """Two ``torchrun --nnodes 2 --nproc-per-node NPROC`` of ``entry`` (a script or ``-m module``, then its argv;
+    node 1: ``node_1_entry`` if given), each in its own session, stderr to ``logs/node{N}.err``."""
     port = free_port()
     logs.mkdir(exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     nodes = []
     for node in (0, 1):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank",
-            str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), *entry,
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
+            "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+            *(node_1_entry or entry if node else entry),
         ]  # fmt: skip
         with open(logs / f"node{node}.err", "w") as err:
             nodes.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True))
@@ -131,8 +134,8 @@ def finish(nodes: list[subprocess.Popen], logs: Path) -> list[str]:
     return [(logs / f"node{n}.err").read_text() for n in (0, 1)]
 
 
-def run_nodes(entry: list[str], logs: Path) -> list[str]:
-    nodes = start_nodes(entry, logs)
+def run_nodes(entry: list[str], logs: Path, nproc: int = 2) -> list[str]:
+    nodes = start_nodes(entry, logs, nproc=nproc)
     errors = finish(nodes, logs)
     assert [node.returncode for node in nodes] == [0, 0], errors[0][-3000:] + errors[1][-3000:]
     return errors
@@ -159,10 +162,13 @@ def test_two_nodes_of_a_prompts_job_write_the_same_bytes_as_one_process(tmp_path
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("ankle boot\nbag\nsneaker\n")
     one_process(prompts_argv(prompts, tmp_path / "reference"))
-    run_nodes(["-m", "fastdiff.cli", *prompts_argv(prompts, tmp_path / "out")], tmp_path / "logs")
+    # two nodes of one process each: four processes loading the text encoder on two cores would double the time
+    run_nodes(["-m", "fastdiff.cli", *prompts_argv(prompts, tmp_path / "out")], tmp_path / "logs", nproc=1)
     assert pngs(tmp_path / "out") == pngs(tmp_path / "reference") and len(pngs(tmp_path / "out")) == 8
     found, expected = manifest(tmp_path / "out"), manifest(tmp_path / "reference")
     assert all(found[key] == expected[key] for key in (*IDENTITY_KEYS, *PROMPT_IDENTITY_KEYS)) and found == expected
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and [r["images"] for r in summary["ranks"]] == [4, 4]
 
 
 STALL_NODE_1 = """
@@ -228,3 +234,21 @@ def test_a_killed_node_fails_the_other_in_one_line_and_a_rerun_completes_the_job
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["already_present"] == len(before) and summary["written"] == NUM_IMAGES - len(before)
+
+
+def test_nodes_that_do_not_share_the_folder_are_refused_before_sampling(tmp_path):
+    here, there = tmp_path / "node0" / "out", tmp_path / "node1" / "out"
+    there.mkdir(parents=True)  # node 1's own folder of that name: what a path on a node-local disk would be
+    logs = tmp_path / "logs"
+    nodes = start_nodes(  # --timeout 8: a rank looks for rank 0's probe file for a quarter of it, 2 s
+        ["-m", "fastdiff.cli", *job_argv(here, "--timeout", "8")],
+        logs,
+        node_1_entry=["-m", "fastdiff.cli", *job_argv(there, "--timeout", "8")],
+        nproc=1,  # two nodes of one process each: the check is the same, the test is shorter
+    )
+    errors = finish(nodes, logs)
+    assert [node.returncode != 0 for node in nodes] == [True, True]
+    lines = [line for line in errors[0].splitlines() if line.startswith("fastdiff: error:")]
+    assert len(lines) == 1 and lines[0].startswith(f"fastdiff: error: rank 1: --out-dir {there} on "), errors[0][-3000:]
+    assert "is not the folder rank 0 prepared" in lines[0] and "a filesystem that all of them share" in lines[0]
+    assert not here.exists() and not list(there.iterdir())  # nothing sampled, nothing left behind

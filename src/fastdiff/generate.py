@@ -41,9 +41,10 @@ Under ``torchrun`` (RANK, WORLD_SIZE, LOCAL_RANK set) each rank joins torch.dist
 CPUs; the rounds' reports go through a gloo group beside NCCL) and uses ``cuda:LOCAL_RANK``. Several nodes
 (``torchrun --nnodes N --node-rank K --master-addr ... --master-port ...`` on each) work the same way: the global
 ranks share the chunks, and the output folder must be one that every node sees (rank 0 alone writes the manifest
-and the summary). A process or node that dies, or does not answer within ``--timeout``, fails every collective:
-the processes left stop with one line (printed by the first process of each node, since rank 0 may be the one
-gone), keep their whole files, and rerunning the same command on every node completes the job.
+and the summary): before sampling, every rank looks there for an empty file that rank 0 made, and the job stops in
+one line if one does not see it. A process or node that dies, or does not answer within ``--timeout``, fails
+every collective: the processes left stop with one line (printed by the first process of each node, since rank 0
+may be the one gone), keep their whole files, and rerunning the same command on every node completes the job.
 
 Every bad input (settings, the prompts file: line by line) fails in one line before any model loads.
 The module imports torch and numpy where they are used, so ``fastdiff generate --help`` answers at once.
@@ -64,6 +65,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -115,6 +117,8 @@ PNG_NAME = re.compile(r"(\d+)\.png")
 SHARD_NAME = re.compile(r"(\d+)-(\d+)\.npz")
 WRITER_THREADS = 8
 """The most PNG encoder threads of one process (``writer_threads``)."""
+SHARED_FOLDER_WAIT_S = 30.0
+"""How long a rank waits to see rank 0's probe file in ``--out-dir`` (a network filesystem may show it late)."""
 TEMP_NAME = re.compile(r"\.(\d+\.png|\d+-\d+\.npz|manifest\.json|summary\.json)\..+")
 """Temporary files of an atomic write (``.NAME.XXXX``) that a killed job may have left."""
 
@@ -601,6 +605,36 @@ def prepare_out_dir(out_dir: Path) -> Path | None:
     except OSError as exc:
         raise FastdiffError(f"cannot write to --out-dir {out_dir}: {exc.strerror or exc}") from None
     return created
+
+
+def write_probe(out_dir: Path) -> str:
+    """Rank 0's empty file in ``out_dir`` that every rank must see (:func:`shared_folder_error`); its name. The name
+    is a temporary one of the manifest (``TEMP_NAME``), so a rerun removes the probe of a killed job."""
+    name = f".{MANIFEST}.{secrets.token_hex(6)}.probe"
+    (out_dir / name).write_bytes(b"")
+    return name
+
+
+def shared_folder_error(config: GenerateConfig, probe: str) -> str | None:
+    """None when this rank sees rank 0's ``probe`` in ``--out-dir`` (waiting up to ``SHARED_FOLDER_WAIT_S``, at
+    most a quarter of ``--timeout`` so that the other ranks do not give up on this one first, for a network
+    filesystem to show it), else the error: the nodes do not share the folder, and each would fill a folder of its
+    own."""
+    deadline = time.monotonic() + min(SHARED_FOLDER_WAIT_S, config.timeout_s / 4)
+    while True:
+        try:
+            with open(config.out_dir / probe, "rb"):
+                return None
+        except FileNotFoundError:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        except OSError:
+            break
+    return (
+        f"--out-dir {config.out_dir} on {socket.gethostname()} is not the folder rank 0 prepared (its {probe} is "
+        "not there): give every node the same --out-dir, on a filesystem that all of them share"
+    )
 
 
 def remove_empty_folders(out_dir: Path, created: Path | None) -> None:
@@ -1231,6 +1265,7 @@ def validate(config: GenerateConfig) -> PromptJob | None:
 def generate_on(config: GenerateConfig, ranks: Ranks, job: PromptJob | None = None) -> GenerateSummary:
     setup_start = time.perf_counter()
     created = ranks.on_rank0(lambda: prepare_out_dir(config.out_dir))
+    probe = ranks.on_rank0(lambda: write_probe(config.out_dir)) if ranks.world_size > 1 else None
     pipe, error = None, None
     try:
         pipe = load_pipeline(config, ranks.device)
@@ -1239,11 +1274,17 @@ def generate_on(config: GenerateConfig, ranks: Ranks, job: PromptJob | None = No
     except Exception as exc:
         log.exception("loading %s failed", config.model)
         error = f"loading {config.model} failed: {one_line(exc)}"
+    if error is None and probe is not None:
+        error = shared_folder_error(config, probe)
     try:
         ranks.agree(error)
     except JobError:  # nothing was written: leave no folder behind either
+        if probe is not None and ranks.rank == 0:
+            (config.out_dir / probe).unlink(missing_ok=True)
         ranks.on_rank0(lambda: remove_empty_folders(config.out_dir, created))
         raise
+    if probe is not None and ranks.rank == 0:
+        (config.out_dir / probe).unlink(missing_ok=True)
     plan = ranks.on_rank0(lambda: plan_job(config, job_identity(config, image_shape(pipe), job)))
     if ranks.world_size > 1 and pipe.backend == "engine":  # every rank runs the kernels rank 0 runs
         from fastdiff.engine.kernel_plan import KernelPlan
