@@ -657,14 +657,14 @@ def bulk_table() -> str:
     shas = []
     for path in sorted(RESULTS.glob("generate-*.json")):
         d = json.loads(path.read_text())
-        shas.append(d["git_sha"])
+        shas.append(d["env"]["git_sha"])
         sampler = d.get("sampler_only_images_per_s_1gpu")
         ratio = d.get("generate_vs_sampler_1gpu")
         lines.append(
             f"| `{path.stem}` | {len(d['gpus'])}x {d['gpus'][0]} | {d['files_compared']} "
             f"| {d['images_per_s_1gpu']:.0f} | {d['images_per_s_2gpu']:.0f} | {d['speedup']:.2f}x "
             f"| {'–' if sampler is None else f'{sampler:.0f}'} | {'–' if ratio is None else f'{ratio:.2f}'} "
-            f"| {d['files_differing']} of {d['files_compared']} | {d['git_sha'][:7]} |"
+            f"| {d['files_differing']} of {d['files_compared']} | {d['env']['git_sha'][:7]} |"
         )
     if not shas:
         return "_No bulk generation run committed yet._"

@@ -101,7 +101,7 @@ for summary in (s1, s2):
 manifest = json.loads((work / "one" / "manifest.json").read_text())
 differ = sorted(name for name in one.keys() | two.keys() if one.get(name) != two.get(name))
 result = {
-    **environment(),
+    "env": environment(),
     "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
     "nccl": ".".join(map(str, torch.cuda.nccl.version())),
     "model": "ddpm-cifar10 (random weights: the preset ships none)",
