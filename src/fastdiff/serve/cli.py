@@ -114,6 +114,13 @@ def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampler", default=None, choices=SAMPLERS, help="sampler (default: the server's)")
     p.add_argument("--seed", type=seed_int, default=0, help="request i asks for seeds SEED + i*n ...")
     p.add_argument(
+        "--server-pid",
+        type=positive_int,
+        default=None,
+        help="the server's process id (on this machine): its memory (RSS; GPU memory from its /metrics) is sampled "
+        "before and after the load and goes into the summary",
+    )
+    p.add_argument(
         "--prompts",
         type=Path,
         default=None,
@@ -168,6 +175,8 @@ def run_loadtest_cli(args: argparse.Namespace) -> int:
             f"largest seed {MAX_SEED}"
         )
     prompts = None if args.prompts is None else read_prompts(args.prompts)
+    if args.server_pid is not None and not Path(f"/proc/{args.server_pid}").exists():
+        raise FastdiffError(f"--server-pid {args.server_pid}: no such process on this machine")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
     summary = run_loadtest(
         args.url,
@@ -179,6 +188,7 @@ def run_loadtest_cli(args: argparse.Namespace) -> int:
         seed=args.seed,
         timeout_s=args.timeout,
         prompts=prompts,
+        server_pid=args.server_pid,
     )
     latency = summary["latency_ms"]
     log.info(
