@@ -10,6 +10,7 @@ import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -294,3 +295,23 @@ def test_text_warmup_and_png_answer_with_warnings(fake_text_factory):
     ]
     assert png_parameters(response.content)["prompt"] == "a cat" and response.headers["x-fastdiff-seed"] == "12"
     assert fake_text_factory.calls[-1]["seeds"] == [12]  # a batch of 1 runs at the bucket of 1
+
+
+def test_served_images_equal_fastdiff_sample(t2i_app, serve_app, tmp_path):
+    """The served bundled model gives `fastdiff sample`'s pixels for the same prompt, seeds, steps and guidance (the
+    server runs every batch at its one run size, 4 here: sample draws the same 4 images in one call)."""
+    from fastdiff.cli import main
+
+    body = {"prompt": "a photo of a sneaker", "negative_prompt": "a sandal", "seed": 11, "n": 4, "guidance": 3.0}
+    with serve_app(t2i_app) as url, httpx.Client(base_url=url, timeout=120) as client:
+        served = client.post("/v1/images", json=body).json()
+    assert served["timing"]["run_batch_size"] == 4
+    flags = ["sample", "--model", "fashion-mnist-t2i", "--prompt", body["prompt"], "--negative-prompt", "a sandal",
+             "--guidance", "3", "--seed", "11", "--batch", "4", "--steps", "2", "--sampler", "ddim", "--device", "cpu",
+             "--no-progress", "--out", str(tmp_path / "grid.png"), "--save-dir", str(tmp_path / "sampled")]  # fmt: skip
+    assert main(flags) == 0
+    for image in served["images"]:
+        with Image.open(io.BytesIO(base64.b64decode(image["png_base64"]))) as png:
+            ours = np.asarray(png)
+        with Image.open(tmp_path / "sampled" / f"{image['seed']:06d}.png") as png:
+            assert np.array_equal(ours, np.asarray(png)), image["seed"]
