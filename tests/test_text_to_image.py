@@ -456,3 +456,16 @@ def test_img2img_on_the_grayscale_bundled_model():
     np.testing.assert_allclose(pipe("a photo of a bag", image=tinted, **kwargs), out, atol=1e-4)
     other = pipe("a photo of a bag", image=np.repeat(gray[::-1], 3, axis=-1), **kwargs)
     assert np.abs(other - out).max() > 0.05  # the init image matters
+
+
+def test_a_call_with_more_texts_than_the_cache_holds(fast, monkeypatch):
+    """More distinct texts in one call than ``TEXT_CACHE_SIZE``: all are used, the cache keeps the newest."""
+    pipe = fast["sd15"]
+    monkeypatch.setattr(t2i, "TEXT_CACHE_SIZE", 2)
+    monkeypatch.setattr(
+        t2i, "encode_prompts", lambda enc, tok, texts, dev, **kw: torch.full((1, 3), float(len(texts[0])))
+    )
+    pipe._text_cache.clear()
+    states = pipe._text_states(["a", "bb", "ccc"], ["", "", ""], 1)
+    assert states[:, 0].tolist() == [0, 0, 0, 1, 2, 3] and len(pipe._text_cache) == 2
+    pipe._text_cache.clear()

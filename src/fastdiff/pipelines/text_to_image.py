@@ -386,15 +386,16 @@ class TextToImagePipeline(EnginePipeline):
         distinct = list(dict.fromkeys(texts))
         parts = self.components
         self.last_prompt_warnings = log_prompt_warnings(parts.tokenizer, distinct)
+        found = {}
         for text in distinct:
-            if text in self._text_cache:
-                self._text_cache.move_to_end(text)
-                continue
-            encoder, tokenizer = parts.text_encoder, parts.tokenizer
-            self._text_cache[text] = encode_prompts(encoder, tokenizer, [text], self.device, check=False)
-            while len(self._text_cache) > TEXT_CACHE_SIZE:
-                self._text_cache.popitem(last=False)
-        states = torch.cat([self._text_cache[t] for t in texts])
+            found[text] = self._text_cache.pop(text, None)
+            if found[text] is None:
+                encoder, tokenizer = parts.text_encoder, parts.tokenizer
+                found[text] = encode_prompts(encoder, tokenizer, [text], self.device, check=False)
+        self._text_cache.update(found)  # this call's texts are the most recent
+        while len(self._text_cache) > TEXT_CACHE_SIZE:
+            self._text_cache.popitem(last=False)
+        states = torch.cat([found[t] for t in texts])
         return states.repeat_interleave(per_prompt, dim=0)
 
     def _encode(self, pixels: torch.Tensor, prompts: int, per_prompt: int, seeds: torch.Tensor) -> torch.Tensor:
