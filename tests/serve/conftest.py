@@ -111,6 +111,10 @@ class FakeTextPipeline:
     def __init__(self, calls: list, gate: threading.Event) -> None:
         self.calls = calls
         self.gate = gate
+        self.cleared = 0
+
+    def clear_prepared(self) -> None:
+        self.cleared += 1
 
     def __call__(self, prompt: list[str], **kwargs):
         assert kwargs["num_images_per_prompt"] == 1 and not kwargs["progress"]
@@ -121,17 +125,19 @@ class FakeTextPipeline:
 
 
 class FakeTextFactory:
-    """``pipeline_factory(sampler, steps)`` making ``FakeTextPipeline``s; ``loads`` counts them."""
+    """``pipeline_factory(sampler, steps)`` making ``FakeTextPipeline``s; ``loads`` counts them, ``made`` holds them."""
 
     def __init__(self) -> None:
         self.calls: list[dict] = []
         self.gate = threading.Event()
         self.gate.set()
         self.loads = 0
+        self.made: list[FakeTextPipeline] = []
 
     def __call__(self, sampler: str, steps: int) -> FakeTextPipeline:
         self.loads += 1
-        return FakeTextPipeline(self.calls, self.gate)
+        self.made.append(FakeTextPipeline(self.calls, self.gate))
+        return self.made[-1]
 
 
 def wait_until(condition, what: str, timeout_s: float = 30.0) -> None:

@@ -125,7 +125,8 @@ def test_text_bad_requests_get_one_line_422_before_sampling(fake_text_factory):
 
 def test_compatible_text_requests_share_a_batch_with_one_row_per_image(fake_text_factory, serve_app, waiter):
     """With the worker held in a first batch, the queued requests leave in batches of equal (sampler, steps, size,
-    guided, strength), in arrival order, each padded to the run size with its last row; one pipeline serves all."""
+    guided, strength), in arrival order, each padded to the run size with its last row; one pipeline serves all and
+    keeps at most ``MAX_PIPELINES`` kinds of batch prepared."""
     init = png_base64(32, 32)
     bodies = [
         {"prompt": "red dress", "seed": 1, "guidance": 5},
@@ -153,6 +154,8 @@ def test_compatible_text_requests_share_a_batch_with_one_row_per_image(fake_text
         responses = [blocker.result()] + [answer.result() for answer in answers]
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
     assert fake_text_factory.loads == 1
+    # seven kinds of batch: the fifth (sampler euler) dropped what the first four had prepared (MAX_PIPELINES = 4)
+    assert fake_text_factory.made[0].cleared == 1
     batches = [(call["prompt"], call["seeds"]) for call in calls]
     assert batches == [
         (["first"] * 4, [0] * 4),

@@ -240,6 +240,15 @@ class TextToImagePipeline(EnginePipeline):
             )
         return self._samplers[key]
 
+    def clear_prepared(self) -> None:
+        """Drop the samplers built so far and, on the engine, its prepared loops, CUDA graphs and fused forwards
+        (``Engine.clear``): memory back, and the next call of each kind rebuilds (from the kernel plan: no tuning)."""
+        self._samplers.clear()
+        if self.backend == "engine" and self._engine is not None:
+            self.engine.clear()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
     def split_guidance(self, group: torch.distributed.ProcessGroup | None = None) -> None:
         """Run guided calls as one of two processes of ``group`` (``fastdiff.pipelines.guidance_parallel``): this
         rank computes one guidance half of each U-Net call and both ranks return the same images. Eager backend

@@ -42,7 +42,8 @@ PipelineFactory = Callable[[str, int], Pipeline | TextToImagePipeline]
 both per call: one is loaded, for the first key)."""
 
 MAX_PIPELINES = 4
-"""Pipelines kept loaded, least recently used dropped first (one per (sampler, steps) asked for)."""
+"""Pipelines kept loaded, least recently used dropped first (one per (sampler, steps) asked for); for a text model,
+the kinds of batch (``BatchKey``) its one pipeline keeps prepared."""
 
 
 class BatchKey(NamedTuple):
@@ -134,6 +135,7 @@ class Batcher:
         self.buckets = parse_buckets(buckets, max_batch)
         self._pipelines: OrderedDict[BatchKey, Pipeline] = OrderedDict()
         self._text_pipeline: TextToImagePipeline | None = None
+        self._text_keys: OrderedDict[BatchKey, None] = OrderedDict()  # kinds of text batch prepared, oldest first
         self._queue: deque[Job] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -200,8 +202,9 @@ class Batcher:
         """The pipeline for ``key``, loaded on first use (at most ``MAX_PIPELINES`` kept); a text-to-image
         pipeline, once loaded, serves every key."""
         if self._text_pipeline is not None:
+            self._prepare_text_key(key)
             return self._text_pipeline
-        key = BatchKey(key.sampler, key.steps)
+        full_key, key = key, BatchKey(key.sampler, key.steps)
         pipe = self._pipelines.get(key)
         if pipe is None:
             log.info("loading a pipeline for sampler %s, %d steps", key.sampler, key.steps)
@@ -209,12 +212,25 @@ class Batcher:
             if is_text_pipeline(pipe):
                 self._pipelines.clear()
                 self._text_pipeline = pipe
+                self._prepare_text_key(full_key)
                 return pipe
             self._pipelines[key] = pipe
             while len(self._pipelines) > MAX_PIPELINES:
                 self._pipelines.popitem(last=False)
         self._pipelines.move_to_end(key)
         return pipe
+
+    def _prepare_text_key(self, key: BatchKey) -> None:
+        """Count ``key`` among the kinds of batch the text pipeline holds prepared (samplers, CUDA graphs, fused
+        forwards per size): past ``MAX_PIPELINES`` kinds, drop them all (the next batch of each kind rebuilds), so
+        requests asking for ever new sizes or step counts cannot grow memory without bound."""
+        self._text_keys.pop(key, None)
+        self._text_keys[key] = None
+        if len(self._text_keys) <= MAX_PIPELINES:
+            return
+        log.info("more than %d kinds of text batch: dropping the prepared samplers and graphs", MAX_PIPELINES)
+        self._text_pipeline.clear_prepared()
+        self._text_keys = OrderedDict({key: None})
 
     def run_size(self, images: int) -> int:
         """The batch size a batch of ``images`` images is sampled at."""
