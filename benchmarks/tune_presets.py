@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -68,6 +69,7 @@ def main() -> None:
             rc, log_tail = proc.returncode, (proc.stdout + proc.stderr)[-1500:]
         except subprocess.TimeoutExpired:
             rc, log_tail = "timeout", ""
+        shutil.rmtree(cold, ignore_errors=True)
         row = {**job, "wall_s": round(time.perf_counter() - t0, 2), "rc": rc, "compile_threads": threads,
                "log_tail": log_tail.splitlines()[-3:]}  # fmt: skip
         rows.append(row)

@@ -287,3 +287,11 @@ def test_npz_bytes_are_reproducible_and_load():
     with np.load(io.BytesIO(data)) as loaded:
         np.testing.assert_array_equal(loaded["images"], arrays["images"])
         np.testing.assert_array_equal(loaded["seeds"], arrays["seeds"])
+
+
+def test_random_weight_presets_have_a_model_identity():
+    """sd15 / sd21 (random weights from a fixed seed) are named by preset in the manifest, not by a hash of no
+    files (which every such folder would share)."""
+    from fastdiff.generate import model_hash
+
+    assert model_hash("sd15") == "preset:sd15:random-init-seed-0" != model_hash("sd21")

@@ -52,6 +52,9 @@ def test_cli_refuses_before_loading(tmp_path, capsys, monkeypatch):
     assert "--guidance 1.0 is off" in capsys.readouterr().err
     assert main([*base, "--guidance-parallel"]) == 2
     assert "--guidance-parallel needs --prompt" in capsys.readouterr().err
+    cuda_n = [*base[:-2], "--device", "cuda:1", "--prompt", "bag", "--guidance-parallel"]
+    assert main(cuda_n) == 2
+    assert "--guidance-parallel takes --device auto, cuda or cpu" in capsys.readouterr().err
     assert not out.exists()
 
 

@@ -222,9 +222,7 @@ def check_text_flags(args: argparse.Namespace) -> Any:
 
 
 def run_sample(args: argparse.Namespace) -> int:
-    from fastdiff.atomic import AtomicOutputs, check_output_location
-    from fastdiff.images import make_grid, png_writer
-    from fastdiff.pipelines import Pipeline
+    from fastdiff.atomic import check_output_location
     from fastdiff.samplers import check_cache_interval
 
     if args.out.suffix.lower() != ".png":
@@ -239,6 +237,21 @@ def run_sample(args: argparse.Namespace) -> int:
     if args.guidance_parallel:
         device, rank = start_guidance_parallel(args)
         backend = "eager"
+    try:
+        return sample_and_write(args, init_image, device, backend, rank)
+    finally:
+        if args.guidance_parallel:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def sample_and_write(args: argparse.Namespace, init_image: Any, device: str, backend: str | None, rank: int) -> int:
+    """``fastdiff sample`` after its checks: load, sample, write (rank 0 only under --guidance-parallel)."""
+    from fastdiff.atomic import AtomicOutputs
+    from fastdiff.images import make_grid, png_writer
+    from fastdiff.pipelines import Pipeline
+
     pipe = Pipeline.from_pretrained(
         args.model, device=device, dtype=args.dtype, sampler=args.sampler, steps=args.steps, karras=args.karras,
         plan=args.plan, backend=backend,
@@ -286,10 +299,7 @@ def run_sample(args: argparse.Namespace) -> int:
         )
         params.update(width=images[0].width, height=images[0].height)
     if args.guidance_parallel:
-        import torch.distributed as dist
-
         params["guidance_parallel"] = True
-        dist.destroy_process_group()
         if rank != 0:  # both ranks hold the same images: rank 0 writes them
             return 0
     seconds = time.perf_counter() - start
@@ -322,6 +332,10 @@ def run_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+GUIDANCE_PARALLEL_TIMEOUT_S = 600
+"""How long a --guidance-parallel rank waits for the other in a collective (both load the model first)."""
+
+
 def start_guidance_parallel(args: argparse.Namespace) -> tuple[str, int]:
     """Checks for --guidance-parallel (before loading), then this process's device (``cuda:LOCAL_RANK`` when
     --device is auto and a GPU is present) and the joined torch.distributed group (NCCL on GPUs, gloo on the CPU);
@@ -334,16 +348,24 @@ def start_guidance_parallel(args: argparse.Namespace) -> tuple[str, int]:
         raise FastdiffError(f"--guidance-parallel splits classifier-free guidance: --guidance {guidance} is off")
     if args.cache_interval > 1:
         raise FastdiffError("--guidance-parallel runs every step in full: drop --cache-interval")
+    import datetime
+
     import torch
     import torch.distributed as dist
 
     device = args.device
     if device == "auto":
-        device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
-    cuda = str(device).startswith("cuda")
-    if cuda:
-        torch.cuda.set_device(torch.device(device))
-    dist.init_process_group("nccl" if cuda else "gloo")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if local_rank >= torch.cuda.device_count():
+            raise FastdiffError(f"LOCAL_RANK {local_rank} but {torch.cuda.device_count()} CUDA GPUs are visible")
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(local_rank)
+    elif device != "cpu":
+        raise FastdiffError(f"--guidance-parallel takes --device auto, cuda or cpu (rank r: GPU r), got {device}")
+    timeout = datetime.timedelta(seconds=GUIDANCE_PARALLEL_TIMEOUT_S)
+    dist.init_process_group("nccl" if device != "cpu" else "gloo", timeout=timeout)
     return device, dist.get_rank()
 
 

@@ -666,8 +666,10 @@ def hash_model_files(root: Path) -> str:
 def model_hash(model: str) -> str:
     """The model's identity: a hash of its files, or the preset name for a preset without shipped weights."""
     from fastdiff.models import BUNDLED_DIR, PRESETS
-    from fastdiff.models.stable_diffusion import resolve_pipeline_dir
+    from fastdiff.models.stable_diffusion import is_random_preset, resolve_pipeline_dir
 
+    if is_random_preset(model):  # sd15 / sd21: random weights from a fixed seed
+        return f"preset:{model}:random-init-seed-0"
     path = resolve_pipeline_dir(model)  # a bundled text-to-image preset's folder, else the path as given
     if model in PRESETS and not path.exists():
         path = BUNDLED_DIR / model

@@ -11,9 +11,13 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastdiff.cli_args import DEFAULT_MODEL, finite_nonnegative_float, positive_int
 from fastdiff.errors import FastdiffError
+
+if TYPE_CHECKING:
+    from fastdiff.engine.kernel_plan import KernelPlan
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +61,24 @@ def run_tune(args: argparse.Namespace) -> int:
 
     import os
 
-    import torch
-
     from fastdiff.engine.tuning import TUNE_COMPILE_THREADS
-    from fastdiff.pipelines import Pipeline, TextToImagePipeline
 
     # this process makes a plan and no images: its candidates compile on several threads (engine/tuning.py)
+    threads_before = os.environ.get("FASTDIFF_COMPILE_THREADS")
     os.environ.setdefault("FASTDIFF_COMPILE_THREADS", str(TUNE_COMPILE_THREADS))
+    try:
+        return make_plan(args, existing)
+    finally:  # whatever samples in this process afterwards compiles one kernel at a time again
+        if threads_before is None:
+            os.environ.pop("FASTDIFF_COMPILE_THREADS", None)
+
+
+def make_plan(args: argparse.Namespace, existing: KernelPlan | None) -> int:
+    """``fastdiff tune``'s work once its flags are checked: tune, then write the plan."""
+    import torch
+
+    from fastdiff.engine.kernel_plan import KernelPlan
+    from fastdiff.pipelines import Pipeline, TextToImagePipeline
 
     if not torch.cuda.is_available():
         raise FastdiffError("fastdiff tune needs a CUDA GPU: none is available")

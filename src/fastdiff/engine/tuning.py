@@ -179,6 +179,8 @@ def compile_candidates(model: BoundModel) -> int:
     of ops with several candidates, not in the tuning cache yet), so its timing loop compiles nothing; returns how
     many. One thread runs all of an op's candidates, one after another: they share the op's output and a fusion's
     statistics buffer, which each call may resize. Writes the arena: fill it afterwards."""
+    if compile_threads() <= 1 or model.device.type != "cuda":
+        return 0  # the timing loop compiles each candidate at its first launch anyway
     per_op = []
     for op in model.ops:
         impls = candidates(model, op)

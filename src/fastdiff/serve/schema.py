@@ -213,7 +213,7 @@ def resolve_request(
         if not request.prompt and not request.prompts:
             raise RequestError(f"model {info.name!r} is a text-to-image model: 'prompt' (or 'prompts') is required")
         if request.init_image is not None and not info.img2img:
-            raise RequestError(f"model {info.name!r} takes no 'init_image': its VAE does not encode RGB images")
+            raise RequestError(f"model {info.name!r} takes no 'init_image' (this server does not offer img2img)")
     else:
         for name in text_fields:
             if getattr(request, name) is not None:
