@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -349,7 +350,22 @@ def shorten(text: str, width: int = 40) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+_KNOWS_WORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""``knows_words`` per tokenizer (its vocabulary does not change; a real CLIP one copies 49k entries to scan)."""
+
+
 def knows_words(tokenizer: Any) -> bool:
+    """:func:`vocabulary_has_words`, remembered per tokenizer."""
+    try:
+        return _KNOWS_WORDS[tokenizer]
+    except KeyError:
+        known = _KNOWS_WORDS[tokenizer] = vocabulary_has_words(tokenizer)
+        return known
+    except TypeError:  # not weak-referenceable
+        return vocabulary_has_words(tokenizer)
+
+
+def vocabulary_has_words(tokenizer: Any) -> bool:
     """Whether ``tokenizer``'s vocabulary holds at least ``MIN_VOCABULARY_WORDS`` whole words of two letters or more
     (CLIP's ``word</w>`` tokens): a real CLIP tokenizer holds tens of thousands, the bundled model's every word of
     its training prompts, a byte-level one (no or few merges) next to none."""
