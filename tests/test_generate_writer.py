@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+import fastdiff.atomic as atomic
 import fastdiff.generate as generate_module
 from fastdiff.generate import HostPixels, Unit, UnitWriter, to_host, writer_threads
 from fastdiff.images import to_uint8
@@ -74,9 +75,9 @@ def test_a_unit_that_fails_to_write_publishes_nothing(tmp_path, monkeypatch):
 
 def test_without_syncfs_each_file_is_fsynced(tmp_path, monkeypatch):
     synced = []
-    fsync = generate_module.os.fsync
-    monkeypatch.setattr(generate_module, "SYNCFS", None)
-    monkeypatch.setattr(generate_module.os, "fsync", lambda fd: synced.append(fd) or fsync(fd))
+    fsync = atomic.os.fsync
+    monkeypatch.setattr(atomic, "SYNCFS", None)
+    monkeypatch.setattr(atomic.os, "fsync", lambda fd: synced.append(fd) or fsync(fd))
     unit = Unit(0, 3)
     with UnitWriter(tmp_path, threads=1) as writer:
         assert writer.start(unit, [unit_pixels(unit)], "png").wait() == 3

@@ -5,7 +5,8 @@ name), flushes it to disk, then renames it onto ``path``: readers see the old fi
 one, and any exception (KeyboardInterrupt included) removes the temporary file. The file gets the mode
 ``open(path, "w")`` would give it, ``0o666 & ~umask``, whatever the writer does (``mkstemp`` and safetensors
 create 0600 files). ``AtomicOutputs`` does the same for several files as one unit (a command's outputs),
-``write_folder_atomic`` for a whole folder.
+``write_folder_atomic`` for a whole folder; ``write_temporary``, ``flush_to_disk``, ``publish`` and
+``fsync_folder`` write a batch of files with one flush to disk (``fastdiff generate``).
 
 ``check_output_location`` proves, before a command does any work, that it can create files where its outputs go:
 it creates, writes and removes a temporary file there, so /proc, /sys, read-only mounts and full disks fail up
@@ -19,6 +20,7 @@ import os
 import secrets
 import shutil
 import stat
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,6 +42,61 @@ def _create_temporary(path: Path) -> tuple[Path, int]:
             return tmp, stat.S_IMODE(os.fstat(fd).st_mode)
         finally:
             os.close(fd)
+
+
+def write_temporary(path: Path, data: bytes) -> Path:
+    """``data`` in a new file ``.NAME.RANDOM.tmp`` beside ``path`` (mode 0o666 less the umask), not yet flushed to
+    disk; returns its path. For many files written as one batch: :func:`flush_to_disk` them together, then
+    :func:`publish` each and :func:`fsync_folder` once (a killed writer may leave temporary files behind)."""
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(tmp, _CREATE_FLAGS, 0o666)
+            break
+        except FileExistsError:
+            continue
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def publish(tmp: Path, path: Path) -> None:
+    """Give a flushed temporary file its name (atomic: the name shows the whole file or nothing)."""
+    os.replace(tmp, path)
+
+
+def _load_syncfs() -> Callable[[int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+
+
+SYNCFS = _load_syncfs()
+"""Linux's ``syncfs(fd)``: writes back every dirty file of one filesystem and commits its journal once."""
+
+
+def flush_to_disk(folder_fd: int, files: list[Path]) -> None:
+    """Make the data of ``files`` (in the folder open as ``folder_fd``) durable: one ``syncfs`` of the folder's
+    filesystem for several files (Linux), else one ``fsync`` each."""
+    if len(files) > 1 and SYNCFS is not None and SYNCFS(folder_fd) == 0:
+        return
+    for file in files:
+        _fsync(file, os.O_RDONLY)
+
+
+def fsync_folder(folder_fd: int) -> None:
+    """Make the renames in a folder durable (POSIX; a no-op where folders cannot be fsynced)."""
+    with contextlib.suppress(OSError):
+        os.fsync(folder_fd)
 
 
 def _fsync(path: Path, flags: int) -> None:

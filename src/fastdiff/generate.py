@@ -66,7 +66,6 @@ import re
 import secrets
 import shutil
 import socket
-import sys
 import tempfile
 import time
 import zipfile
@@ -77,10 +76,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import fastdiff
-from fastdiff.atomic import check_output_location, write_text_atomic
+from fastdiff.atomic import (
+    check_output_location,
+    flush_to_disk,
+    fsync_folder,
+    publish,
+    write_temporary,
+    write_text_atomic,
+)
 from fastdiff.cli_args import DTYPES, MAX_SEED, SAMPLERS
 from fastdiff.errors import FastdiffError
-from fastdiff.images import png_bytes
+from fastdiff.images import pil_image, png_bytes, uint8_pixels
 
 if TYPE_CHECKING:
     import numpy as np
@@ -902,13 +908,12 @@ class HostPixels:
 
 
 def to_host(images: torch.Tensor) -> HostPixels:
-    """[n, C, H, W] in [-1, 1] -> uint8 [n, H, W, C] (``fastdiff.images.to_uint8``'s rounding), converted where
+    """[n, C, H, W] in [-1, 1] -> uint8 [n, H, W, C] (``fastdiff.images.uint8_pixels``), converted where
     the images are; from a GPU copied into pinned host memory without waiting (an event marks the copy done), so
     the next chunk's sampling is queued while this one is still on its way."""
     import torch
 
-    pixels = ((images.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    pixels = pixels.permute(0, 2, 3, 1).contiguous()
+    pixels = uint8_pixels(images).contiguous()
     if images.device.type != "cuda":
         return HostPixels(pixels)
     host = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=True)
@@ -924,68 +929,7 @@ def to_host(images: torch.Tensor) -> HostPixels:
 def encode_png(pixels: np.ndarray, parameters: dict[str, Any] | None) -> bytes:
     """One uint8 [H, W, C] image as PNG bytes (grayscale for one channel, RGB for three), ``parameters`` in its
     text chunk (``fastdiff.images.png_bytes`` / ``png_info``: the fastdiff version added)."""
-    from PIL import Image
-
-    image = Image.fromarray(pixels[..., 0], mode="L") if pixels.shape[-1] == 1 else Image.fromarray(pixels)
-    return png_bytes(image, parameters)
-
-
-def write_temporary(path: Path, data: bytes) -> Path:
-    """``data`` in a new file ``.NAME.RANDOM.tmp`` beside ``path`` (mode 0o666 less the umask), not yet flushed to
-    disk; returns its path. A killed job may leave it: ``remove_stale_temp_files`` clears it on the rerun."""
-    while True:
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
-            break
-        except FileExistsError:
-            continue
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return tmp
-
-
-def publish(tmp: Path, path: Path) -> None:
-    """Give a flushed temporary file its name (atomic: the name shows the whole file or nothing)."""
-    os.replace(tmp, path)
-
-
-def _load_syncfs() -> Callable[[int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).syncfs
-    except (OSError, AttributeError):
-        return None
-
-
-SYNCFS = _load_syncfs()
-"""Linux's ``syncfs(fd)``: writes back every dirty file of one filesystem and commits its journal once."""
-
-
-def flush_to_disk(folder_fd: int, files: list[Path]) -> None:
-    """Make the data of ``files`` (in the folder open as ``folder_fd``) durable: one ``syncfs`` of the folder's
-    filesystem for several files (Linux), else one ``fsync`` each."""
-    if len(files) > 1 and SYNCFS is not None and SYNCFS(folder_fd) == 0:
-        return
-    for file in files:
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def fsync_folder(folder_fd: int) -> None:
-    """Make the renames in a folder durable (POSIX; a no-op where folders cannot be fsynced)."""
-    with contextlib.suppress(OSError):
-        os.fsync(folder_fd)
+    return png_bytes(pil_image(pixels), parameters)
 
 
 @dataclass

@@ -22,20 +22,26 @@ if TYPE_CHECKING:
     import torch
 
 
-def to_uint8(images: torch.Tensor) -> np.ndarray:
-    """[B, C, H, W] in [-1, 1] -> uint8 [B, H, W, C] (rounded, clipped)."""
+def uint8_pixels(images: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] in [-1, 1] -> uint8 [B, H, W, C] (rounded, clipped), a view where ``images`` are."""
     import torch
 
-    x = ((images.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    return x.permute(0, 2, 3, 1).numpy()
+    return ((images.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
+
+
+def to_uint8(images: torch.Tensor) -> np.ndarray:
+    """[B, C, H, W] in [-1, 1] -> uint8 [B, H, W, C] (rounded, clipped) on the host (``uint8_pixels``)."""
+    return uint8_pixels(images.cpu()).numpy()
+
+
+def pil_image(pixels: np.ndarray) -> Image.Image:
+    """One uint8 [H, W, C] image as a PIL image: grayscale for one channel, RGB for three."""
+    return Image.fromarray(pixels[..., 0], mode="L") if pixels.shape[-1] == 1 else Image.fromarray(pixels)
 
 
 def to_pil(images: torch.Tensor) -> list[Image.Image]:
     """[B, C, H, W] in [-1, 1] -> PIL images (grayscale for one channel, RGB for three)."""
-    arr = to_uint8(images)
-    if arr.shape[-1] == 1:
-        return [Image.fromarray(a[..., 0], mode="L") for a in arr]
-    return [Image.fromarray(a) for a in arr]
+    return [pil_image(a) for a in to_uint8(images)]
 
 
 def make_grid(images: Sequence[Image.Image], nrow: int | None = None, pad: int = 2) -> Image.Image:
