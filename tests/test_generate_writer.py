@@ -124,3 +124,29 @@ def test_each_round_queues_the_next_unit_before_it_waits_for_the_last_ones_files
         ("sample", 4), ("start", 4), ("wait", 2),
         ("wait", 4),
     ]  # fmt: skip
+
+
+def test_process_encoders_write_the_same_bytes_as_threads(tmp_path, monkeypatch):
+    """``UnitWriter(processes=True)``: the PNGs are encoded in a process pool, byte for byte the thread pool's;
+    ``writer_processes`` follows FASTDIFF_WRITER, else the CPUs a rank has."""
+    from fastdiff.generate import writer_processes
+
+    unit = Unit(0, 6)
+    parameters = [{"seed": seed, "prompt": "bag"} for seed in range(6)]
+    for mode in ("threads", "processes"):
+        (tmp_path / mode).mkdir()
+        with UnitWriter(tmp_path / mode, threads=2, processes=mode == "processes") as writer:
+            assert writer.start(unit, [unit_pixels(unit, channels=1)], "png", parameters).wait() == 6
+    for k in range(6):
+        name = f"{k:06d}.png"
+        assert (tmp_path / "threads" / name).read_bytes() == (tmp_path / "processes" / name).read_bytes()
+    monkeypatch.setenv("FASTDIFF_WRITER", "processes")
+    assert writer_processes()
+    monkeypatch.setenv("FASTDIFF_WRITER", "threads")
+    assert not writer_processes()
+    monkeypatch.delenv("FASTDIFF_WRITER")
+    monkeypatch.setattr(generate_module.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert writer_processes()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert not writer_processes()

@@ -70,7 +70,7 @@ import tempfile
 import time
 import zipfile
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -947,13 +947,21 @@ class UnitWriter:
     """Writes each unit's files in the background, so that sampling goes on meanwhile (module docstring, "Files").
 
     ``start`` hands a unit to one of two unit threads, which waits for its pixels and writes them
-    (``write_unit``: ``threads`` encoder threads encode the PNGs into temporary files, one flush to disk, the
-    renames, one folder fsync).
+    (``write_unit``: ``threads`` encoders encode the PNGs into temporary files, one flush to disk, the renames, one
+    folder fsync). ``processes``: the encoders are processes (``forkserver``: they never touch CUDA), which keeps the
+    sampling thread's GIL free; see ``writer_processes``.
     """
 
-    def __init__(self, out_dir: Path, threads: int) -> None:
+    def __init__(self, out_dir: Path, threads: int, processes: bool = False) -> None:
         self.out_dir = out_dir
-        self.encoders = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastdiff-png")
+        self.encoders: Executor
+        if processes:
+            import multiprocessing
+
+            method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+            self.encoders = ProcessPoolExecutor(max_workers=threads, mp_context=multiprocessing.get_context(method))
+        else:
+            self.encoders = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastdiff-png")
         self.blocks = 2 * threads
         self.units = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fastdiff-unit")
 
@@ -991,7 +999,7 @@ def write_unit(
     pixels: np.ndarray,
     image_format: str,
     parameters: list[dict[str, Any]] | None = None,
-    encoders: ThreadPoolExecutor | None = None,
+    encoders: Executor | None = None,
     blocks: int = 1,
 ) -> int:
     """Write a unit's uint8 [n, H, W, C] ``pixels``: its PNGs (``parameters``: one dict per image; those already
@@ -1035,7 +1043,7 @@ def write_unit(
 
 
 def encode_and_write_all(
-    todo: list[tuple[Path, np.ndarray, dict[str, Any] | None]], encoders: ThreadPoolExecutor | None, blocks: int
+    todo: list[tuple[Path, np.ndarray, dict[str, Any] | None]], encoders: Executor | None, blocks: int
 ) -> list[tuple[Path, Path]]:
     """``encode_and_write`` of every (path, pixels, parameters), in ``blocks`` blocks on ``encoders`` (None: here);
     all or nothing: if one fails, every temporary file is removed and the first error raised."""
@@ -1087,6 +1095,22 @@ def encode_and_write(block: list[tuple[Path, np.ndarray, dict[str, Any] | None]]
     return written
 
 
+WRITER_PROCESSES_MIN_CPUS = 4
+"""``writer_processes``: encode in processes from this many CPUs per rank. On the 2x H200 host (16 CPUs a rank) a
+pool of 2 processes wrote 4,749 PNGs/s against 3,177-3,801 for 1-4 threads; on a 2-CPU machine threads won
+(6,689 against 5,938; ``scripts/bench_writer.py``)."""
+
+
+def writer_processes() -> bool:
+    """Whether the encoders are processes: ``FASTDIFF_WRITER`` ("processes" or "threads") if set, else processes
+    when this rank has at least ``WRITER_PROCESSES_MIN_CPUS`` CPUs (its share of the host's, ``LOCAL_WORLD_SIZE``)."""
+    choice = os.environ.get("FASTDIFF_WRITER", "").strip().lower()
+    if choice in ("processes", "threads"):
+        return choice == "processes"
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) >= WRITER_PROCESSES_MIN_CPUS
+
+
 def writer_threads() -> int:
     """Encoder threads per process: the CPUs this process may use, shared with the other ranks of its host
     (``LOCAL_WORLD_SIZE``), 2 to ``WRITER_THREADS``."""
@@ -1112,7 +1136,7 @@ def run_units(config: GenerateConfig, pipe, ranks: Ranks, plan: Plan, job: Promp
     )
     written = 0
     start = time.perf_counter()
-    with UnitWriter(config.out_dir, writer_threads()) as writer:
+    with UnitWriter(config.out_dir, writer_threads(), processes=writer_processes()) as writer:
         writing: Writes | None = None
         for r in range(rounds + 1):  # the extra round waits for the last writes
             failure = None
