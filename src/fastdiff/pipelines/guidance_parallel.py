@@ -64,8 +64,8 @@ class GuidanceSplit:
             half = inp.shape[0] // 2
             rows = slice(self.rank * half, (self.rank + 1) * half)
             mine = half_model(inp[rows], t[rows], rows).contiguous()
-            parts = [torch.empty_like(mine) for _ in range(GROUP_SIZE)]
-            dist.all_gather(parts, mine, group=self.group)
-            return torch.cat(parts)
+            out = mine.new_empty((GROUP_SIZE * half, *mine.shape[1:]))
+            dist.all_gather_into_tensor(out, mine, group=self.group)  # rank 0's rows, then rank 1's
+            return out
 
         return model
