@@ -37,8 +37,9 @@ name therefore appears only after its bytes are on disk: after a kill or a power
 shard) is whole, the rerun trusts the files it finds without reading them, redoes the missing ones and deletes
 the leftover temporary files. A unit whose encoding or writing fails publishes none of its files.
 
-Under ``torchrun`` (RANK, WORLD_SIZE, LOCAL_RANK set) each rank joins torch.distributed (NCCL on GPUs, gloo on
-CPUs; the rounds' reports go through a gloo group beside NCCL) and uses ``cuda:LOCAL_RANK``. Several nodes
+Under ``torchrun`` (RANK, WORLD_SIZE, LOCAL_RANK set) each rank joins torch.distributed and uses
+``cuda:LOCAL_RANK``; the ranks exchange only small Python objects (the plan, the rounds' reports), through gloo
+(beside a caller's NCCL group, where one was set up already). Several nodes
 (``torchrun --nnodes N --node-rank K --master-addr ... --master-port ...`` on each) work the same way: the global
 ranks share the chunks, and the output folder must be one that every node sees (rank 0 alone writes the manifest
 and the summary): before sampling, every rank looks there for an empty file that rank 0 made, and the job stops in
@@ -438,8 +439,9 @@ def load_prompt_job(config: GenerateConfig) -> PromptJob | None:
 class Ranks:
     """This process's place in the job: rank, world size, device; collectives are no-ops for one process.
 
-    The collectives pass Python objects through ``objects_group``: a gloo group beside an NCCL one, so that a
-    round's report neither waits behind the sampling queued on the GPU nor holds up the next one."""
+    The collectives pass Python objects through gloo (the group this class starts, or ``objects_group`` beside a
+    caller's NCCL group), so that a round's report neither waits behind the sampling queued on the GPU nor holds up
+    the next one."""
 
     def __init__(
         self,
@@ -479,13 +481,10 @@ class Ranks:
         timeout = datetime.timedelta(seconds=timeout_s)
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         try:
-            if owns_group:
-                if device.startswith("cuda"):
-                    dist.init_process_group("nccl", timeout=timeout, device_id=torch.device(device))
-                else:
-                    dist.init_process_group("gloo", timeout=timeout)
+            if owns_group:  # the ranks exchange only small Python objects: gloo, also between GPUs (no NCCL setup)
+                dist.init_process_group("gloo", timeout=timeout)
             objects_group = None
-            if dist.get_backend() == "nccl":
+            if dist.get_backend() != "gloo":  # a caller's NCCL group: the objects go through gloo beside it
                 objects_group = dist.new_group(backend="gloo", timeout=timeout)
         except Exception as exc:  # the rendezvous or a connection to a peer failed, or timed out
             raise LostRanks(lost_ranks_message(rank, world_size, timeout_s, exc, "could not join")) from exc
