@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastdiff.cli_args import (
     COMMANDS,
+    DEFAULT_GUIDANCE,
     DEFAULT_MODEL,
     DTYPES,
     KARRAS_SAMPLERS,
@@ -179,7 +180,6 @@ def check_batch_fits(batch: int, sample_shape: tuple[int, ...], device: torch.de
 
 TEXT_FLAGS = ("negative_prompt", "guidance", "height", "width", "init_image", "strength", "guidance_parallel")
 """``fastdiff sample`` flags that only apply with --prompt."""
-DEFAULT_GUIDANCE = 7.5
 DEFAULT_STRENGTH = 0.6
 
 

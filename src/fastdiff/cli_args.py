@@ -19,6 +19,9 @@ from fastdiff.errors import FastdiffError
 
 DEFAULT_MODEL = "fashion-mnist"
 """The model a command runs when ``--model`` is not given: the bundled Fashion-MNIST ConvNeXt U-Net."""
+DEFAULT_GUIDANCE = 7.5
+"""Classifier-free guidance when none is given: diffusers' ``StableDiffusionPipeline`` default (the bundled
+fashion-mnist-t2i is sampled at 3 in its documentation)."""
 
 MAX_SEED = 2**63 - 1
 """Largest seed (``fastdiff.samplers.noise.MAX_SEED``): seeds are int64 on the device."""

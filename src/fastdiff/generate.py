@@ -85,7 +85,7 @@ from fastdiff.atomic import (
     write_temporary,
     write_text_atomic,
 )
-from fastdiff.cli_args import DTYPES, MAX_SEED, SAMPLERS
+from fastdiff.cli_args import DEFAULT_GUIDANCE, DTYPES, MAX_SEED, SAMPLERS
 from fastdiff.errors import FastdiffError
 from fastdiff.images import pil_image, png_bytes, uint8_pixels
 
@@ -119,7 +119,6 @@ PROMPT_IDENTITY_KEYS = ("prompts_sha256", "first_seed", "guidance", "negative_pr
 guidance follow from these, whatever ``--num-images``."""
 PROMPT_KEYS = ("prompt", "negative_prompt", "seed", "guidance", "n")
 """The keys of a JSONL prompts line (``prompt`` required)."""
-DEFAULT_GUIDANCE = 7.5
 PNG_NAME = re.compile(r"(\d+)\.png")
 SHARD_NAME = re.compile(r"(\d+)-(\d+)\.npz")
 WRITER_THREADS = 8

@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fastdiff.cli_args import DEFAULT_MODEL, finite_nonnegative_float, positive_int
+from fastdiff.cli_args import DEFAULT_GUIDANCE, DEFAULT_MODEL, finite_nonnegative_float, positive_int
 from fastdiff.errors import FastdiffError
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--guidance",
         type=finite_nonnegative_float,
-        default=7.5,
+        default=DEFAULT_GUIDANCE,
         help="text-to-image: the guidance the plan is for (> 1: the U-Net runs on twice the batch)",
     )
     p.add_argument("--dtype", default="fp16", choices=TUNE_DTYPES, help="engine precision")

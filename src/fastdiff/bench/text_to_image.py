@@ -33,6 +33,7 @@ import torch
 from fastdiff.bench.env import environment
 from fastdiff.bench.ops import achieved, step_op_rows
 from fastdiff.bench.runner import error_line
+from fastdiff.cli_args import DEFAULT_GUIDANCE
 from fastdiff.devices import DTYPES, synchronize, time_ms
 from fastdiff.engine.kernel_plan import KernelPlan
 from fastdiff.errors import FastdiffError
@@ -65,7 +66,7 @@ class TextToImageBenchConfig:
     """Image height (default: the model's, 512 for sd15)."""
     width: int | None = None
     steps: int = 20
-    guidance: float = 7.5
+    guidance: float = DEFAULT_GUIDANCE
     repeats: int = 5
     unet_calls: int = 20
     """U-Net calls timed per repeat for the per-step figure."""

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from fastdiff.cli_args import DEFAULT_GUIDANCE
 from fastdiff.devices import resolve_device, resolve_dtype, warn_slow_dtype
 from fastdiff.engine.kernel_plan import KernelPlan
 from fastdiff.errors import FastdiffError
@@ -264,7 +265,7 @@ class TextToImagePipeline(EnginePipeline):
         self,
         prompt: str | list[str],
         negative_prompt: str | list[str] | None = None,
-        guidance_scale: float | Sequence[float] = 7.5,
+        guidance_scale: float | Sequence[float] = DEFAULT_GUIDANCE,
         height: int | None = None,
         width: int | None = None,
         num_images_per_prompt: int = 1,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastdiff.cli_args import DEFAULT_GUIDANCE
 from fastdiff.devices import DTYPES
 from fastdiff.errors import FastdiffError
 from fastdiff.models.stable_diffusion import SD_PRESETS
@@ -22,7 +23,6 @@ TEXT_FLAGS = ("guidance", "height", "width", "prompt")
 DEFAULT_PROMPT = "a photo of a t-shirt"
 """The prompt of a text-to-image profile when none is given: in the bundled fashion-mnist-t2i's vocabulary, and
 like any prompt padded to the text encoder's 77 tokens, so its words do not change the time of SD's steps."""
-DEFAULT_GUIDANCE = 7.5
 UNCONDITIONAL_DEFAULTS = {"sampler": "ddpm", "steps": 1000, "timed_steps": 20, "loads": 20}
 TEXT_DEFAULTS = {"sampler": "ddim", "steps": 50, "loads": 2}
 """Defaults of the fields left None, per kind of model: a text-to-image load to first image takes seconds (weights,

@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from PIL import Image
 
-from fastdiff.cli_args import DEFAULT_MODEL
+from fastdiff.cli_args import DEFAULT_GUIDANCE, DEFAULT_MODEL
 from fastdiff.engine.kernel_plan import KernelPlan
 from fastdiff.errors import FastdiffError
 from fastdiff.images import png_bytes
@@ -58,8 +58,6 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 << 20
 """Longest request body read (a request is a few hundred bytes, or an img2img init image of a few MB)."""
-DEFAULT_GUIDANCE = 7.5
-"""Guidance of text-to-image requests that name none (Stable Diffusion's usual; the bundled model wants 3)."""
 MAX_SIDE_FACTOR = 2
 """A text-to-image model makes images up to this many times its default size along each side."""
 CLIENT_CLOSED_REQUEST = 499

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 from PIL import Image
 
+from fastdiff.cli_args import DEFAULT_GUIDANCE
 from fastdiff.errors import FastdiffError
 from fastdiff.pipelines import Pipeline, TextToImagePipeline
 from fastdiff.serve.metrics import ServiceMetrics
@@ -236,7 +237,7 @@ class Batcher:
         """The batch size a batch of ``images`` images is sampled at."""
         return next(b for b in self.buckets if b >= images)
 
-    def warmup(self, key: BatchKey, guidance: float = 7.5) -> None:
+    def warmup(self, key: BatchKey, guidance: float = DEFAULT_GUIDANCE) -> None:
         """Sample once at every run size (CUDA: captures the graphs before the first request); a text model
         samples the empty prompt at ``guidance``."""
         pipe = self.pipeline(key)

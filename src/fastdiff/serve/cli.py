@@ -9,6 +9,7 @@ from pathlib import Path
 
 from fastdiff.atomic import check_output_location, write_text_atomic
 from fastdiff.cli_args import (
+    DEFAULT_GUIDANCE,
     DEFAULT_MODEL,
     DTYPES,
     SAMPLERS,
@@ -81,7 +82,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--guidance",
         type=finite_nonnegative_float,
-        default=7.5,
+        default=DEFAULT_GUIDANCE,
         help="guidance of text-to-image requests that name none (7.5 suits Stable Diffusion; pass 3 for the "
         "bundled fashion-mnist-t2i; <= 1 turns guidance off); unconditional models take none",
     )
