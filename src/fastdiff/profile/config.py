@@ -14,7 +14,6 @@ import torch
 from fastdiff.cli_args import DEFAULT_GUIDANCE
 from fastdiff.devices import DTYPES
 from fastdiff.errors import FastdiffError
-from fastdiff.models.stable_diffusion import SD_PRESETS
 from fastdiff.pipelines.text_to_image import check_size, is_text_to_image_dir
 
 BACKENDS = ("engine", "eager", "compile")
@@ -64,7 +63,7 @@ class ProfileConfig:
 def is_text_model(model: str) -> bool:
     """Whether ``model`` names a text-to-image model: a Stable Diffusion preset (``SD_PRESETS``), the bundled
     text-to-image preset or a pipeline directory with model_index.json. Reads no weights."""
-    return model in SD_PRESETS or is_text_to_image_dir(model)
+    return is_text_to_image_dir(model)
 
 
 def _check_text_flags(cfg: ProfileConfig) -> None:

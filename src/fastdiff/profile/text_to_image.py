@@ -52,9 +52,9 @@ from fastdiff.engine.graph import SamplingLoop
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.cost_model import Cost
 from fastdiff.models.stable_diffusion import (
-    SD_PRESETS,
     StableDiffusionComponents,
     encode_prompts,
+    is_random_preset,
     load_stable_diffusion,
     random_components,
 )
@@ -242,7 +242,7 @@ def engine_rows(loop: SamplingLoop, fused: FusedModel) -> list[dict]:
 # ------------------------------------------------------------------------------------------------- the run
 def load_components(cfg: ProfileConfig) -> tuple[StableDiffusionComponents, bool]:
     """The fp32 host components (random weights, seeded, for an SD preset) and whether the weights are random."""
-    if cfg.model in SD_PRESETS:
+    if is_random_preset(cfg.model):  # a local folder of that name wins, as everywhere
         return random_components(cfg.model, cfg.seed), True
     return load_stable_diffusion(cfg.model), False
 
