@@ -18,8 +18,9 @@ from PIL import Image
 
 import fastdiff.generate as generate_module
 from fastdiff.cli import main
-from fastdiff.generate import PromptJob, PromptLine, read_prompts
+from fastdiff.generate import PromptJob
 from fastdiff.pipelines import Pipeline
+from fastdiff.prompts_file import PromptLine, read_prompts
 
 pytest.importorskip("transformers")
 

@@ -36,15 +36,12 @@ def int_list(text: str) -> list[int]:
 
 
 def read_prompts(path: Path) -> list[str]:
-    """The non-blank lines of ``path``, stripped; a one-line error when it is unreadable or holds none."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise FastdiffError(f"cannot read --prompts {path}: {exc}".splitlines()[0]) from None
-    prompts = [line.strip() for line in lines if line.strip()]
-    if not prompts:
-        raise FastdiffError(f"--prompts {path} holds no prompt")
-    return prompts
+    """The prompts of a prompts file (``fastdiff.prompts_file``: one a line, or JSONL lines with ``prompt``), in
+    order, each line's prompt ``n`` times; a one-line error when it is unreadable or holds none."""
+    from fastdiff.prompts_file import read_prompts as read_lines
+
+    lines, _ = read_lines(path, DEFAULT_GUIDANCE, "")
+    return [line.prompt for line in lines for _ in range(line.n)]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
