@@ -592,12 +592,20 @@ def headline_table() -> str:
 
 
 def ready_table() -> str:
-    """``benchmarks/ready.py``: time to ready and first image in fresh processes, and bytes across them."""
+    """``benchmarks/ready.py``: time to ready and first image in fresh processes, and bytes across them (the engine,
+    or ``--system compile``: the eager pipeline with its U-Net under torch.compile)."""
+    aligns = ["---", "---", "---:", "---", "---", "---", *["---:"] * 6, "---", "---:", "---", "---:", "---"]
     lines = [
-        "| run | model | batch | GPU | caches | runs | import s | load s | first forward s | plan or tuning s "
-        "| capture s | to first image s (best / mean / worst) | ms/step | plan | images differing | git |",
-        "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- | ---: | --- |",
+        "| run | model | batch | system | GPU | caches | runs | import s | load s | first forward s "
+        "| plan or tuning s | capture s | to first image s (best / mean / worst) | ms/step | plan | images differing "
+        "| git |",
+        "| " + " | ".join(aligns) + " |",
     ]
+
+    def mean(summary: dict, phase: str, spec: str) -> str:
+        value = summary.get(phase, {}).get("mean")
+        return "–" if value is None else format(value, spec)
+
     shas = []
     for path in sorted(RESULTS.glob("ready-*.json")):
         d = json.loads(path.read_text())
@@ -607,12 +615,12 @@ def ready_table() -> str:
             s = block["summary"]
             first = s["to_first_image_s"]
             lines.append(
-                f"| `{path.stem}` | {cfg['model']} | {cfg['batch']} | {machine(env)} | {mode} | {s['runs']} "
-                f"| {s['import_s']['mean']:.1f} | {s['load_s']['mean']:.1f} | {s['first_forward_s']['mean']:.1f} "
-                f"| {s['plan_or_tune_s']['mean']:.2f} | {s['capture_s']['mean']:.2f} "
-                f"| {first['best']:.1f} / {first['mean']:.1f} / {first['worst']:.1f} | {s['step_ms']['mean']:.3f} "
-                f"| {', '.join(s['plan_sources'])} | {diff['differing']} of {diff['images']} ({diff['processes']} "
-                f"processes) | {env['git_sha']} |"
+                f"| `{path.stem}` | {cfg['model']} | {cfg['batch']} | {cfg.get('system', 'engine')} | {machine(env)} "
+                f"| {mode} | {s['runs']} | {mean(s, 'import_s', '.1f')} | {mean(s, 'load_s', '.1f')} "
+                f"| {mean(s, 'first_forward_s', '.1f')} | {mean(s, 'plan_or_tune_s', '.2f')} "
+                f"| {mean(s, 'capture_s', '.2f')} | {first['best']:.1f} / {first['mean']:.1f} / {first['worst']:.1f} "
+                f"| {mean(s, 'step_ms', '.3f')} | {', '.join(s.get('plan_sources', [])) or '–'} "
+                f"| {diff['differing']} of {diff['images']} ({diff['processes']} processes) | {env['git_sha']} |"
             )
     if not shas:
         return "_No ready-time run committed yet._"

@@ -199,3 +199,21 @@ def test_changed_code_follows_moves_and_ignores_paths_without_history(tmp_path, 
     assert module.changed_code(sha, ("old",)) == (["old/other.py"], ["old/area.py"])
     assert module.changed_code(sha, ("missing",)) == ([], [])
     assert module.changed_code("0" * 40, ("new", "missing")) == (["new"], [])  # a commit the clone lacks
+
+
+def test_ready_table_takes_a_compile_run_without_engine_phases(tmp_path, monkeypatch):
+    """A ``benchmarks/ready.py --system compile`` result has no engine phases (first forward, plan, capture) and no
+    plan: its row says so with dashes instead of failing the generator."""
+    tables = _readme_tables()
+    summary = {"runs": 1, "import_s": {"mean": 3.0}, "load_s": {"mean": 1.0}, "call_ms": {"mean": 60.0},
+               "to_first_image_s": {"best": 70.0, "mean": 70.0, "worst": 70.0}, "step_ms": {"mean": 3.1},
+               "plan_sources": [], "plan_digests": [""], "ops_timed": [None]}  # fmt: skip
+    result = {"env": {"git_sha": "abc1234", "gpu": "NVIDIA H100 80GB HBM3"},
+              "config": {"model": "sd15", "batch": 1, "system": "compile"},
+              "modes": {"cold": {"summary": summary, "rows": []}},
+              "images_differing_between_processes": {"images": 1, "processes": 1, "differing": 0}}  # fmt: skip
+    (tmp_path / "ready-sd15-b1-compile-h100.json").write_text(json.dumps(result))
+    monkeypatch.setattr(tables, "RESULTS", tmp_path)
+    monkeypatch.setattr(tables, "freshness", lambda sha, table: f"note {sha}")
+    row = tables.ready_table().splitlines()[2]
+    assert "| sd15 | 1 | compile |" in row and "| – | – | – |" in row and "70.0 / 70.0 / 70.0 | 3.100 | – |" in row
