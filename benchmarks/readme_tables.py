@@ -349,33 +349,51 @@ def parity_table() -> str:
 
 
 def serve_table() -> str:
-    """`fastdiff loadtest` runs against `fastdiff serve` (scripts/gpu_serve_loadtest.sh)."""
+    """`fastdiff loadtest` runs against `fastdiff serve` (scripts/gpu_serve_loadtest.sh; for text-to-image also the
+    diffusers reference server and the issue's targets, scripts/gpu_loadtest_t2i.sh)."""
     parts = []
     for path in sorted(RESULTS.glob("serve-loadtest-*.json")):
         d = json.loads(path.read_text())
         env, cfg, same = d["env"], d["server"], d["batched_vs_solo"]
+        identical = same.get("note", "not checked") if same.get("byte_identical") is None else same["byte_identical"]
         lines = [
             f"From `{path.relative_to(ROOT)}`: `{cfg['model']}` ({cfg['dtype']} on {cfg['device']}, {cfg['sampler']} "
             f"{cfg['steps']} steps, max batch {cfg['max_batch']}, batches padded to {cfg['batch_buckets']}, "
             f"max wait {cfg['max_wait_ms']} ms, queue {cfg['queue_size']}); {env['gpu']}, torch {env['torch']}, git "
-            f"{env['git_sha']}, {env['date'][:10]}. Batched vs solo answers byte-identical: {same['byte_identical']} "
+            f"{env['git_sha']}, {env['date'][:10]}. Batched vs solo answers byte-identical: {identical} "
             f"({same['requests']} requests of {same['images_per_request']} images).",
             "",
-            "| run | clients | requests | images/s | p50 ms | p95 ms | p99 ms | answered | 429 | errors |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| system | run | clients | requests | images/s | p50 ms | p95 ms | p99 ms | answered | 429 | errors |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
-        for name, s in d["loadtests"].items():
-            lat = s["latency_ms"]
+        systems = [("fastdiff serve", d["loadtests"])]
+        if "reference" in d:
+            systems.append((d["reference"]["server"]["system"], d["reference"]["loadtests"]))
+        for system, runs in systems:
+            for name, s in runs.items():
+                lat = s.get("latency_ms") or {}
+                lines.append(
+                    f"| {system} | {name} | {s['concurrency']} | {s['requests']} "
+                    f"| {_num(s.get('images_per_s'), '.1f')} "
+                    f"| {_num(lat.get('p50'), '.0f')} | {_num(lat.get('p95'), '.0f')} | {_num(lat.get('p99'), '.0f')} "
+                    f"| {s['ok']} | {s['rejected_429']} | {s['errors']} |"
+                )
+        base = d.get("baseline_sequential_batch1")
+        if base:
+            lat = base.get("latency_ms") or {}
             lines.append(
-                f"| {name} | {s['concurrency']} | {s['requests']} | {s['images_per_s']:.1f} | {lat['p50']:.0f} "
-                f"| {lat['p95']:.0f} | {lat['p99']:.0f} | {s['ok']} | {s['rejected_429']} | {s['errors']} |"
+                f"| sequential batch-1 sampling, no server | | 1 | {base['images']} "
+                f"| {_num(base['images_per_s'], '.1f')} "
+                f"| {_num(lat.get('p50'), '.0f')} | {_num(lat.get('p95'), '.0f')} | {_num(lat.get('p99'), '.0f')} "
+                "| – | – | – |"
             )
-        base = d["baseline_sequential_batch1"]
-        lines.append(
-            f"| sequential batch-1 sampling, no server | 1 | {base['images']} | {base['images_per_s']:.1f} "
-            f"| {base['latency_ms']['p50']:.0f} | {base['latency_ms']['p95']:.0f} | {base['latency_ms']['p99']:.0f} "
-            "| – | – | – |"
-        )
+        targets = d.get("targets") or {}
+        if targets:
+            lines += ["", "| target | value | wanted | met |", "| --- | --- | --- | --- |"]
+            for name, t in targets.items():
+                value = t.get("value", "–")
+                lines.append(f"| {name} | {_num(value, '.2f') if isinstance(value, float) else value} "
+                             f"| {t.get('target', '–')} | {t.get('met')} |")  # fmt: skip
         lines += ["", freshness(env["git_sha"], "serve")]
         parts.append("\n".join(lines))
     return "\n\n".join(parts) or "_No load test committed yet._"

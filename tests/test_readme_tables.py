@@ -217,3 +217,27 @@ def test_ready_table_takes_a_compile_run_without_engine_phases(tmp_path, monkeyp
     monkeypatch.setattr(tables, "freshness", lambda sha, table: f"note {sha}")
     row = tables.ready_table().splitlines()[2]
     assert "| sd15 | 1 | compile |" in row and "| – | – | – |" in row and "70.0 / 70.0 / 70.0 | 3.100 | – |" in row
+
+
+def test_serve_table_takes_a_text_to_image_run_with_its_reference_and_targets(tmp_path, monkeypatch):
+    """A ``scripts/gpu_loadtest_t2i.sh`` result: the reference server's rows, the targets, a run where nothing was
+    answered (no latencies) and an unchecked batched-vs-solo comparison render without failing the generator."""
+    tables = _readme_tables()
+    run = {"concurrency": 1, "requests": 4, "images_per_s": 2.5, "latency_ms": {"p50": 400.0, "p95": 410.0,
+           "p99": 420.0}, "ok": 4, "rejected_429": 0, "errors": 0}  # fmt: skip
+    failed = {**run, "images_per_s": None, "latency_ms": None, "ok": 0, "errors": 4}
+    result = {"env": {"git_sha": "abc1234", "gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11", "date": "2026-11-27"},
+              "server": {"model": "sd15", "dtype": "fp16", "device": "cuda", "sampler": "ddim", "steps": 20,
+                         "max_batch": 8, "batch_buckets": [1, 8], "max_wait_ms": 10, "queue_size": 32},
+              "batched_vs_solo": {"byte_identical": None, "requests": 0, "images_per_request": 0,
+                                  "note": "not checked"},
+              "loadtests": {"k1": run}, "reference": {"server": {"system": "diffusers"}, "loadtests": {"k1": failed}},
+              "baseline_sequential_batch1": {"images": 4, "images_per_s": 3.0, "latency_ms": {"p50": 330.0}},
+              "targets": {"k32_images_per_s_vs_reference": {"value": 3.4, "target": ">= 3", "met": True}}}  # fmt: skip
+    (tmp_path / "serve-loadtest-sd15-t2i-h100.json").write_text(json.dumps(result))
+    monkeypatch.setattr(tables, "RESULTS", tmp_path)
+    monkeypatch.setattr(tables, "ROOT", tmp_path.parent)
+    monkeypatch.setattr(tables, "freshness", lambda sha, table: f"note {sha}")
+    text = tables.serve_table()
+    assert "| fastdiff serve | k1 | 1 | 4 | 2.5 | 400 |" in text and "| diffusers | k1 | 1 | 4 | — | — |" in text
+    assert "byte-identical: not checked" in text and "| k32_images_per_s_vs_reference | 3.40 | >= 3 | True |" in text
