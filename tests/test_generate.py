@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
-import subprocess
-import sys
 from collections import namedtuple
 from pathlib import Path
 
@@ -16,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torchrun_helpers import kill_rank_1_script, torchrun
 
 import fastdiff.generate as generate_module
 from fastdiff.cli import main
@@ -65,13 +63,6 @@ def folder_bytes(folder: Path) -> dict[str, bytes]:
 
 def mtimes(folder: Path) -> dict[str, int]:
     return {p.name: p.stat().st_mtime_ns for p in folder.iterdir() if p.is_file() and p.suffix in (".png", ".npz")}
-
-
-def torchrun(*argv: str) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc-per-node 2`` (gloo on the CPU) of ``argv`` (a module or a script)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *argv]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -131,31 +122,11 @@ def test_torchrun_rank_failure_then_rerun_is_identical_to_one_process(reference,
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
 
 
-KILL_RANK_1 = """
-import os, signal, sys, time
-import fastdiff.generate
-from fastdiff.cli import main
-
-publish = fastdiff.generate.publish
-
-def publish_or_die(tmp, path):
-    # rank 1 dies by SIGKILL once seed 5 is on disk and seed 6 (same chunk) is not: a chunk cut in half
-    if os.environ["RANK"] == "1" and path.name == "000006.png":
-        while not path.with_name("000005.png").exists():
-            time.sleep(0.01)
-        os.kill(os.getpid(), signal.SIGKILL)
-    publish(tmp, path)
-
-fastdiff.generate.publish = publish_or_die
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 @pytest.mark.slow
 def test_killed_rank_then_single_process_rerun_finishes_identically(reference, tiny_model, tmp_path):
     out = tmp_path / "out"
     script = tmp_path / "kill_rank_1.py"
-    script.write_text(KILL_RANK_1)
+    script.write_text(kill_rank_1_script("000005.png", "000006.png"))
     killed = torchrun(str(script), *generate_argv(tiny_model, out))
     assert killed.returncode != 0
     before = mtimes(out)

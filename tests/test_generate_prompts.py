@@ -5,16 +5,14 @@ parameters, the image list (n, seeds, repeats), resume after a failure, the mani
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torchrun_helpers import kill_rank_1_script, torchrun
 
 import fastdiff.generate as generate_module
 from fastdiff.cli import main
@@ -300,33 +298,6 @@ def test_read_prompts_detects_jsonl_by_its_first_line(tmp_path):
     assert [entry.prompt for entry in read_prompts(path, 7.5, "")[0]] == ["a {json-looking} prompt", "{not json}"]
 
 
-def torchrun(*argv: str) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc-per-node 2`` (gloo on the CPU) of ``argv`` (a module or a script)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *argv]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-
-
-KILL_RANK_1 = """
-import os, signal, sys, time
-import fastdiff.generate
-from fastdiff.cli import main
-
-publish = fastdiff.generate.publish
-
-def publish_or_die(tmp, path):
-    # rank 1 dies by SIGKILL once image 2 is on disk and image 3 (same chunk) is not: a chunk cut in half
-    if os.environ["RANK"] == "1" and path.name == "000003.png":
-        while not path.with_name("000002.png").exists():
-            time.sleep(0.01)
-        os.kill(os.getpid(), signal.SIGKILL)
-    publish(tmp, path)
-
-fastdiff.generate.publish = publish_or_die
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 @pytest.mark.slow
 def test_torchrun_two_ranks_write_the_same_bytes_as_one_process(reference, prompts_file, tmp_path):
     out = tmp_path / "out"
@@ -341,7 +312,7 @@ def test_torchrun_two_ranks_write_the_same_bytes_as_one_process(reference, promp
 def test_killed_rank_then_torchrun_rerun_finishes_identically(reference, prompts_file, tmp_path):
     out = tmp_path / "out"
     script = tmp_path / "kill_rank_1.py"
-    script.write_text(KILL_RANK_1)
+    script.write_text(kill_rank_1_script("000002.png", "000003.png"))
     argv = prompts_argv(prompts_file, out, "--num-images", str(NUM_IMAGES))
     killed = torchrun(str(script), *argv)
     assert killed.returncode != 0

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from PIL import Image
+from torchrun_helpers import torchrun
 
 from fastdiff.cli import main
 from fastdiff.errors import FastdiffError
@@ -88,11 +87,8 @@ def test_cli_under_torchrun_writes_rank_zeros_images(tmp_path):
     level where the batch-size rounding crosses a pixel boundary; rank 1 writes nothing."""
     flags = ["--model", MODEL, "--prompt", PROMPTS[0], "--guidance", "3", "--batch", "2", "--steps", "3",
              "--device", "cpu", "--no-progress"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-           "fastdiff.cli", "sample", *flags, "--guidance-parallel", "--out", str(tmp_path / "gp.png"),
-           "--save-dir", str(tmp_path / "gp")]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = torchrun("-m", "fastdiff.cli", "sample", *flags, "--guidance-parallel", "--out", str(tmp_path / "gp.png"),
+                    "--save-dir", str(tmp_path / "gp"), timeout_s=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert main(["sample", *flags, "--out", str(tmp_path / "one.png"), "--save-dir", str(tmp_path / "one")]) == 0
     for name in ("000000.png", "000001.png"):
