@@ -98,7 +98,7 @@ def write_sd_directory(root: Path, comps: Any, dtype: torch.dtype = torch.float1
     (model_index.json, unet/ and vae/ as diffusers configs + safetensors, text_encoder/ by transformers, tokenizer/,
     scheduler/), weights in ``dtype``."""
     from fastdiff.models.stable_diffusion import clip_tokenizer_files
-    from fastdiff.train.text_to_image.files import DIFFUSERS_VERSION, write_diffusers_model
+    from fastdiff.train.text_to_image.files import DIFFUSERS_VERSION, MODEL_INDEX, write_diffusers_model
 
     root = Path(root)
     if (root / "model_index.json").exists():
@@ -106,19 +106,7 @@ def write_sd_directory(root: Path, comps: Any, dtype: torch.dtype = torch.float1
     root.mkdir(parents=True, exist_ok=True)
     scheduler = dict(comps.scheduler_config)
     scheduler.setdefault("_diffusers_version", DIFFUSERS_VERSION)
-    index = {
-        "_class_name": "StableDiffusionPipeline",
-        "_diffusers_version": DIFFUSERS_VERSION,
-        "feature_extractor": [None, None],
-        "image_encoder": [None, None],
-        "requires_safety_checker": False,
-        "safety_checker": [None, None],
-        "scheduler": ["diffusers", scheduler["_class_name"]],
-        "text_encoder": ["transformers", "CLIPTextModel"],
-        "tokenizer": ["transformers", "CLIPTokenizer"],
-        "unet": ["diffusers", "UNet2DConditionModel"],
-        "vae": ["diffusers", "AutoencoderKL"],
-    }
+    index = {**MODEL_INDEX, "scheduler": ["diffusers", scheduler["_class_name"]]}
     (root / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
     (root / "scheduler").mkdir(exist_ok=True)
     (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(scheduler, indent=2) + "\n")

@@ -86,41 +86,19 @@ def describe_model(
     guidance: float = DEFAULT_GUIDANCE,
 ) -> ModelInfo:
     """The ``ModelInfo`` of a loaded pipeline; ``guidance``: the default of text-to-image requests."""
-    if is_text_pipeline(pipe):
-        height, width = pipe.default_size
-        # sides every U-Net level halves evenly (the engine runs them), in whole latents and multiples of 8
-        multiple = math.lcm(8, pipe.vae_scale * 2 ** (len(pipe.unet.config.block_out_channels) - 1))
-        return ModelInfo(
-            name=name,
-            conditional=True,
-            channels=pipe.vae.config.out_channels,
-            height=height,
-            width=width,
-            samplers=tuple(SAMPLERS),
-            default_sampler=sampler,
-            default_steps=steps,
-            max_images_per_request=max_batch,
-            max_steps=MAX_STEPS,
-            device=str(pipe.device),
-            default_guidance=guidance,
-            size_multiple=multiple,
-            max_side=MAX_SIDE_FACTOR * max(height, width) // multiple * multiple,
-            img2img=True,
-        )
-    channels, height, width = pipe.sample_shape
+    shared = dict(samplers=tuple(SAMPLERS), default_sampler=sampler, default_steps=steps,
+                  max_images_per_request=max_batch, max_steps=MAX_STEPS, device=str(pipe.device))  # fmt: skip
+    if not is_text_pipeline(pipe):
+        channels, height, width = pipe.sample_shape
+        return ModelInfo(name=name, conditional=False, channels=channels, height=height, width=width, **shared)
+    height, width = pipe.default_size
+    # sides every U-Net level halves evenly (the engine runs them), in whole latents and multiples of 8
+    multiple = math.lcm(8, pipe.vae_scale * 2 ** (len(pipe.unet.config.block_out_channels) - 1))
     return ModelInfo(
-        name=name,
-        conditional=False,
-        channels=channels,
-        height=height,
-        width=width,
-        samplers=tuple(SAMPLERS),
-        default_sampler=sampler,
-        default_steps=steps,
-        max_images_per_request=max_batch,
-        max_steps=MAX_STEPS,
-        device=str(pipe.device),
-    )
+        name=name, conditional=True, channels=pipe.vae.config.out_channels, height=height, width=width, **shared,
+        default_guidance=guidance, size_multiple=multiple,
+        max_side=MAX_SIDE_FACTOR * max(height, width) // multiple * multiple, img2img=True,
+    )  # fmt: skip
 
 
 def prompt_checker(pipe: Pipeline | TextToImagePipeline) -> PromptWarnings | None:
