@@ -201,6 +201,21 @@ def test_loadtest_draws_prompts_round_robin(fake_text_factory, serve_app, tmp_pa
     assert "holds no prompt" in capsys.readouterr().err
 
 
+def post_together(url: str, bodies: list[dict]) -> list[dict]:
+    """POST ``bodies`` to ``/v1/images`` at once (one client thread each, released together); the JSON answers."""
+    barrier = threading.Barrier(len(bodies))
+
+    def send(body: dict) -> dict:
+        barrier.wait()
+        with httpx.Client(base_url=url, timeout=120) as own:
+            response = own.post("/v1/images", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(send, bodies))
+
+
 def test_bundled_model_images_are_byte_identical_alone_or_batched(t2i_app, serve_app):
     """fashion-mnist-t2i on the CPU: a request alone and the same request batched with one of another prompt and
     guidance give the same PNG bytes; each answer carries its own prompt warnings and each PNG its parameters."""
@@ -210,17 +225,7 @@ def test_bundled_model_images_are_byte_identical_alone_or_batched(t2i_app, serve
     other = {"prompt": "a photo of a zzyzx bag", "negative_prompt": "shirt", "seeds": [9], "guidance": 5.0}
     with serve_app(t2i_app) as url, httpx.Client(base_url=url, timeout=120) as client:
         alone = client.post("/v1/images", json=first).json()
-        barrier = threading.Barrier(2)
-
-        def send(body: dict) -> dict:
-            barrier.wait()
-            with httpx.Client(base_url=url, timeout=120) as own:
-                response = own.post("/v1/images", json=body)
-            assert response.status_code == 200, response.text
-            return response.json()
-
-        with ThreadPoolExecutor(2) as pool:
-            together, with_other = pool.map(send, [first, other])
+        together, with_other = post_together(url, [first, other])
     assert alone["timing"]["batch_images"] == 1 and together["timing"]["batch_images"] == 2
     assert with_other["timing"]["batch_images"] == 2
     png = base64.b64decode(alone["images"][0]["png_base64"])
@@ -263,17 +268,7 @@ def test_img2img_on_a_stable_diffusion_directory_alone_or_batched(tmp_path, serv
     plain = {"prompt": "a cat", "seed": 3}
     with serve_app(app) as url, httpx.Client(base_url=url, timeout=120) as client:
         alone = client.post("/v1/images", json=first).json()
-        barrier = threading.Barrier(3)
-
-        def send(body: dict) -> dict:
-            barrier.wait()
-            with httpx.Client(base_url=url, timeout=120) as own:
-                response = own.post("/v1/images", json=body)
-            assert response.status_code == 200, response.text
-            return response.json()
-
-        with ThreadPoolExecutor(3) as pool:
-            together, _, text_only = pool.map(send, [first, second, plain])
+        together, _, text_only = post_together(url, [first, second, plain])
     assert alone["timing"]["batch_images"] == 1 and together["timing"]["batch_images"] == 2
     assert text_only["timing"]["batch_images"] == 1
     png = base64.b64decode(alone["images"][0]["png_base64"])
