@@ -609,6 +609,13 @@ def headline_table() -> str:
     return "\n".join(lines)
 
 
+def table_with_notes(lines: list[str], shas: list[str], table: str, empty: str) -> str:
+    """The table ``lines`` and, under it, one ``freshness`` line per run commit in ``shas``; ``empty`` without runs."""
+    if not shas:
+        return empty
+    return "\n".join(lines + [""] + sorted({freshness(sha, table) for sha in shas}))
+
+
 def ready_table() -> str:
     """``benchmarks/ready.py``: time to ready and first image in fresh processes, and bytes across them (the engine,
     or ``--system compile``: the eager pipeline with its U-Net under torch.compile)."""
@@ -640,10 +647,7 @@ def ready_table() -> str:
                 f"| {mean(s, 'step_ms', '.3f')} | {', '.join(s.get('plan_sources', [])) or '–'} "
                 f"| {diff['differing']} of {diff['images']} ({diff['processes']} processes) | {env['git_sha']} |"
             )
-    if not shas:
-        return "_No ready-time run committed yet._"
-    notes = [freshness(sha, "ready") for sha in sorted(set(shas))]
-    return "\n".join(lines + [""] + sorted(set(notes)))
+    return table_with_notes(lines, shas, "ready", "_No ready-time run committed yet._")
 
 
 def tune_table() -> str:
@@ -666,10 +670,7 @@ def tune_table() -> str:
                 f"| `{path.stem}` | {job['model']} | {job['batch']} | {job.get('guidance', '–')} | {machine(env)} "
                 f"| {threads} | {wall} | {status} | {env['git_sha'][:7]} |"
             )
-    if not shas:
-        return "_No tuning run committed yet._"
-    notes = [freshness(sha, "tune") for sha in sorted(set(shas))]
-    return "\n".join(lines + [""] + sorted(set(notes)))
+    return table_with_notes(lines, shas, "tune", "_No tuning run committed yet._")
 
 
 def bulk_table() -> str:
@@ -692,10 +693,7 @@ def bulk_table() -> str:
             f"| {'–' if sampler is None else f'{sampler:.0f}'} | {'–' if ratio is None else f'{ratio:.2f}'} "
             f"| {d['files_differing']} of {d['files_compared']} | {d['env']['git_sha'][:7]} |"
         )
-    if not shas:
-        return "_No bulk generation run committed yet._"
-    notes = [freshness(sha, "bulk") for sha in sorted(set(shas))]
-    return "\n".join(lines + [""] + sorted(set(notes)))
+    return table_with_notes(lines, shas, "bulk", "_No bulk generation run committed yet._")
 
 
 SECTIONS: dict[str, Callable[[], str]] = {
