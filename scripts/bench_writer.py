@@ -5,7 +5,8 @@ ddpm-cifar10 with random weights makes), in chunks of BATCH, written by
   rename, fsync the folder: two journal commits per file);
 - unit-writer: ``fastdiff.generate.UnitWriter`` with T encoder threads (encode and write temporary files in
   parallel, one ``syncfs``/fsync per chunk, the renames, one folder fsync);
-- process-pool: the same durability, the PNGs encoded in a pool of processes instead of threads.
+- unit-writer with P processes: the same, the PNGs encoded in a pool of processes (``FASTDIFF_WRITER=processes``;
+  the pool's start-up is inside the time).
 
     .venv/bin/python scripts/bench_writer.py [--images 2048] [--batch 256] [--size 32] [--repeats 3] [--dir DIR]
 
@@ -17,12 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -33,12 +33,7 @@ from fastdiff.generate import (
     HostPixels,
     Unit,
     UnitWriter,
-    encode_png,
-    flush_to_disk,
-    fsync_folder,
     png_name,
-    publish,
-    write_temporary,
 )
 from fastdiff.images import save_png_atomic
 
@@ -63,9 +58,11 @@ def per_file(threads: int) -> Callable[[Path, np.ndarray, int], None]:
     return write
 
 
-def unit_writer(threads: int) -> Callable[[Path, np.ndarray, int], None]:
+def unit_writer(threads: int, processes: bool = False) -> Callable[[Path, np.ndarray, int], None]:
+    """generate's ``UnitWriter``: encoders in ``threads`` threads, or (``processes``) that many processes."""
+
     def write(out: Path, pixels: np.ndarray, batch: int) -> None:
-        with UnitWriter(out, threads) as writer:
+        with UnitWriter(out, threads, processes=processes) as writer:
             pending = None
             for start in range(0, len(pixels), batch):
                 unit = Unit(start, min(start + batch, len(pixels)))
@@ -76,35 +73,6 @@ def unit_writer(threads: int) -> Callable[[Path, np.ndarray, int], None]:
                     pending.wait()
                 pending = queued
             pending.wait()
-
-    return write
-
-
-def encode_block(block: list[tuple[int, np.ndarray]]) -> list[tuple[int, bytes]]:
-    return [(i, encode_png(image, {**PARAMETERS, "seed": i})) for i, image in block]
-
-
-def process_pool(processes: int) -> Callable[[Path, np.ndarray, int], None]:
-    def write(out: Path, pixels: np.ndarray, batch: int) -> None:
-        folder_fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            with ProcessPoolExecutor(processes) as pool:
-                pool.submit(int).result()  # started before the clock matters less than the steady state
-                for start in range(0, len(pixels), batch):
-                    items = [(i, pixels[i]) for i in range(start, min(start + batch, len(pixels)))]
-                    size = -(-len(items) // (2 * processes))
-                    blocks = [items[k : k + size] for k in range(0, len(items), size)]
-                    written = []
-                    for encoded in pool.map(encode_block, blocks):
-                        written += [
-                            (write_temporary(out / png_name(i), data), out / png_name(i)) for i, data in encoded
-                        ]
-                    flush_to_disk(folder_fd, [tmp for tmp, _ in written])
-                    for tmp, path in written:
-                        publish(tmp, path)
-                    fsync_folder(folder_fd)
-        finally:
-            os.close(folder_fd)
 
     return write
 
@@ -122,7 +90,7 @@ def main() -> None:
     writers = {
         **{f"per-file, {t} threads": per_file(t) for t in (1, 2, 4, 8)},
         **{f"unit-writer, {t} threads": unit_writer(t) for t in (1, 2, 4)},
-        **{f"process-pool, {p} processes": process_pool(p) for p in (2, 4)},
+        **{f"unit-writer, {p} processes": unit_writer(p, processes=True) for p in (2, 4)},
     }
     root = Path(tempfile.mkdtemp(prefix="bench-writer-", dir=args.dir))
     results = {}

@@ -1017,20 +1017,13 @@ def encode_and_write(block: list[tuple[Path, np.ndarray, dict[str, Any] | None]]
     return written
 
 
-WRITER_PROCESSES_MIN_CPUS = 4
-"""``writer_processes``: encode in processes from this many CPUs per rank. On the 2x H200 host (16 CPUs a rank) a
-pool of 2 processes wrote 4,749 PNGs/s against 3,177-3,801 for 1-4 threads; on a 2-CPU machine threads won
-(6,689 against 5,938; ``scripts/bench_writer.py``)."""
-
-
 def writer_processes() -> bool:
-    """Whether the encoders are processes: ``FASTDIFF_WRITER`` ("processes" or "threads") if set, else processes
-    when this rank has at least ``WRITER_PROCESSES_MIN_CPUS`` CPUs (its share of the host's, ``LOCAL_WORLD_SIZE``)."""
-    choice = os.environ.get("FASTDIFF_WRITER", "").strip().lower()
-    if choice in ("processes", "threads"):
-        return choice == "processes"
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) >= WRITER_PROCESSES_MIN_CPUS
+    """Whether the encoders are processes: ``FASTDIFF_WRITER=processes`` (default: threads). Steady state, a pool of
+    processes encoded faster than threads (2x H200 host, 2 processes: 4,749 PNGs/s against 3,177-3,801 for 1-4
+    threads; the 2-CPU development machine, 2 each: 7,651 against 5,337), but it is not the default: its workers
+    (``forkserver``) re-import the caller's main module, which breaks a script without an ``if __name__ ==
+    "__main__":`` guard, and ``generate`` with it has not run on a GPU yet."""
+    return os.environ.get("FASTDIFF_WRITER", "").strip().lower() == "processes"
 
 
 def writer_threads() -> int:
