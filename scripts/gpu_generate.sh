@@ -7,7 +7,10 @@
 # the images are noise; the work per image, hence the throughput, and the byte-identity do not depend on weights.
 # A short run first fills the Triton and engine caches, so neither timed run pays for compiling kernels.
 # NUM_IMAGES (default 65536: about 60 s on one GPU), BATCH (256), SAMPLER (ddim), STEPS (20), DTYPE (fp16),
-# FORMAT (png) override the settings; WORK is where the image folders go (not $OUT: too many files).
+# FORMAT (png) override the settings; WORK is where the image folders go (not $OUT: too many files). PLAN: a kernel
+# plan file every run takes (--plan); REPEAT=1 runs the one-GPU generate twice (two processes, same GPU, compared
+# as "one_gpu_repeat": separates "processes differ" from "GPU counts differ"); SKIP_WRITER_BENCH=1 skips the host
+# writers' bench; FASTDIFF_WRITER=processes is passed on to generate (and recorded).
 # Then the sampler alone on one GPU (same settings, no files: "sampler_only_images_per_s_1gpu", and generate's
 # fraction of it), and scripts/bench_writer.py times the host's PNG writers alone (no GPU): the old per-file
 # fsync writer, generate's UnitWriter at 1, 2, 4 threads and a process pool, as "host_writers" (images/s).
@@ -27,11 +30,17 @@ rm -rf "$WORK" && mkdir -p "$WORK"
 
 flags=(--model ddpm-cifar10 --sampler "$SAMPLER" --steps "$STEPS" --dtype "$DTYPE" --batch "$BATCH"
        --format "$FORMAT" --shard-size 4096 --no-progress)
+[ -n "${PLAN:-}" ] && flags+=(--plan "$PLAN")
 echo "== warm-up: $((BATCH * 4)) images on one GPU"
 python3 -m fastdiff.cli generate "${flags[@]}" --num-images $((BATCH * 4)) --out-dir "$WORK/warm" 2>&1 | tail -n 3
 echo "== one GPU: $NUM_IMAGES images"
 python3 -m fastdiff.cli generate "${flags[@]}" --num-images "$NUM_IMAGES" --out-dir "$WORK/one" --device cuda:0 \
     2>&1 | tee "$OUT/generate-1gpu.log" | tail -n 3
+if [ "${REPEAT:-0}" = 1 ]; then
+    echo "== one GPU again (a second process): $NUM_IMAGES images"
+    python3 -m fastdiff.cli generate "${flags[@]}" --num-images "$NUM_IMAGES" --out-dir "$WORK/one-again" \
+        --device cuda:0 2>&1 | tail -n 1
+fi
 echo "== torchrun --nproc-per-node 2: $NUM_IMAGES images"
 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m fastdiff.cli generate "${flags[@]}" \
     --num-images "$NUM_IMAGES" --out-dir "$WORK/two" 2>&1 | tee "$OUT/generate-2gpu.log" | tail -n 3
@@ -60,12 +69,14 @@ print(json.dumps({"sampler_only_images_per_s": round(count / (time.perf_counter(
 PY
 cat "$OUT/sampler-only.json"
 
-echo "== host PNG writers alone (scripts/bench_writer.py)"
-python3 scripts/bench_writer.py --images 8192 --batch "$BATCH" --repeats 2 --dir "$WORK" 2>&1 \
-    | tee "$OUT/bench-writer.log" | tail -n 1 > "$OUT/bench-writer.json"
+if [ "${SKIP_WRITER_BENCH:-0}" != 1 ]; then
+    echo "== host PNG writers alone (scripts/bench_writer.py)"
+    python3 scripts/bench_writer.py --images 8192 --batch "$BATCH" --repeats 2 --dir "$WORK" 2>&1 \
+        | tee "$OUT/bench-writer.log" | tail -n 1 > "$OUT/bench-writer.json"
+fi
 
 python3 - "$WORK" "$OUT/generate-ddpm-cifar10-2gpu.json" "$OUT/bench-writer.json" "$OUT/sampler-only.json" <<'EOF'
-import hashlib, json, sys
+import hashlib, json, os, sys
 from pathlib import Path
 
 import torch
@@ -100,6 +111,11 @@ for summary in (s1, s2):
     del summary["out_dir"]  # a path on the GPU machine
 manifest = json.loads((work / "one" / "manifest.json").read_text())
 differ = sorted(name for name in one.keys() | two.keys() if one.get(name) != two.get(name))
+repeat = None
+if (work / "one-again").is_dir():
+    again = digests(work / "one-again")
+    repeat_differ = sorted(name for name in one.keys() | again.keys() if one.get(name) != again.get(name))
+    repeat = {"files_compared": len(again), "files_differing": len(repeat_differ), "first_differing": repeat_differ[:10]}
 result = {
     "env": environment(),
     "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
@@ -119,6 +135,9 @@ result = {
     "files_compared": len(one),
     "files_differing": len(differ),
     "first_differing": differ[:10],
+    "one_gpu_repeat": repeat,
+    "plan": os.path.basename(os.environ.get("PLAN", "")) or None,
+    "writer": os.environ.get("FASTDIFF_WRITER") or "threads",
     "host_writers": host_writers,
     "one_gpu": s1,
     "two_gpus": s2,
