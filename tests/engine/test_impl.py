@@ -77,12 +77,41 @@ EXPECTED = [
     ("attn_pad0", 1, torch.float32, ("auto", "auto"), True, "conv_in", ["triton", "triton-taps", "triton-st", "cudnn"]),
     ("wide", 1, torch.float16, ("auto", "auto"), True, "down_blocks.1.resnets.0.conv2", [*GLUON_SC_GN, "cudnn"]),
     ("wide", 2, torch.float16, ("triton", "triton"), True, "down_blocks.1.resnets.0.conv2", GLUON_SC_GN),
+    # 16-bit attention on CUDA: each schedule on its tiles (kernels.attention.attention_tiles; 16 queries cap BLOCK_M)
+    ("wide", 1, torch.float16, ("auto", "auto"), True, "mid_block.attentions.0.core",
+     ["triton", "triton-t16x64x4x3", "triton-t16x128x8x3", "triton-t16x32x4x2", "triton-rows",
+      "triton-rows-t16x128x4x2", "triton-rows-t16x128x8x2", "triton-rows-t16x32x4x2", "sdpa"]),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(("model", "batch", "dtype", "impls", "cuda", "op", "expected"), EXPECTED)
 def test_candidates_are_the_names_offered_before(monkeypatch, model, batch, dtype, impls, cuda, op, expected):
     assert names(engine(monkeypatch, model, batch, dtype, impls, cuda), op) == expected
+
+
+def test_token_gemm_candidates_are_its_tiles(monkeypatch):
+    """A token GEMM on CUDA: the Triton kernel on its default tile for its rows, its other tiles, cuBLAS; off CUDA
+    the default tile and cuBLAS (tiles are timed by the engine's autotune and pinned by a kernel plan)."""
+    from sd_fixtures import tiny_unet_config
+
+    from fastdiff.kernels.linear import linear_tiles
+    from fastdiff.models.unet_2d_condition import UNet2DConditionConfig, UNet2DConditionModel
+
+    torch.manual_seed(0)
+    config = {k: v for k, v in tiny_unet_config("sd21").items() if not k.startswith("_")}
+    unet = UNet2DConditionModel(UNet2DConditionConfig.from_dict(config)).eval()
+    fused = FusedModel(unet, 2, torch.float16, "cpu", size=(8, 8), context_tokens=77)
+    fused._x_in = channels_last_empty(fused.x_in_value.shape, torch.float16, torch.device("cpu"))
+    linears = [op for op in fused.ops if op.kind == "linear"]
+    assert {op.stage for op in linears} == {"step", "context"}
+    for op in linears:
+        assert names(fused, op.name) == ["triton", "cublas"]
+    fused.device = torch.device("cuda")
+    for op in linears:
+        n, _, h, w = op.inputs[0].shape
+        tiles = linear_tiles(n * h * w)
+        expected = ["triton", *(f"triton-t{'x'.join(map(str, tile))}" for tile in tiles[1:]), "cublas"]
+        assert names(fused, op.name) == expected
 
 
 def test_fp8_conv_candidates(monkeypatch):

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from fastdiff.errors import FastdiffError
-from fastdiff.kernels.attention import OP, ROWS_MAX_KEYS, attention, attention_ref, split_kv_choices
+from fastdiff.kernels.attention import (
+    OP,
+    ROWS_MAX_KEYS,
+    attention,
+    attention_ref,
+    attention_tiles,
+    split_kv_choices,
+)
 from fastdiff.kernels.common import SplitWorkspace
 
 from .conftest import CUDA, DEVICE, DTYPES, needs_cuda, rel_err
@@ -110,6 +117,44 @@ def test_rows_schedule_matches_ref(case: tuple, dtype: torch.dtype) -> None:
     assert got.data_ptr() == out.data_ptr()
     assert rel_err(got, attention_ref((q * 4).double(), k.double(), v.double())) < TOLERANCE[dtype]
     assert torch.equal(attention(q * 4, k, v, schedule="rows"), got)
+
+
+TILE_CASES = [
+    pytest.param((2, 1, 19, 23, 40, "stream"), id="q19_kv23_d40_stream"),
+    pytest.param((1, 2, 9, 40, 160, "stream"), id="q9_kv40_d160_stream"),
+    pytest.param((1, 2, 33, 77, 64, "rows"), id="q33_kv77_d64_rows"),
+    pytest.param((1, 1, 20, 5, 160, "rows"), id="q20_kv5_d160_rows"),
+    pytest.param((8, 1, 256, 256, 256, "stream"), id="ddpm_b8_seq256_d256_stream", marks=needs_cuda),
+    pytest.param((2, 8, 1024, 77, 40, "rows"), id="sd15_cross_kv77_d40_rows", marks=needs_cuda),
+]
+
+
+@pytest.mark.parametrize("case", TILE_CASES)
+def test_every_tile_matches_ref_and_repeats(case: tuple) -> None:
+    """Every tile ``attention_tiles`` offers (what the engine's autotune times and a kernel plan pins) on ragged
+    shapes: the ref's result, and the same bits on a repeat (16-bit on CUDA; fp32 in the interpreter)."""
+    batch, heads, lq, lk, head_dim, schedule = case
+    dtype = torch.float16 if CUDA else torch.float32
+    q, k, v = make_qkv(batch, heads, lq, lk, head_dim, True, dtype, zlib.crc32(repr(case).encode()))
+    ref = attention_ref((q * 4).double(), k.double(), v.double())
+    tiles = attention_tiles(head_dim, lq, schedule)
+    assert len(tiles) > 2 and len(set(tiles)) == len(tiles)
+    assert all(tile[0] <= max(16, 1 << (lq - 1).bit_length()) for tile in tiles)  # BLOCK_M capped at the queries
+    for tile in tiles:
+        got = attention(q * 4, k, v, schedule=schedule, tile=tile)
+        assert rel_err(got, ref) < TOLERANCE[dtype], tile
+        assert torch.equal(attention(q * 4, k, v, schedule=schedule, tile=tile), got), tile
+    if CUDA:  # no tile: the first, on 16-bit inputs
+        assert torch.equal(attention(q * 4, k, v, schedule=schedule), attention(q * 4, k, v, schedule=schedule,
+                                                                                   tile=tiles[0]))  # fmt: skip
+
+
+@pytest.mark.parametrize("tile", [(64, 64, 4), (48, 64, 4, 2), (64, 64, 4, 0), (64.0, 64, 4, 2), [64, 64, 4, 2]])
+def test_bad_tile_raises_one_line(tile) -> None:
+    q = torch.randn(1, 1, 8, 16)
+    with pytest.raises(FastdiffError, match="tile must be") as info:
+        attention(q, q, q, tile=tile)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import fastdiff.kernels.linear as linear_module
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.cost_model import Cost, matmul_cost
-from fastdiff.kernels.linear import OP, linear, linear_ref, pack_linear_weight
+from fastdiff.kernels.linear import FEW_ROWS, OP, TUNING_CONFIGS, linear, linear_ref, linear_tiles, pack_linear_weight
 
 from .conftest import CUDA, DEVICE, DTYPES, float64, needs_cuda, rel_err
 
@@ -84,6 +84,30 @@ def test_linear_matches_ref(case: dict, dtype: torch.dtype) -> None:
     assert rel_err(out, ref) < TOLERANCE[dtype]
     if pad:
         assert wide[:, :2].isnan().all() and wide[:, 2 + n :].isnan().all()
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[5]])
+def test_every_tile_matches_ref_and_repeats(case) -> None:
+    """Every tile ``linear_tiles`` offers (what the engine's autotune times and a kernel plan pins), on ragged
+    shapes with the whole epilogue: the ref's result, and the same bits on a repeat (16-bit on CUDA; fp32 in the
+    interpreter)."""
+    dtype = torch.float16 if CUDA else torch.float32
+    args, kwargs = make_inputs(case, dtype, seed=zlib.crc32(str(case).encode()))
+    ref = reference(args, kwargs)
+    tiles = linear_tiles(case["m"])
+    assert sorted(tiles) == sorted(TUNING_CONFIGS)
+    for tile in tiles:
+        got = linear(*args, **kwargs, tile=tile)
+        assert rel_err(got, ref) < TOLERANCE[dtype], tile
+        assert torch.equal(linear(*args, **kwargs, tile=tile), got), tile
+    if CUDA:  # no tile: the first
+        assert torch.equal(linear(*args, **kwargs), linear(*args, **kwargs, tile=tiles[0]))
+
+
+def test_default_tile_by_rows() -> None:
+    """Few rows (cross-attention K/V of 2 x 77 tokens) start on the small tile, many on the large one."""
+    assert linear_tiles(154)[0] == TUNING_CONFIGS[-1] == linear_tiles(FEW_ROWS)[0]
+    assert linear_tiles(FEW_ROWS + 1)[0] == TUNING_CONFIGS[0] == linear_tiles(8192)[0]
 
 
 def test_ref_is_diffusers_geglu_and_nn_linear() -> None:
@@ -199,6 +223,9 @@ def _bad_calls() -> dict:
         "bias_strided": ((x, raw, torch.zeros(10, device=DEVICE)[::2]), {}, "bias must be contiguous"),
         "bad_activation": ((x, raw, bias), {"activation": "tanh"}, "unknown activation"),
         "bad_split_k": ((x, raw, bias), {"split_k": 0}, "split_k must be"),
+        "tile_length": ((x, raw, bias), {"tile": (32, 32, 32, 4)}, "tile must be"),
+        "tile_not_pow2": ((x, raw, bias), {"tile": (32, 48, 32, 4, 1)}, "tile must be"),
+        "tile_deep_k": ((x, raw, bias), {"tile": (32, 32, 128, 4, 1)}, "BLOCK_K at most 64"),
         "residual_shape": ((x, raw, bias), {"residual": torch.zeros(4, 6, device=DEVICE)}, "residual must have"),
         "residual_stride": ((x, raw, bias), {"residual": torch.zeros(5, 4, device=DEVICE).t()}, "residual needs"),
         "out_shape": ((x, raw, bias), {"out": torch.empty(5, 5, device=DEVICE)}, "out must have shape"),

@@ -66,3 +66,17 @@ def test_triton_matches_ref_on_small_examples(name: str) -> None:
 def test_unknown_example_size_raises(name: str) -> None:
     with pytest.raises(FastdiffError):
         REGISTRY[name].example_inputs("huge", torch.float32, "cpu", 0)
+
+
+def test_no_kernel_times_its_own_tiles() -> None:
+    """No kernel module picks a tile by timing at run time (``triton.autotune``): such a pick can differ between
+    processes, and with it the order of a kernel's sums, so a kernel plan would no longer fix the bytes. Tiles are
+    arguments; the engine's autotune times them and the plan pins them (``engine/candidates.py``)."""
+    import pathlib
+
+    import fastdiff.kernels
+
+    sources = sorted(pathlib.Path(fastdiff.kernels.__file__).parent.glob("*.py"))
+    assert len(sources) > 10
+    timed = [path.name for path in sources if "autotune(" in path.read_text() or "Autotuner" in path.read_text()]
+    assert timed == []

@@ -139,7 +139,10 @@ def linear_call(model: BoundModel, op: Op, impl: Impl) -> Call:
     w, geglu, scale = model.device_weights[op.name], op.params["geglu"], op.params["scale"]
     weight_t, bias = w["packed"], w.get("bias")
     if impl.kernel == "triton":
-        return lambda: linear(x, weight_t, bias, residual=residual, geglu=geglu, out_scale=scale, out=out, packed=True)
+        tile = impl.tile or None
+        return lambda: linear(
+            x, weight_t, bias, residual=residual, geglu=geglu, out_scale=scale, out=out, packed=True, tile=tile
+        )
     half = out.shape[1]
 
     def cublas_linear() -> None:  # cuBLAS GEMM (+ bias), then the epilogue in torch ops
@@ -186,11 +189,12 @@ def attention_call(model: BoundModel, op: Op, impl: Impl) -> Call:
         qkv = tokens(model.tensor(op.inputs[0])).view(b, h * w, 3, heads, head_dim)  # dense NHWC: a view
         q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
     o = tokens(core).view(b, h * w, heads, head_dim).transpose(1, 2)
+    tile = impl.tile or None  # -t<...>: the kernel's tile (default: its first)
     if impl.kernel == "triton" and impl.rows:  # whole score rows per program, the value columns split
-        return lambda: attention(q, k, v, out=o, schedule="rows")
+        return lambda: attention(q, k, v, out=o, schedule="rows", tile=tile)
     if impl.kernel == "triton":  # -kv<N>: the keys split over N programs per query block
         split, workspace = impl.split_kv, model.split_workspace
-        return lambda: attention(q, k, v, out=o, split_kv=split, workspace=workspace)
+        return lambda: attention(q, k, v, out=o, split_kv=split, workspace=workspace, tile=tile)
     return lambda: o.copy_(F.scaled_dot_product_attention(q, k, v))
 
 

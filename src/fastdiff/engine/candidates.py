@@ -11,9 +11,12 @@
   idle (``triton-tma-fp8[-k<N>]``; the fp16/bf16 TMA conv runs split too, ``triton-tma-k<N>``, when an op's
   implementation is set to it, but is not offered: on the H100 its split forms lost to the gather kernel's at batch 1
   and to its own unsplit form at batch 256's 4x4 level, docs/engine/fp8.md, "Split-K for the fp8 convs").
-* token GEMM: ``kernels.linear`` or cuBLAS + a torch epilogue; depthwise conv: ``kernels.depthwise_conv2d`` or cuDNN.
+* token GEMM: ``kernels.linear`` (on CUDA on each of its tiles, ``triton-t<BMxBNxBKxWxS>``) or cuBLAS + a torch
+  epilogue; depthwise conv: ``kernels.depthwise_conv2d`` or cuDNN.
 * attention: ``kernels.attention`` (on CUDA also its keys split over 2-8 programs per query block where those leave
-  SMs idle, ``triton-kv<N>``, and for at most 512 keys its whole-rows schedule, ``triton-rows``) or torch SDPA.
+  SMs idle, ``triton-kv<N>``, and for at most 512 keys its whole-rows schedule, ``triton-rows``; 16-bit: each on
+  its tiles, ``-t<BMxBNxWxS>``) or torch SDPA. Tiles are candidates, not timed by the kernels themselves: a kernel
+  plan then pins every tile, and processes with one plan give the same bytes.
 * GroupNorm: the kernel's own launch plan or, on CUDA, whole groups at 4-64 channel lanes per program
   (``triton-c<L>``).
 
@@ -23,17 +26,20 @@ the attention; the first candidate is the default before (or without) the autotu
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from fastdiff.engine.fusion import BoundModel
 from fastdiff.engine.impl import TRITON, Impl
 from fastdiff.engine.ir import Op
-from fastdiff.kernels.attention import ROWS_MAX_KEYS, split_kv_choices
+from fastdiff.kernels.attention import ROWS_MAX_KEYS, attention_tiles, split_kv_choices
 from fastdiff.kernels.conv2d import split_k_choices
 from fastdiff.kernels.conv2d_gluon import gluon_conv_unsupported
 from fastdiff.kernels.conv2d_tma import tma_conv_unsupported, tma_split_k_choices
 from fastdiff.kernels.fp8 import FP8_DTYPE
 from fastdiff.kernels.group_norm_act import LANE_CHOICES
+from fastdiff.kernels.linear import linear_tiles
 from fastdiff.kernels.tap_sum_conv2d import tap_sum_unsupported
 
 CONV_IMPLS = ("auto", "triton", "cudnn")
@@ -57,6 +63,8 @@ def candidates(model: BoundModel, op: Op) -> tuple[Impl, ...]:
     if op.kind in ("conv", "depthwise", "linear"):
         library = Impl("cublas" if op.kind == "linear" else "cudnn")
         ours = (TRITON,)  # the fp16/bf16 TMA conv is no candidate: not repeatable on Triton 3.6 (NOT_REPEATABLE)
+        if op.kind == "linear" and cuda:  # + the GEMM's other tiles
+            ours = (TRITON, *(Impl("triton", tile=tile) for tile in linear_tiles(token_rows(op))[1:]))
         if op.kind == "conv" and taps_fit(model, op):  # + the tap-sum form of a conv with few output channels
             ours = (*ours, Impl("triton-taps"))
         if op.kind == "conv" and gluon_fits(model, op):  # + the Gluon TMA conv, one tile per program or persistent
@@ -76,11 +84,27 @@ def candidates(model: BoundModel, op: Op) -> tuple[Impl, ...]:
             ours = (*ours, *(Impl("triton", split_kv=split) for split in splits))
             if kv[2] * kv[3] <= ROWS_MAX_KEYS:  # + whole score rows, the value columns split
                 ours = (*ours, Impl("triton", rows=True))
+            if model.dtype in (torch.float16, torch.bfloat16):  # + each schedule's other tiles
+                ours = tuple(form for impl in ours for form in with_tiles(impl, op))
         return {"auto": (*ours, Impl("sdpa")), "triton": ours, "sdpa": (Impl("sdpa"),)}[model.attention_impl]
     if op.kind == "group_norm" and cuda:  # the kernel's plan, or whole groups per width
         group = op.inputs[0].shape[1] // op.params["groups"]
         return (TRITON, *(Impl("triton", lanes=lanes) for lanes in LANE_CHOICES if lanes >= group))
     return (Impl("torch"),) if op.kind == "center" else (TRITON,)
+
+
+def token_rows(op: Op) -> int:
+    """Rows of a token GEMM's input matrix: a [B, K, H, W] value viewed as [B*H*W, K]."""
+    n, _, h, w = op.inputs[0].shape
+    return n * h * w
+
+
+def with_tiles(impl: Impl, op: Op) -> tuple[Impl, ...]:
+    """An attention implementation and its forms on the schedule's other tiles (``kernels.attention.attention_tiles``;
+    the first, the default, is ``impl`` itself)."""
+    q = op.inputs[0].shape
+    tiles = attention_tiles(op.params["head_dim"], q[2] * q[3], "rows" if impl.rows else "stream")
+    return (impl, *(dataclasses.replace(impl, tile=tile) for tile in tiles[1:]))
 
 
 def default_why(model: BoundModel, op: Op) -> str:

@@ -10,6 +10,9 @@ one place that reads one. The names (canonical: ``Impl.parse(name).name == name`
                                   the reduction split over N programs
     triton-kv<N> | triton-rows    attention: the keys split over N programs per query block | whole score rows
     triton-c<L>                   GroupNorm: whole groups on L channel lanes per program
+    triton[-kv<N>|-rows]-t<A>x<B>x...  attention (4 numbers) or token GEMM (5): the kernel's tile, as
+                                  ``kernels.attention.attention_tiles`` / ``kernels.linear.linear_tiles`` list
+                                  them (without -t: the first, the default)
     triton-tma[-fp8][-k<N>]       the TMA conv (Hopper): e4m3 operands, split-K
     triton-taps                   the tap-sum conv (few output channels)
     gluon[-p2][-sc]               the Gluon TMA conv: persistent with two programs per SM, the shortcut summed in
@@ -43,6 +46,7 @@ _NAME = re.compile(
     r"(?P<kernel>triton-tma|triton-taps|[a-z]+)(?P<fp8>-fp8)?(?P<p2>-p2)?"
     rf"(?P<fusions>(?:-(?:{'|'.join(FUSION_TAGS)}))*)"
     r"(?:-k(?P<k>\d+)|-kv(?P<kv>\d+)|(?P<rows>-rows)|-c(?P<c>\d+))?"
+    r"(?:-t(?P<tile>\d+(?:x\d+){3,4}))?"
 )
 
 
@@ -53,7 +57,9 @@ class Impl:
     ``kernel``: one of :data:`KERNELS`; ``fusions``: the :data:`FUSION_TAGS` it runs with its partner ops (the gather
     conv: any; the Gluon conv: "sc"); ``split_k``: reduction split (the gather and the TMA conv); ``split_kv``,
     ``rows``: attention's schedules; ``lanes``: a GroupNorm's channel lanes per program; ``fp8``: the TMA conv on e4m3
-    operands; ``programs_per_sm``: 2 for the persistent Gluon conv. A combination no kernel has is a FastdiffError.
+    operands; ``programs_per_sm``: 2 for the persistent Gluon conv; ``tile``: the attention kernel's (BLOCK_M,
+    BLOCK_N | BLOCK_DV, warps, stages) or the token GEMM's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), () for the
+    kernel's default. A combination no kernel has is a FastdiffError.
     """
 
     kernel: str
@@ -64,6 +70,7 @@ class Impl:
     lanes: int | None = None
     fp8: bool = False
     programs_per_sm: int = 1
+    tile: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         why = self._invalid()
@@ -92,6 +99,12 @@ class Impl:
             return "fp8 is the TMA conv's"
         if self.programs_per_sm not in (1, 2) or (self.programs_per_sm == 2 and self.kernel != "gluon"):
             return "programs_per_sm is 1, or 2 for the Gluon conv"
+        if not isinstance(self.tile, tuple) or (
+            self.tile and not (len(self.tile) in (4, 5) and all(map(_positive, self.tile)))
+        ):
+            return "tile is () or 4 or 5 positive ints"
+        if self.tile and (self.kernel != "triton" or schedules[0] or self.lanes is not None):
+            return "a tile is the Triton attention or token GEMM kernel's (no fusions, split_k or lanes)"
         return None
 
     @property
@@ -107,6 +120,8 @@ class Impl:
             parts.append("rows")
         if self.lanes is not None:
             parts.append(f"c{self.lanes}")
+        if self.tile:
+            parts.append("t" + "x".join(map(str, self.tile)))
         return "-".join(parts)
 
     def __str__(self) -> str:
@@ -130,6 +145,7 @@ class Impl:
                     lanes=int(g["c"]) if g["c"] is not None else None,
                     fp8=g["fp8"] is not None,
                     programs_per_sm=2 if g["p2"] else 1,
+                    tile=tuple(int(x) for x in g["tile"].split("x")) if g["tile"] else (),
                 )
             except FastdiffError:
                 impl = None

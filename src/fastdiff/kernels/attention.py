@@ -9,7 +9,9 @@ projection) are read in place, a unit stride on head_dim gives vector loads. The
 Each program owns BLOCK_M query rows of one (batch, head) and streams K/V in BLOCK_N blocks with the online
 softmax in fp32 (running max and sum, base-2 exponentials); 16-bit inputs run both products on the tensor cores with
 fp32 accumulators; fp32 inputs use exact-fp32 products (``input_precision="ieee"``, FMA units), so fp32 means
-fp32. On CUDA the 16-bit tile shapes are autotuned per (Lq, Lk, head dim, grid size class).
+fp32. The tile (BLOCK_M, BLOCK_N, warps, stages) is an argument: :func:`attention_tiles` lists those worth timing,
+the engine's autotune times them and a kernel plan pins its pick, so a process never times tiles of its own (which
+made images differ between processes) and the same tile gives the same bytes.
 
 A second schedule for few keys (``schedule="rows"``, Lk <= :data:`ROWS_MAX_KEYS`): each program holds whole score
 rows, the q k^T of BLOCK_M queries against every key, takes their exact softmax and multiplies it by one
@@ -153,7 +155,6 @@ def _attention_kernel(
     stride_od,
     ws_ptr,
     count_ptr,
-    TUNE_PROGRAMS,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ALIGN: tl.constexpr,
@@ -164,7 +165,7 @@ def _attention_kernel(
     PDL: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head) over all keys, or (SPLIT_KV > 1) over the keys of
-    split ``program_id(2)``: see :func:`_merge_kv_splits`. ``TUNE_PROGRAMS`` only keys the autotuner."""
+    split ``program_id(2)``: see :func:`_merge_kv_splits`."""
     grid_dependency_sync(PDL)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -263,7 +264,6 @@ def _attention_rows_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
-    TUNE_PROGRAMS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KD: tl.constexpr, BLOCK_DV: tl.constexpr,
     PDL: tl.constexpr,
@@ -311,10 +311,6 @@ def _attention_rows_kernel(
     tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & dv_mask[None, :])
 
 
-def _config(block_m: int, block_n: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
-
-
 TUNING_CONFIGS: dict[int, list[tuple[int, int, int, int]]] = {
     64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 128, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2)],
     128: [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2)],
@@ -322,27 +318,21 @@ TUNING_CONFIGS: dict[int, list[tuple[int, int, int, int]]] = {
           (16, 64, 4, 2)],
     512: [(32, 32, 8, 1), (64, 32, 8, 1), (32, 32, 4, 1), (16, 32, 4, 1)],
 }  # fmt: skip
-"""16-bit inputs on CUDA: (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per padded head dim (<= key);
-the autotuner times them once per (Lq, Lk, head dim, programs class, dtype) and keeps the fastest."""
-
-_TUNED = {
-    width: triton.autotune(
-        configs=[_config(*c) for c in configs],
-        key=["Lq", "Lk", "TUNE_PROGRAMS", "HEAD_DIM", "BLOCK_D", "SPLIT_KV"],
-    )(_attention_kernel)
-    for width, configs in TUNING_CONFIGS.items()
-}
+"""16-bit inputs on CUDA: (BLOCK_M, BLOCK_N, num_warps, num_stages) tiles per padded head dim (<= key), the first
+the default; :func:`attention_tiles` offers them to a caller that times them (the engine's autotune, whose choice a
+kernel plan pins). Nothing times them at run time: a tile picked by timing in each process (Triton's autotuner, as
+here until git b3ad124) can differ between processes, and with it the order of the online softmax's sums, so the
+images did (242 of 256 at ddpm-cifar10 batch 256 on the H200, one kernel plan, four processes)."""
 
 
 def _fixed_config(block_d: int, lq: int, fp32: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) without autotuning: the CPU interpreter and fp32 inputs
-    (whose exact-fp32 dots run on the FMA units, so smaller tiles)."""
-    if fp32:
-        block_m, block_n, warps, stages = (64, 32, 4, 2) if block_d <= 64 else (32, 32, 4, 1)
-        if block_d > 256:
-            block_m, block_n, warps = 16, 16, 8
-    else:
-        block_m, block_n, warps, stages = TUNING_CONFIGS[max(64, block_d)][0]
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) when no tile is given: fp32 inputs (whose exact-fp32 dots run on
+    the FMA units, so smaller tiles), else the first of :func:`attention_tiles`."""
+    if not fp32:
+        return attention_tiles(block_d, lq)[0]
+    block_m, block_n, warps, stages = (64, 32, 4, 2) if block_d <= 64 else (32, 32, 4, 1)
+    if block_d > 256:
+        block_m, block_n, warps = 16, 16, 8
     return max(16, min(block_m, triton.next_power_of_2(lq))), block_n, warps, stages
 
 
@@ -353,21 +343,38 @@ ROWS_TUNING_CONFIGS: list[tuple[int, int, int, int]] = [
     (16, 64, 4, 2), (16, 128, 4, 2), (16, 256, 8, 2), (32, 64, 4, 2), (32, 128, 8, 2), (64, 64, 4, 2),
     (64, 128, 8, 2), (16, 32, 4, 2), (32, 32, 4, 2),
 ]  # fmt: skip
-"""``schedule="rows"`` on CUDA, 16-bit: (BLOCK_M, BLOCK_DV, num_warps, num_stages) candidates; BLOCK_DV is capped
-at the padded head dim, and the autotuner keeps the fastest per (Lq, Lk, head dim, programs class, dtype)."""
+"""``schedule="rows"`` on CUDA, 16-bit: (BLOCK_M, BLOCK_DV, num_warps, num_stages) tiles, the first the default;
+BLOCK_DV is capped at the padded head dim (:func:`attention_tiles`)."""
 
 
-def _rows_configs(block_d: int) -> list[triton.Config]:
-    shapes = dict.fromkeys((m, min(dv, block_d), w, st) for m, dv, w, st in ROWS_TUNING_CONFIGS)
-    return [triton.Config({"BLOCK_M": m, "BLOCK_DV": dv}, num_warps=w, num_stages=st) for m, dv, w, st in shapes]
+def attention_tiles(head_dim: int, lq: int, schedule: str = "stream") -> tuple[tuple[int, int, int, int], ...]:
+    """The tiles of 16-bit ``attention`` for this head dim and query count, the default first: (BLOCK_M, BLOCK_N,
+    num_warps, num_stages) for ``schedule="stream"``, (BLOCK_M, BLOCK_DV, ...) for ``"rows"``; BLOCK_M capped at the
+    padded query count (and BLOCK_DV at the padded head dim), duplicates dropped. Pass one as ``tile=``."""
+    if schedule not in SCHEDULES:
+        raise FastdiffError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    rows_cap = max(16, triton.next_power_of_2(lq))
+    if schedule == "rows":
+        shapes = ((m, min(dv, block_d), w, st) for m, dv, w, st in ROWS_TUNING_CONFIGS)
+    else:
+        shapes = iter(TUNING_CONFIGS[max(64, block_d)])
+    return tuple(dict.fromkeys((min(m, rows_cap), n, w, st) for m, n, w, st in shapes))
 
 
-_TUNED_ROWS = {
-    width: triton.autotune(
-        configs=_rows_configs(width), key=["Lq", "Lk", "TUNE_PROGRAMS", "HEAD_DIM", "BLOCK_D", "BLOCK_N"]
-    )(_attention_rows_kernel)
-    for width in (16, 32, 64, 128, 256, 512)
-}
+def _check_tile(tile: object) -> tuple[int, int, int, int]:
+    if (
+        not isinstance(tile, tuple)
+        or len(tile) != 4
+        or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in tile)
+        or any(x & (x - 1) for x in tile[:3])
+    ):
+        raise FastdiffError(
+            f"tile must be (BLOCK_M, BLOCK_N, num_warps, num_stages): positive ints, the first three powers of 2; "
+            f"got {tile!r}"
+        )
+    return tile
+
 
 SCHEDULES = ("stream", "rows")
 """``attention``'s schedules: online softmax over key blocks (any Lk, optional split-KV), or whole score rows with
@@ -406,6 +413,7 @@ def attention(
     split_kv: int = 1,
     workspace: SplitWorkspace | None = None,
     schedule: str = "stream",
+    tile: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Fused ``softmax(q @ k^T * scale) @ v`` on ``[B, heads, L, head_dim]`` tensors; scale: 1/sqrt(d).
 
@@ -414,7 +422,8 @@ def attention(
     spreads over the GPU; the last split of a block to finish merges the others' partial results from
     ``workspace`` (:class:`fastdiff.kernels.common.SplitWorkspace`; a new one per call when None), in the same
     launch. ``schedule="rows"`` (Lk <= :data:`ROWS_MAX_KEYS`, no split-KV): whole score rows per program and the
-    value columns split instead (module docstring)."""
+    value columns split instead (module docstring). ``tile``: one of :func:`attention_tiles` for the schedule (None:
+    the default, the first; fp32 inputs: a smaller fixed tile); the same tile gives the same bytes."""
     if schedule not in SCHEDULES:
         raise FastdiffError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if isinstance(split_kv, bool) or not isinstance(split_kv, int) or split_kv < 1:
@@ -439,6 +448,8 @@ def attention(
         )
     if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
         raise FastdiffError("q, k and v must share one dtype and device")
+    if tile is not None:
+        _check_tile(tile)
     if out is None:
         out = torch.empty((batch, heads, lq, head_dim), device=q.device, dtype=q.dtype)
     elif tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype or out.device != q.device:
@@ -447,9 +458,8 @@ def attention(
     block_d = max(16, triton.next_power_of_2(head_dim))
     sixteen_bit = q.dtype in (torch.float16, torch.bfloat16)
     if schedule == "rows":
-        _attention_rows(q, k, v, out, scale, block_d, sixteen_bit)
+        _attention_rows(q, k, v, out, scale, block_d, sixteen_bit, tile)
         return out
-    programs = batch * heads * triton.cdiv(lq, 128)
     split_kv = min(split_kv, lk)
     ws = counters = out
     if split_kv > 1:  # room for every config's query blocks (BLOCK_M divides 128; the smallest is 16)
@@ -458,7 +468,7 @@ def attention(
         ws, counters = workspace.reserve(split_kv * rows * (block_d + 2), batch * heads * triton.cdiv(lq, 16), q.device)
     args = (
         q, k, v, out, scale * LOG2_E, heads, lq, lk, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        ws, counters, min(triton.next_power_of_2(programs), 4 * num_sms(q.device)),
+        ws, counters,
     )  # fmt: skip
     meta = {
         "HEAD_DIM": head_dim,
@@ -468,11 +478,7 @@ def attention(
         "DOT_PRECISION": "tf32" if sixteen_bit else "ieee",
         "SPLIT_KV": split_kv,
     }
-    if q.is_cuda and sixteen_bit:
-        tuned = _TUNED[max(64, block_d)]
-        tuned[lambda m: (triton.cdiv(lq, m["BLOCK_M"]), batch * heads, split_kv)](*args, **meta, **pdl_launch(q.device))
-        return out
-    block_m, block_n, num_warps, num_stages = _fixed_config(block_d, lq, not sixteen_bit)
+    block_m, block_n, num_warps, num_stages = tile or _fixed_config(block_d, lq, not sixteen_bit)
     _attention_kernel[(triton.cdiv(lq, block_m), batch * heads, split_kv)](
         *args,
         **meta,
@@ -487,15 +493,15 @@ def attention(
 
 def _attention_rows(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float, block_d: int,
-    sixteen_bit: bool,
+    sixteen_bit: bool, tile: tuple[int, int, int, int] | None,
 ) -> None:  # fmt: skip
-    """Launches :func:`_attention_rows_kernel` (checked arguments): autotuned for 16-bit inputs on CUDA."""
+    """Launches :func:`_attention_rows_kernel` (checked arguments) on ``tile`` (BLOCK_M, BLOCK_DV, warps, stages);
+    without one: the first of :func:`attention_tiles` for 16-bit inputs on CUDA, else a small fixed tile."""
     batch, heads, lq, head_dim = q.shape
     lk = k.shape[2]
     block_n = max(16, triton.next_power_of_2(lk))
     args = (
         q, k, v, out, scale * LOG2_E, heads, lq, lk, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        min(triton.next_power_of_2(batch * heads * triton.cdiv(lq, 16)), 4 * num_sms(q.device)),
     )  # fmt: skip
     meta = {
         "HEAD_DIM": head_dim,
@@ -509,8 +515,13 @@ def _attention_rows(
     def grid(m: dict[str, Any]) -> tuple[int, int, int]:
         return triton.cdiv(lq, m["BLOCK_M"]), triton.cdiv(head_dim, m["BLOCK_DV"]), batch * heads
 
-    if q.is_cuda and sixteen_bit:
-        _TUNED_ROWS[block_d][grid](*args, **meta, **pdl_launch(q.device))
+    if tile is None and q.is_cuda and sixteen_bit:
+        tile = attention_tiles(head_dim, lq, "rows")[0]
+    if tile is not None:
+        block_m, block_dv, warps, stages = tile
+        chosen = {"BLOCK_M": block_m, "BLOCK_DV": block_dv}
+        _attention_rows_kernel[grid(chosen)](*args, **meta, **chosen, num_warps=warps, num_stages=stages,
+                                             **pdl_launch(q.device))  # fmt: skip
         return
     # the interpreter and fp32 (exact-fp32 products on the FMA units): one fixed, small tile whose fp32 K chunk and
     # V slice (BLOCK_N x 32, or x 16 past 256 keys) fit the shared memory of any CUDA GPU

@@ -26,8 +26,10 @@ reaches memory. Epilogue, in fp32, per output element ``(m, n)``::
 
 Few output tiles over a deep K (the mid block's 128-row feed-forward output, K = 5120) split K: each split's
 programs write fp32 partial sums to a ``[split, M, N_w]`` workspace and a second launch adds them up and runs the
-epilogue (:func:`_split_k` picks the count). On CUDA the tile shapes are autotuned per (M, N, K, K per split,
-GEGLU, dtypes); the interpreter runs one small fixed tile. On the H100 (fp16, CUDA-graph timings) the SD1.5
+epilogue (:func:`_split_k` picks the count). The tile (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) is an argument:
+:func:`linear_tiles` lists those worth timing, the engine's autotune times them and a kernel plan pins its pick (a
+tile timed in each process could differ between processes, and with it the order of the K sums); the interpreter
+runs one small fixed tile. On the H100 (fp16, CUDA-graph timings) the SD1.5
 shapes took 0.8-1.5x the time of cuBLAS's bare GEMM (F.linear); the GEGLU projections ran 1.2-2.2x faster than
 F.linear + torch's GEGLU (8192 x 320 -> 2 x 1280: 46 us; 34 us bare, 101 us with it); with a residual add they
 took 0.6-1.15x the time of F.linear + add.
@@ -79,6 +81,7 @@ def linear_ref(
     out: torch.Tensor | None = None,
     packed: bool = False,
     split_k: int | None = None,
+    tile: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Plain torch definition of :func:`linear`, in fp32 (float64 stays float64), cast to ``x.dtype``: ``x @ W^T
     + bias``, GEGLU ``value * gelu(gate)`` of its two halves, activation, + residual, * out_scale (``split_k``
@@ -279,8 +282,10 @@ TUNING_CONFIGS: list[tuple[int, int, int, int, int]] = [
     (64, 128, 32, 4, 4),
     (64, 64, 64, 4, 3),
 ]
-"""CUDA: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) candidates, timed once per (M, N, K, K per split,
-GEGLU, dtypes); the small tile is for few-row GEMMs (cross-attention K/V: 154 rows)."""
+"""CUDA: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tiles (:func:`linear_tiles`); the small one is for
+few-row GEMMs (cross-attention K/V: 154 rows)."""
+FEW_ROWS = 256
+"""At most this many rows, the default tile is the small one (the last of :data:`TUNING_CONFIGS`)."""
 INTERPRETER_CONFIG = (32, 32, 32, 4, 1)
 """The one tile of the CPU interpreter (small, so the tests' odd shapes cross tile edges)."""
 SPLIT_ALIGN = 64
@@ -293,22 +298,26 @@ EPILOGUE_BLOCK = 64
 """Tile side of the split-K epilogue kernel."""
 
 
-def _autotuned(restore_out: bool):
-    configs = [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
-        for bm, bn, bk, warps, stages in TUNING_CONFIGS
-    ]
-    return triton.autotune(
-        configs=configs,
-        key=["M", "N", "K", "K_PER_SPLIT", "GEGLU"],
-        restore_value=["out_ptr"] if restore_out else None,
-    )(_linear_even_k)
+def linear_tiles(m: int) -> tuple[tuple[int, int, int, int, int], ...]:
+    """The tiles of ``linear`` on CUDA for a GEMM of ``m`` rows, the default first (the small tile for at most
+    :data:`FEW_ROWS` rows, else the first of :data:`TUNING_CONFIGS`). Pass one as ``tile=``."""
+    default = TUNING_CONFIGS[-1] if m <= FEW_ROWS else TUNING_CONFIGS[0]
+    return (default, *(t for t in TUNING_CONFIGS if t != default))
 
 
-_TUNED = _autotuned(restore_out=False)
-_TUNED_IN_PLACE = _autotuned(restore_out=True)
-"""The variant for ``out`` sharing memory with ``residual``: the autotuner restores ``out`` after each timed
-run, so the residual the final run reads is the caller's."""
+def _check_tile(tile: object) -> tuple[int, int, int, int, int]:
+    if (
+        not isinstance(tile, tuple)
+        or len(tile) != 5
+        or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in tile)
+        or any(x & (x - 1) for x in tile[:4])
+        or tile[2] > SPLIT_ALIGN
+    ):
+        raise FastdiffError(
+            "tile must be (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): positive ints, the first four powers "
+            f"of 2, BLOCK_K at most {SPLIT_ALIGN}; got {tile!r}"
+        )
+    return tile
 
 
 def _split_k(m: int, n: int, k: int, device: torch.device) -> int:
@@ -347,6 +356,7 @@ def linear(
     out: torch.Tensor | None = None,
     packed: bool = False,
     split_k: int | None = None,
+    tile: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Fused ``((act(geglu(x @ W^T + bias)) + residual) * out_scale`` on a token matrix ``x`` [M, K] -> [M, N].
 
@@ -354,7 +364,8 @@ def linear(
     (``packed=True``; pack once at load); N_w = 2N with ``geglu``, else N. ``bias``: ``[N_w]``. ``x``,
     ``residual`` [M, N] and ``out`` [M, N]: unit column stride, any row stride. Accumulation is fp32.
     ``split_k``: K slices summed by a second launch (fp32 partials) for few-tile, deep-K shapes; None picks by
-    size (tests force it).
+    size (tests force it). ``tile``: one of :func:`linear_tiles` (None: on CUDA its default for ``M``, in the
+    interpreter one small tile); the same tile gives the same bytes.
     """
     if x.dim() != 2:
         raise FastdiffError(f"linear input must be a 2-D token matrix [M, K], got shape {tuple(x.shape)}")
@@ -375,6 +386,8 @@ def linear(
     check_activation(activation)
     if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1):
         raise FastdiffError(f"split_k must be None or a positive int, got {split_k!r}")
+    if tile is not None:
+        _check_tile(tile)
     if bias is not None:
         if tuple(bias.shape) != (n_w,) or bias.device != x.device:
             raise FastdiffError(f"bias must have shape ({n_w},) on {x.device}, got {tuple(bias.shape)}")
@@ -412,19 +425,14 @@ def linear(
         x, weight, bias_arg, res, out, part, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), weight.stride(1), res.stride(0), out.stride(0), m * n_w, n_w, scale,
     )  # fmt: skip
-    if x.is_cuda:
-        in_place = residual is not None and residual.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
-        tuned = _TUNED_IN_PLACE if in_place and split == 1 else _TUNED
-        tuned[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), split)](
-            *args, **flags, PARTIAL=split > 1, GROUP_M=8, **pdl_launch(x.device)
-        )
-    else:
-        block_m, block_n, block_k, num_warps, num_stages = INTERPRETER_CONFIG
-        _linear_even_k[(triton.cdiv(m, block_m) * triton.cdiv(n, block_n), split)](
-            *args, **flags, PARTIAL=split > 1, GROUP_M=8,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
-            **pdl_launch(x.device),
-        )  # fmt: skip
+    if tile is None:
+        tile = linear_tiles(m)[0] if x.is_cuda else INTERPRETER_CONFIG
+    block_m, block_n, block_k, num_warps, num_stages = tile
+    _linear_even_k[(triton.cdiv(m, block_m) * triton.cdiv(n, block_n), split)](
+        *args, **flags, PARTIAL=split > 1, GROUP_M=8,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        **pdl_launch(x.device),
+    )  # fmt: skip
     if split > 1:
         _split_k_epilogue_kernel[(triton.cdiv(m, EPILOGUE_BLOCK), triton.cdiv(n, EPILOGUE_BLOCK))](
             part, bias_arg, res, out, m, n, split, m * n_w, n_w, res.stride(0), out.stride(0), scale,
