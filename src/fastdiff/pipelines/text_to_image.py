@@ -349,7 +349,7 @@ class TextToImagePipeline(EnginePipeline):
             run = self.sampler_for(name, steps, start_step(steps, strength), eta)
 
         seed_ids = seed_tensor(seed_list, self.device)
-        noise = initial_noise(seed_list, shape, self.device) if latents is None else latents.to(self.device)
+        noise = initial_noise(seed_ids, shape, self.device) if latents is None else latents.to(self.device)
         noise = noise.to(torch.float32)
         guided = scales[0] > 1
         context = self._text_states(prompts, negatives if guided else None, per_prompt)

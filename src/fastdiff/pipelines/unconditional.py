@@ -180,9 +180,9 @@ class Pipeline(EnginePipeline):
             if tuple(latents.shape) != (batch_size, *shape):
                 raise FastdiffError(f"latents have shape {tuple(latents.shape)}, expected {(batch_size, *shape)}")
             x_t = latents.to(device=self.device, dtype=torch.float32)
-        else:
-            x_t = initial_noise(seeds, shape, self.device)
         seed_ids = seed_tensor(seeds, self.device)
+        if latents is None:
+            x_t = initial_noise(seed_ids, shape, self.device)
         if self.backend == "engine":
             images = self.engine.sample(self.unet, sampler, x_t, seed_ids, self.dtype, cache_interval).clamp(-1, 1)
         else:

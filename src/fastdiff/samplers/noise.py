@@ -24,19 +24,24 @@ MAX_SEED = 2**63 - 1
 
 
 def seed_tensor(seeds: Sequence[int] | torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """Seeds as an int64 device vector; each must be an integer in 0..2^63 - 1."""
+    """Seeds as an int64 device vector; each must be an integer in 0..2^63 - 1 (checked on the host: a tensor
+    already on a GPU is taken as it is, since reading it back would wait for the GPU). A list reaches a GPU by an
+    asynchronous copy from pinned memory, so building the seeds of the next batch never waits for the current one."""
     if isinstance(seeds, torch.Tensor):
         if seeds.dtype.is_floating_point or seeds.dtype.is_complex or seeds.dtype == torch.bool:
             raise FastdiffError(f"seeds must be integers, got a {seeds.dtype} tensor")
         values = seeds.to(torch.int64).reshape(-1)
-        if values.numel() and bool((values < 0).any()):
+        if values.device.type == "cpu" and values.numel() and bool((values < 0).any()):
             raise FastdiffError(f"seeds must be in 0..{MAX_SEED}, got a negative seed")
         return values.to(device)
     values = list(seeds)
     for seed in values:
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
             raise FastdiffError(f"seeds must be integers in 0..{MAX_SEED}, got {seed!r}")
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    host = torch.tensor(values, dtype=torch.int64)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)  # the caching host allocator keeps it until copied
 
 
 def draw(seeds: torch.Tensor, counter: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -49,7 +54,7 @@ def draw(seeds: torch.Tensor, counter: int, shape: tuple[int, ...]) -> torch.Ten
 def initial_noise(
     seeds: Sequence[int] | torch.Tensor, shape: tuple[int, ...], device: torch.device | str
 ) -> torch.Tensor:
-    """Unit-variance x_T [B, *shape] (fp32) for ``seeds``."""
+    """Unit-variance x_T [B, *shape] (fp32) for ``seeds`` (a list, or :func:`seed_tensor`'s vector)."""
     return draw(seed_tensor(seeds, device), X_T_COUNTER, shape)
 
 
