@@ -39,6 +39,7 @@ from fastdiff.models.stable_diffusion import (
 )
 from fastdiff.pipelines.base import EnginePipeline, check_output_type, expand_seeds, load_plan, resolve_backend
 from fastdiff.pipelines.guidance_parallel import GuidanceSplit
+from fastdiff.pipelines.patch_parallel import DEFAULT_WARMUP, PatchSplit
 from fastdiff.samplers import SAMPLERS, Sampler, ScheduleConfig, initial_noise, make_sampler, run_sampler, seed_tensor
 from fastdiff.samplers.noise import draw
 
@@ -167,6 +168,8 @@ class TextToImagePipeline(EnginePipeline):
         self._text_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.guidance_split: GuidanceSplit | None = None
         """Set by ``split_guidance``: guided calls run half of each U-Net call in this process."""
+        self.patch_split: PatchSplit | None = None
+        """Set by ``split_patches``: every U-Net call runs on this process's band of the latent."""
         self.last_prompt_warnings: list[str] = []
         """The last call's prompt warnings (``encode_prompts``: unknown words, truncation), one line each."""
         self.sampler_for(sampler, steps)  # validates the name and step count now, not at the first call
@@ -258,7 +261,22 @@ class TextToImagePipeline(EnginePipeline):
             raise FastdiffError(
                 "guidance-parallel runs on the eager backend (backend='eager'): the engine's loop is not split yet"
             )
+        if self.patch_split is not None:
+            raise FastdiffError("guidance-parallel and patch-parallel do not combine: use one")
         self.guidance_split = GuidanceSplit(group)
+
+    def split_patches(self, group: torch.distributed.ProcessGroup | None = None, warmup: int = DEFAULT_WARMUP) -> None:
+        """Run every call as one of the processes of ``group`` (``fastdiff.pipelines.patch_parallel``): this rank
+        runs the U-Net on its band of the latent's rows, the others' activations from the previous step after
+        ``warmup`` synchronous steps; all ranks return the same images. Eager backend only; ``torch.distributed``
+        must be initialised with two or more processes."""
+        if self.backend != "eager":
+            raise FastdiffError(
+                "patch-parallel runs on the eager backend (backend='eager'): the engine's loop is not split yet"
+            )
+        if self.guidance_split is not None:
+            raise FastdiffError("guidance-parallel and patch-parallel do not combine: use one")
+        self.patch_split = PatchSplit(group, warmup)
 
     @torch.no_grad()
     def __call__(
@@ -310,6 +328,8 @@ class TextToImagePipeline(EnginePipeline):
         step_cache.check(self.unet, cache_interval)
         if self.guidance_split is not None and cache_interval > 1:
             raise FastdiffError("guidance-parallel runs every step in full: use cache_interval=1")
+        if self.patch_split is not None and cache_interval > 1:
+            raise FastdiffError("patch-parallel runs every step in full: use cache_interval=1")
         prompts = [prompt] if isinstance(prompt, str) else prompt
         if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
             raise FastdiffError(f"prompt must be a string or a non-empty list of strings, got {prompt!r}")
@@ -340,6 +360,8 @@ class TextToImagePipeline(EnginePipeline):
                 raise FastdiffError(f"height x width {height}x{width} differ from the init image's {image_h}x{image_w}")
             height, width = image_h, image_w
         shape = self.latent_shape(height, width)
+        if self.patch_split is not None:
+            self.patch_split.check_height(self.unet, shape[1])
         if latents is not None and tuple(latents.shape) != (count, *shape):
             raise FastdiffError(f"latents have shape {tuple(latents.shape)}, expected {(count, *shape)}")
         steps = self.steps if steps is None else steps
@@ -372,7 +394,7 @@ class TextToImagePipeline(EnginePipeline):
             home = self.unet.conv_in.weight.device  # the engine backend keeps the U-Net in host memory
             try:
                 unet = self.unet.to(self.device)
-                split = self.guidance_split if guided else None
+                split = self.patch_split or (self.guidance_split if guided else None)
                 x0 = denoise(unet, run, x, context, guidance, seed_ids, self.dtype, progress, cache_interval, split)
             finally:
                 self.unet.to(home)
@@ -437,14 +459,19 @@ def denoise(
     model_dtype: torch.dtype,
     progress: bool = False,
     cache_interval: int = 1,
-    split: GuidanceSplit | None = None,
+    split: GuidanceSplit | PatchSplit | None = None,
 ) -> torch.Tensor:
     """Run ``sampler`` from state ``x`` (fp32 [B, ...]) conditioned on text states ``context``; returns the clean
     latents. With ``guidance`` [B] the U-Net sees [x; x] against ``context`` = [uncond; cond] (2B rows) and the
     sampler step combines the halves; step noise is drawn from ``seeds``. ``cache_interval`` N > 1: step caching
     (``fastdiff.models.step_cache.cached_forward``). ``split``: this process computes one half of each guided
-    U-Net call and gathers the other (``fastdiff.pipelines.guidance_parallel``)."""
+    U-Net call and gathers the other (``fastdiff.pipelines.guidance_parallel``), or one band of the latent's rows
+    (``fastdiff.pipelines.patch_parallel``)."""
     context = context.to(model_dtype)
+    if isinstance(split, PatchSplit):
+        with split.run(unet) as wrap:
+            model = wrap(lambda inp, t: unet(inp, t, context))
+            return run_sampler(model, sampler, x, seeds, model_dtype, guidance, progress=progress)
     if split is not None:
         model = split.wrap(lambda inp, t, rows: unet(inp, t, context[rows]))
     elif step_cache.check(unet, cache_interval) > 1:
