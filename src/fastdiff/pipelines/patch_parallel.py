@@ -223,12 +223,12 @@ class PatchSplit:
             raise FastdiffError(f"patch-parallel splits a UNet2DConditionModel, got {type(unet).__name__}")
         import torch.distributed as dist
 
-        world = dist.get_world_size(self.group)
-        step = world * 2 ** (len(unet.config.block_out_channels) - 1)
+        world, halvings = dist.get_world_size(self.group), len(unet.config.block_out_channels) - 1
+        step = world * 2**halvings
         if height % step:
             raise FastdiffError(
                 f"patch-parallel on {world} processes needs a latent height that is a multiple of {step} "
-                f"({world} bands, halved at each of {len(unet.config.block_out_channels) - 1} downsamplers); got {height}"
+                f"({world} bands, halved at each of {halvings} downsamplers); got {height}"
             )
 
     @contextmanager
