@@ -148,7 +148,7 @@ def test_process_encoders_write_the_same_bytes_as_threads(tmp_path, monkeypatch)
 
 
 def test_engine_is_built_before_the_timed_rounds(tmp_path):
-    """``prepare_engine`` (one process): one call at the job's batch size, seed 0, nothing kept, so the engine's
+    """``prepare_engine`` (one process): one call at the first chunk's size, seed 0, nothing kept, so the engine's
     build (plan or tuning, first forward, graph capture) counts as setup, not as sampling time."""
     calls = []
 
@@ -158,6 +158,5 @@ def test_engine_is_built_before_the_timed_rounds(tmp_path):
         def __call__(self, **kwargs):
             calls.append(kwargs)
 
-    config = generate_module.GenerateConfig("m", 600, tmp_path, batch=256, progress=False)
-    generate_module.prepare_engine(FakePipe(), config, generate_module.Ranks(0, 1, "cpu", owns_group=False), None)
+    generate_module.prepare_engine(FakePipe(), 256, generate_module.Ranks(0, 1, "cpu", owns_group=False), None)
     assert calls == [{"batch_size": 256, "seeds": 0, "output_type": "tensor", "progress": False}]

@@ -778,18 +778,19 @@ def image_shape(pipe) -> tuple[int, int, int]:
     return (pipe.vae.config.out_channels, *pipe.default_size)
 
 
-def prepare_engine(pipe, config: GenerateConfig, ranks: Ranks, job: PromptJob | None) -> None:
-    """Build the engine's forward at the job's batch size on every rank before the timed rounds: rank 0 first (from
+def prepare_engine(pipe, batch: int, ranks: Ranks, job: PromptJob | None) -> None:
+    """Build the engine's forward at ``batch`` (the first pending chunk's size) on every rank before the timed
+    rounds: rank 0 first (from
     ``--plan``, a shipped or cached plan, or by tuning), then the others on rank 0's kernel plan (one plan, the same
     kernels, the same bytes on any number of ranks); all ranks leave together, so no rank's round 0 waits for
     another's build."""
     if ranks.world_size == 1:
-        warm_up(pipe, config, job)
+        warm_up(pipe, batch, job)
         return
     from fastdiff.engine.kernel_plan import KernelPlan
 
     def rank0_plan() -> dict[str, Any]:
-        warm_up(pipe, config, job)
+        warm_up(pipe, batch, job)
         return pipe.engine.used_plan.to_json()
 
     shared = ranks.on_rank0(rank0_plan)
@@ -797,21 +798,21 @@ def prepare_engine(pipe, config: GenerateConfig, ranks: Ranks, job: PromptJob | 
     if ranks.rank != 0:
         try:
             pipe.plan = KernelPlan.from_json(shared, "rank 0's kernel plan")
-            warm_up(pipe, config, job)
+            warm_up(pipe, batch, job)
         except Exception as exc:
             log.exception("rank %d: building the engine failed", ranks.rank)
             error = f"building the engine failed: {one_line(exc)}"
     ranks.agree(error)
 
 
-def warm_up(pipe, config: GenerateConfig, job: PromptJob | None) -> None:
-    """One call at the job's batch size (seed 0, nothing kept): the engine builds that batch's forward and graphs."""
+def warm_up(pipe, batch: int, job: PromptJob | None) -> None:
+    """One call of ``batch`` images (seed 0, nothing kept): the engine builds that batch's forward and graphs."""
     if job is None:
-        pipe(batch_size=config.batch, seeds=0, output_type="tensor", progress=False)
+        pipe(batch_size=batch, seeds=0, output_type="tensor", progress=False)
     else:
         first = job.image(0)
         pipe(
-            [first.prompt] * config.batch, negative_prompt=first.negative_prompt, guidance_scale=first.guidance,
+            [first.prompt] * batch, negative_prompt=first.negative_prompt, guidance_scale=first.guidance,
             seeds=0, output_type="tensor", progress=False,
         )  # fmt: skip
 
@@ -1195,7 +1196,8 @@ def generate_on(config: GenerateConfig, ranks: Ranks, job: PromptJob | None = No
         (config.out_dir / probe).unlink(missing_ok=True)
     plan = ranks.on_rank0(lambda: plan_job(config, job_identity(config, image_shape(pipe), job)))
     if pipe.backend == "engine" and plan.pending:  # the engine's forward is built here, not in the timed rounds
-        prepare_engine(pipe, config, ranks, job)
+        first = plan.pending[0]
+        prepare_engine(pipe, min(config.batch, first.stop - first.start), ranks, job)
     setup_seconds = time.perf_counter() - setup_start
     if ranks.rank == 0:
         log.info(

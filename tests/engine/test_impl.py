@@ -140,7 +140,8 @@ def test_every_candidate_name_round_trips(monkeypatch, model, batch, dtype):
     "name",
     ["", "TRITON", "triton-", "triton-k1", "triton-k03", "triton-gn-sc", "triton-gn-st", "gluon-gn", "gluon-sc-p2",
      "triton-p2", "cudnn-k2", "triton-tma-sc", "triton-fp8", "triton-kv1", "triton-sc-kv2", "triton-rows-k2",
-     "triton-c0", "fused-sc", "winograd", "triton-fold"],
+     "triton-c0", "fused-sc", "winograd", "triton-fold", "cudnn-t64x64x4x2", "triton-k2-t64x64x4x2",
+     "triton-rows-t64x64x64x4x2", "triton-kv2-t64x64x64x4x2", "triton-t64x64x4", "triton-t064x64x4x2"],
 )  # fmt: skip
 def test_bad_names_are_one_line_errors(name):
     with pytest.raises(FastdiffError, match="unknown implementation") as err:

@@ -149,7 +149,10 @@ def test_every_tile_matches_ref_and_repeats(case: tuple) -> None:
                                                                                    tile=tiles[0]))  # fmt: skip
 
 
-@pytest.mark.parametrize("tile", [(64, 64, 4), (48, 64, 4, 2), (64, 64, 4, 0), (64.0, 64, 4, 2), [64, 64, 4, 2]])
+@pytest.mark.parametrize(
+    "tile",
+    [(64, 64, 4), (48, 64, 4, 2), (64, 64, 4, 0), (64.0, 64, 4, 2), [64, 64, 4, 2], (256, 64, 4, 2), (8, 64, 4, 2)],
+)
 def test_bad_tile_raises_one_line(tile) -> None:
     q = torch.randn(1, 1, 8, 16)
     with pytest.raises(FastdiffError, match="tile must be") as info:

@@ -105,6 +105,8 @@ class Impl:
             return "tile is () or 4 or 5 positive ints"
         if self.tile and (self.kernel != "triton" or schedules[0] or self.lanes is not None):
             return "a tile is the Triton attention or token GEMM kernel's (no fusions, split_k or lanes)"
+        if len(self.tile) == 5 and (self.rows or self.split_kv > 1):
+            return "an attention schedule's tile has 4 numbers (a token GEMM's 5)"
         return None
 
     @property

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.runtime.errors import OutOfResources
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources, PTXASError
 
 from fastdiff.atomic import write_text_atomic
 from fastdiff.engine.candidates import candidates
@@ -95,6 +96,11 @@ def tuning_key(model: BoundModel, op: Op) -> str:
     return repr((op.kind, values, sorted(params.items()), str(model.dtype), gpu, *versions))
 
 
+def one_line_error(err: Exception) -> str:
+    """The first line of an error (Triton's compile errors span many)."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
 def candidate_times(model: BoundModel, op: Op, impls: tuple[Impl, ...], reps: int) -> dict[Impl, float]:
     """Microseconds of each of ``op``'s implementations ``impls``: the tuning cache's, the missing ones timed now
     (then ``model.ops_timed`` counts the op). One that does not fit this GPU (Triton's ``OutOfResources``: e.g. the
@@ -104,8 +110,8 @@ def candidate_times(model: BoundModel, op: Op, impls: tuple[Impl, ...], reps: in
     for impl in missing:
         try:
             known[impl.name] = time_call_us(model.call(op, impl), reps)
-        except OutOfResources as err:
-            log.info("%s: %s does not fit this GPU (%s)", op.name, impl, err)
+        except (OutOfResources, PTXASError, CompilationError) as err:  # a tile that does not fit or compile here
+            log.info("%s: %s does not fit this GPU (%s)", op.name, impl, one_line_error(err))
             known[impl.name] = math.inf
     model.ops_timed += bool(missing)
     return {impl: known[impl.name] for impl in impls}

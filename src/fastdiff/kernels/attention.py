@@ -368,10 +368,11 @@ def _check_tile(tile: object) -> tuple[int, int, int, int]:
         or len(tile) != 4
         or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in tile)
         or any(x & (x - 1) for x in tile[:3])
+        or not 16 <= tile[0] <= 128
     ):
         raise FastdiffError(
-            f"tile must be (BLOCK_M, BLOCK_N, num_warps, num_stages): positive ints, the first three powers of 2; "
-            f"got {tile!r}"
+            f"tile must be (BLOCK_M, BLOCK_N, num_warps, num_stages): positive ints, the first three powers of 2, "
+            f"BLOCK_M 16 to 128 (the split-KV workspace holds 128-row blocks); got {tile!r}"
         )
     return tile
 

@@ -364,8 +364,8 @@ def linear(
     (``packed=True``; pack once at load); N_w = 2N with ``geglu``, else N. ``bias``: ``[N_w]``. ``x``,
     ``residual`` [M, N] and ``out`` [M, N]: unit column stride, any row stride. Accumulation is fp32.
     ``split_k``: K slices summed by a second launch (fp32 partials) for few-tile, deep-K shapes; None picks by
-    size (tests force it). ``tile``: one of :func:`linear_tiles` (None: on CUDA its default for ``M``, in the
-    interpreter one small tile); the same tile gives the same bytes.
+    size (tests force it). ``tile``: one of :func:`linear_tiles` (None: on CUDA its default for ``M``, the small
+    tile for fp32, in the interpreter one small tile); the same tile gives the same bytes.
     """
     if x.dim() != 2:
         raise FastdiffError(f"linear input must be a 2-D token matrix [M, K], got shape {tuple(x.shape)}")
@@ -425,8 +425,14 @@ def linear(
         x, weight, bias_arg, res, out, part, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), weight.stride(1), res.stride(0), out.stride(0), m * n_w, n_w, scale,
     )  # fmt: skip
-    if tile is None:
-        tile = linear_tiles(m)[0] if x.is_cuda else INTERPRETER_CONFIG
+    if tile is None:  # fp32 on CUDA: the small tile (the large ones need ~200 KB of shared memory in fp32)
+        tile = (
+            INTERPRETER_CONFIG
+            if not x.is_cuda
+            else TUNING_CONFIGS[-1]
+            if x.dtype == torch.float32
+            else linear_tiles(m)[0]
+        )
     block_m, block_n, block_k, num_warps, num_stages = tile
     _linear_even_k[(triton.cdiv(m, block_m) * triton.cdiv(n, block_n), split)](
         *args, **flags, PARTIAL=split > 1, GROUP_M=8,
