@@ -81,3 +81,48 @@ def test_two_ranks_agree_and_match_one_process(tmp_path):
         else:  # the other bands' activations one step old: close to, not equal to, one process's
             assert (rank0 - alone).abs().max() > 1e-3
             assert 20 < psnr(rank0, alone) < 40
+
+
+def test_cli_refuses_before_loading(tmp_path, capsys, monkeypatch):
+    """Without torchrun, combined with --guidance-parallel, --patch-warmup alone, without a prompt: one line,
+    exit 2, nothing written."""
+    from fastdiff.cli import main
+
+    out = tmp_path / "pp.png"
+    base = ["sample", "--model", MODEL, "--out", str(out), "--steps", "2", "--device", "cpu", "--prompt", "bag"]
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main([*base, "--patch-parallel"]) == 2
+    assert "torchrun --nproc-per-node N" in capsys.readouterr().err
+    assert main([*base, "--patch-parallel", "--guidance-parallel"]) == 2
+    assert "do not combine" in capsys.readouterr().err
+    assert main([*base, "--patch-warmup", "2"]) == 2
+    assert "--patch-warmup needs --patch-parallel" in capsys.readouterr().err
+    assert main([*base[:-2], "--patch-parallel"]) == 2
+    assert "--patch-parallel needs --prompt" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_cli_under_torchrun_matches_one_process(tmp_path):
+    """``torchrun --nproc-per-node 2 ... sample --patch-parallel --patch-warmup STEPS`` (every exchange synchronous):
+    the one-process PNGs up to one grey level; the parameters say how it ran; rank 1 writes nothing."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+    from torchrun_helpers import torchrun
+
+    from fastdiff.cli import main
+    from fastdiff.images import PNG_PARAMETERS_KEY
+
+    flags = ["--model", MODEL, "--prompt", PROMPTS[0], "--guidance", "3", "--batch", "2", "--steps", "3",
+             "--device", "cpu", "--no-progress"]  # fmt: skip
+    proc = torchrun("-m", "fastdiff.cli", "sample", *flags, "--patch-parallel", "--patch-warmup", "3",
+                    "--out", str(tmp_path / "pp.png"), "--save-dir", str(tmp_path / "pp"), timeout_s=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert main(["sample", *flags, "--out", str(tmp_path / "one.png"), "--save-dir", str(tmp_path / "one")]) == 0
+    for name in ("000000.png", "000001.png"):
+        split, alone = (np.asarray(Image.open(tmp_path / d / name), dtype=np.int16) for d in ("pp", "one"))
+        assert np.abs(split - alone).max() <= 1
+    params = json.loads(Image.open(tmp_path / "pp.png").text[PNG_PARAMETERS_KEY])
+    assert params["patch_parallel"] == {"processes": 2, "warmup_steps": 3}

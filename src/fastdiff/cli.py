@@ -136,6 +136,22 @@ def add_sample_arguments(p: argparse.ArgumentParser) -> None:
         "--nproc-per-node 2: one GPU each, cuda:LOCAL_RANK; gloo on the CPU); both give the same images, rank 0 "
         "writes them. Eager backend (the engine's loop is not split yet)",
     )
+    p.add_argument(
+        "--patch-parallel",
+        action="store_true",
+        default=None,
+        help="split the latent's rows over the processes of a torchrun launch (--nproc-per-node N: one GPU each; "
+        "gloo on the CPU): each runs the U-Net on its band (DistriFusion); after --patch-warmup synchronous steps "
+        "the other bands' activations are one step old, which changes the image slightly. All give the same "
+        "images, rank 0 writes them. Eager backend",
+    )
+    p.add_argument(
+        "--patch-warmup",
+        type=positive_int,
+        default=None,
+        help="synchronous steps before --patch-parallel's exchanges go stale (default 4; >= --steps: the one-process "
+        "image, up to rounding)",
+    )
     size_help = "image {}, a multiple of 8 (default: the model's sample size x the VAE's scale factor, 8 for SD)"
     p.add_argument("--height", type=positive_int, default=None, help=size_help.format("height"))
     p.add_argument("--width", type=positive_int, default=None, help=size_help.format("width"))
@@ -178,7 +194,10 @@ def check_batch_fits(batch: int, sample_shape: tuple[int, ...], device: torch.de
         )
 
 
-TEXT_FLAGS = ("negative_prompt", "guidance", "height", "width", "init_image", "strength", "guidance_parallel")
+TEXT_FLAGS = (
+    "negative_prompt", "guidance", "height", "width", "init_image", "strength", "guidance_parallel", "patch_parallel",
+    "patch_warmup",
+)  # fmt: skip
 """``fastdiff sample`` flags that only apply with --prompt."""
 DEFAULT_STRENGTH = 0.6
 
@@ -233,14 +252,19 @@ def run_sample(args: argparse.Namespace) -> int:
     if args.save_dir is not None:
         check_output_location(args.save_dir, "--save-dir", folder=True)
     init_image = check_text_flags(args)
+    if args.patch_warmup is not None and not args.patch_parallel:
+        raise FastdiffError("--patch-warmup needs --patch-parallel")
+    if args.guidance_parallel and args.patch_parallel:
+        raise FastdiffError("--guidance-parallel and --patch-parallel do not combine: use one")
+    split = "--guidance-parallel" if args.guidance_parallel else "--patch-parallel" if args.patch_parallel else None
     device, backend, rank = args.device, None, 0
-    if args.guidance_parallel:
-        device, rank = start_guidance_parallel(args)
+    if split is not None:
+        device, rank = start_parallel(args, split)
         backend = "eager"
     try:
         return sample_and_write(args, init_image, device, backend, rank)
     finally:
-        if args.guidance_parallel:
+        if split is not None:
             import torch.distributed as dist
 
             dist.destroy_process_group()
@@ -258,6 +282,10 @@ def sample_and_write(args: argparse.Namespace, init_image: Any, device: str, bac
     )  # fmt: skip
     if args.guidance_parallel:
         pipe.split_guidance()
+    if args.patch_parallel:
+        from fastdiff.pipelines.patch_parallel import DEFAULT_WARMUP
+
+        pipe.split_patches(warmup=args.patch_warmup or DEFAULT_WARMUP)
     params: dict[str, Any] = {"model": str(args.model), "sampler": args.sampler, "steps": pipe.steps, "eta": args.eta}
     if args.karras:
         params["karras"] = True
@@ -300,8 +328,13 @@ def sample_and_write(args: argparse.Namespace, init_image: Any, device: str, bac
         params.update(width=images[0].width, height=images[0].height)
     if args.guidance_parallel:
         params["guidance_parallel"] = True
-        if rank != 0:  # both ranks hold the same images: rank 0 writes them
-            return 0
+    if args.patch_parallel:
+        import torch.distributed as dist
+
+        warmup = pipe.patch_split.warmup
+        params["patch_parallel"] = {"processes": dist.get_world_size(), "warmup_steps": warmup}
+    if (args.guidance_parallel or args.patch_parallel) and rank != 0:  # all ranks hold the same images
+        return 0
     seconds = time.perf_counter() - start
     if pipe.plan_digest is not None:  # the engine's kernels: equal digests, equal kernels
         params["kernel_plan"] = pipe.plan_digest
@@ -332,22 +365,28 @@ def sample_and_write(args: argparse.Namespace, init_image: Any, device: str, bac
     return 0
 
 
-GUIDANCE_PARALLEL_TIMEOUT_S = 600
-"""How long a --guidance-parallel rank waits for the other in a collective (both load the model first)."""
+PARALLEL_TIMEOUT_S = 600
+"""How long a --guidance-parallel or --patch-parallel rank waits for the others in a collective (all load the model
+first)."""
 
 
-def start_guidance_parallel(args: argparse.Namespace) -> tuple[str, int]:
-    """Checks for --guidance-parallel (before loading), then this process's device (``cuda:LOCAL_RANK`` when
-    --device is auto and a GPU is present) and the joined torch.distributed group (NCCL on GPUs, gloo on the CPU);
-    returns (device, rank)."""
-    from fastdiff.pipelines.guidance_parallel import check_launch
+def start_parallel(args: argparse.Namespace, split: str) -> tuple[str, int]:
+    """Checks for --guidance-parallel or --patch-parallel (``split``; before loading), then this process's device
+    (``cuda:LOCAL_RANK`` when --device is auto and a GPU is present) and the joined torch.distributed group (NCCL on
+    GPUs, gloo on the CPU); returns (device, rank)."""
+    if split == "--guidance-parallel":
+        from fastdiff.pipelines.guidance_parallel import check_launch
 
-    check_launch()
-    guidance = DEFAULT_GUIDANCE if args.guidance is None else args.guidance
-    if guidance <= 1:
-        raise FastdiffError(f"--guidance-parallel splits classifier-free guidance: --guidance {guidance} is off")
+        check_launch()
+        guidance = DEFAULT_GUIDANCE if args.guidance is None else args.guidance
+        if guidance <= 1:
+            raise FastdiffError(f"--guidance-parallel splits classifier-free guidance: --guidance {guidance} is off")
+    else:
+        from fastdiff.pipelines.patch_parallel import check_launch as check_patch_launch
+
+        check_patch_launch()
     if args.cache_interval > 1:
-        raise FastdiffError("--guidance-parallel runs every step in full: drop --cache-interval")
+        raise FastdiffError(f"{split} runs every step in full: drop --cache-interval")
     import datetime
 
     import torch
@@ -363,8 +402,8 @@ def start_guidance_parallel(args: argparse.Namespace) -> tuple[str, int]:
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(local_rank)
     elif device != "cpu":
-        raise FastdiffError(f"--guidance-parallel takes --device auto, cuda or cpu (rank r: GPU r), got {device}")
-    timeout = datetime.timedelta(seconds=GUIDANCE_PARALLEL_TIMEOUT_S)
+        raise FastdiffError(f"{split} takes --device auto, cuda or cpu (rank r: GPU r), got {device}")
+    timeout = datetime.timedelta(seconds=PARALLEL_TIMEOUT_S)
     dist.init_process_group("nccl" if device != "cpu" else "gloo", timeout=timeout)
     return device, dist.get_rank()
 
