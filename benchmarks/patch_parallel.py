@@ -1,0 +1,145 @@
+"""One text-to-image image split over GPUs by rows (``--patch-parallel``) against one GPU: time per image and PSNR.
+
+    python benchmarks/patch_parallel.py --model sd15 --size 1024 --work W one          # one GPU: W/one.pt + timing
+    torchrun --nproc-per-node 2 benchmarks/patch_parallel.py --model sd15 --size 1024 --work W split
+    python benchmarks/patch_parallel.py --model sd15 --size 1024 --work W report --out result.json
+
+The same prompt, seeds, sampler and steps each time (eager backend, as patch-parallel runs; the presets' random
+weights when no weights exist). ``split`` runs the warm-up counts of ``--warmups`` (synchronous steps before the
+exchanges go stale; ``--steps`` means always synchronous) and saves rank 0's images; ``report`` compares each with
+the one-GPU images (PSNR over [-1, 1] images, peak 2) and writes the timings, the environment and the git sha.
+Timings: a warm-up call, then the median of ``--repeats`` calls (CUDA-synchronised wall time per call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def timed_calls(pipe, call: dict, repeats: int) -> tuple[list[float], object]:
+    from fastdiff.devices import synchronize
+
+    images = pipe(**call)  # warm-up: allocator, cuDNN / cuBLAS plans
+    times = []
+    for _ in range(repeats):
+        synchronize(pipe.device)
+        start = time.perf_counter()
+        images = pipe(**call)
+        synchronize(pipe.device)
+        times.append(time.perf_counter() - start)
+    return times, images
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=("one", "split", "report"))
+    p.add_argument("--model", default="sd15")
+    p.add_argument("--size", type=int, default=1024, help="image height and width (pixels)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--sampler", default="ddim")
+    p.add_argument("--guidance", type=float, default=7.5)
+    p.add_argument("--prompt", default="a lighthouse on a cliff at sunset, oil painting")
+    p.add_argument("--dtype", default="fp16")
+    p.add_argument("--device", default="cuda", help="cuda (rank r: GPU r), or cpu to dry-run the flow (gloo)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmups", default="4,20", help="comma-separated synchronous step counts to run")
+    p.add_argument("--work", type=Path, required=True, help="folder for the images and timings")
+    p.add_argument("--out", type=Path, default=None, help="report: the result JSON")
+    args = p.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.mode == "report":
+        return report(args)
+
+    import torch
+
+    import fastdiff
+
+    call = dict(prompt=args.prompt, guidance_scale=args.guidance, seeds=0, steps=args.steps, sampler=args.sampler,
+                height=args.size, width=args.size, output_type="tensor", progress=False)  # fmt: skip
+    if args.mode == "one":
+        pipe = fastdiff.Pipeline.from_pretrained(args.model, device=args.device, dtype=args.dtype, backend="eager")
+        times, images = timed_calls(pipe, call, args.repeats)
+        torch.save(images.cpu(), args.work / "one.pt")
+        (args.work / "one.json").write_text(json.dumps({"seconds": times}))
+        return None
+    import torch.distributed as dist
+
+    device = args.device
+    if device == "cuda":
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device != "cpu" else "gloo")
+    try:
+        pipe = fastdiff.Pipeline.from_pretrained(args.model, device=device, dtype=args.dtype, backend="eager")
+        runs = {}
+        for warmup in (int(w) for w in args.warmups.split(",")):
+            pipe.split_patches(warmup=warmup)
+            times, images = timed_calls(pipe, call, args.repeats)
+            runs[warmup] = times
+            if dist.get_rank() == 0:
+                torch.save(images.cpu(), args.work / f"split-warmup{warmup}.pt")
+        if dist.get_rank() == 0:
+            (args.work / "split.json").write_text(json.dumps({"world": dist.get_world_size(), "seconds": runs}))
+    finally:
+        dist.destroy_process_group()
+    return None
+
+
+def report(args: argparse.Namespace) -> None:
+    import torch
+
+    from fastdiff.atomic import write_text_atomic
+    from fastdiff.bench.env import environment
+
+    one = json.loads((args.work / "one.json").read_text())
+    split = json.loads((args.work / "split.json").read_text())
+    alone = torch.load(args.work / "one.pt").double()
+    t_one = statistics.median(one["seconds"])
+    rows = []
+    for warmup, times in split["seconds"].items():
+        images = torch.load(args.work / f"split-warmup{warmup}.pt").double()
+        mse = (images - alone).square().mean().item()
+        t = statistics.median(times)
+        psnr = 10 * torch.log10(torch.tensor(4 / mse)).item() if mse > 0 else float("inf")
+        rows.append({
+            "warmup_steps": int(warmup), "seconds_median": round(t, 4), "seconds": times,
+            "speedup": round(t_one / t, 3), "psnr_db": round(psnr, 2),
+            "max_abs": round((images - alone).abs().max().item(), 4),
+        })  # fmt: skip
+    result = {
+        "what": "one text-to-image image, the latent's rows split over GPUs (fastdiff --patch-parallel, eager "
+        "backend) against one GPU: median seconds per image and PSNR of the split image against the one-GPU image",
+        "env": environment(),
+        "model": args.model,
+        "random_weights": args.model in ("sd15", "sd21"),
+        "settings": {
+            "size": args.size,
+            "steps": args.steps,
+            "sampler": args.sampler,
+            "guidance": args.guidance,
+            "dtype": args.dtype,
+            "repeats": args.repeats,
+            "prompt": args.prompt,
+        },  # fmt: skip
+        "processes": split["world"],
+        "one_gpu_seconds_median": round(t_one, 4),
+        "one_gpu_seconds": one["seconds"],
+        "split": rows,
+    }
+    text = json.dumps(result, indent=1) + "\n"
+    if args.out is not None:
+        write_text_atomic(args.out, text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

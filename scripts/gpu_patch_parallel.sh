@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One call on a 2-GPU host: one text-to-image image split over 2 GPUs by rows (--patch-parallel) against one GPU,
+# at SD 1.5 1024x1024 and SD 2.1 768x768 (random weights: no SD weights exist here), DDIM 20, guidance 7.5, fp16,
+# eager backend; warm-up 4 (stale exchanges after 4 synchronous steps) and 20 (always synchronous).
+#   FASTDIFF_GIT_SHA=<sha> bash scripts/gpu_patch_parallel.sh     (repo root on the GPU machine)
+# Results: $OUT/patch-parallel-<model>-<size>-<gpu>.json (benchmarks/patch_parallel.py report).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH="src" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+[ -n "${FASTDIFF_GIT_SHA:-}" ] || echo "warning: FASTDIFF_GIT_SHA is unset" >&2
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')
+for job in ${JOBS:-sd15:1024 sd21:768}; do
+    model=${job%%:*} size=${job##*:} work=$(mktemp -d)
+    flags=(--model "$model" --size "$size" --work "$work" --repeats "${REPEATS:-3}")
+    echo "== $model ${size}px: one GPU"
+    timeout 240 python3 benchmarks/patch_parallel.py one "${flags[@]}" 2>&1 | tail -n 2
+    echo "== $model ${size}px: two GPUs"
+    timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/patch_parallel.py split \
+        "${flags[@]}" 2>&1 | tail -n 2
+    python3 benchmarks/patch_parallel.py report "${flags[@]}" --out "$OUT/patch-parallel-$model-$size-$gpu.json" \
+        | python3 -c "import json,sys; d=json.load(sys.stdin); print(d['one_gpu_seconds_median'], d['split'])"
+done
