@@ -41,6 +41,7 @@ lowerings' and kernels' (:mod:`fastdiff.engine.ir`).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -63,6 +64,7 @@ from fastdiff.engine.lower import lowering_for
 from fastdiff.engine.plan import BufferSpec, MemoryPlan, plan_memory
 from fastdiff.engine.shortcut import SHORTCUT
 from fastdiff.engine.tuning import (
+    ConcurrentLaunches,
     choose_impls,
     compile_candidates,
     load_tuning_cache,
@@ -310,22 +312,34 @@ class FusedModel:
         """The first forward, interleaved with the weight upload: for each module, pack its weights on the host
         and queue their copy on the copy stream, then queue its compute behind that module's event only. The
         GPU runs module k while the host packs and the copy engine uploads modules k+1, ... (the context-stage
-        ops run in model order too, on the context set so far). Its kernels compile one after another: launched
-        from several host threads (``ConcurrentLaunches``) and run again in model order, the first forward compiled
-        1.7x faster from empty caches on the H100 but made the images of later sampling differ between processes
-        (241 of 256 at ddpm-cifar10 batch 256; git 735dba6, cause not found; docs/engine/kernel-plans.md).
+        ops run in model order too, on the context set so far). Its kernels compile one after another unless
+        ``FASTDIFF_COMPILE_THREADS`` > 1 (opt-in, :class:`fastdiff.engine.tuning.ConcurrentLaunches`): then the ops
+        launch from that many host threads, so their kernels compile at once, and run again in model order. That
+        compiled the first forward 1.7x faster from empty caches on the H100 but made images differ between
+        processes (241 of 256 at ddpm-cifar10 batch 256, git 735dba6), most likely through the tiles Triton's
+        autotuner then timed under contention, which the kernels no longer do (git 01c5d7c); not re-measured yet
+        (docs/engine/kernel-plans.md).
         """
         self._check_input(x_in)
         self._x_in, self.tensors = x_in, {}
-        for op in self.ops:
-            packed = host_weights(op, self.dtype, self.device, self.conv_impl, taps_fit(self, op))
-            self.device_weights[op.name] = self.streamer.submit(op.name, packed)
-            op.weights = {}  # the fp32 source copies are no longer needed
-            self.streamer.wait(op.name)
-            if op.name not in self.impls:
-                self.impls[op.name] = candidates(self, op)[0]
-            self.call(op, self._first_forward_impl(op))()
+        with ConcurrentLaunches(self.device) as launches:
+            for op in self.ops:
+                packed = host_weights(op, self.dtype, self.device, self.conv_impl, taps_fit(self, op))
+                self.device_weights[op.name] = self.streamer.submit(op.name, packed)
+                op.weights = {}  # the fp32 source copies are no longer needed
+                if op.name not in self.impls:
+                    self.impls[op.name] = candidates(self, op)[0]
+                call = self.call(op, self._first_forward_impl(op))
+                launches.submit(functools.partial(self._after_upload, op.name, call))
         self.bind(x_in)
+        if launches.concurrent:  # the threads launched the ops in any order: the forward again, in model order
+            for call in (*self._context_calls, *self._calls):
+                call()
+
+    def _after_upload(self, name: str, call: Callable[[], None]) -> None:
+        """``call`` on the current stream once op ``name``'s weights are on the device."""
+        self.streamer.wait(name)
+        call()
 
     def _first_forward_impl(self, op: Op) -> Impl:
         """``op``'s implementation in the streamed first forward: a fusion that may not run there

@@ -124,9 +124,10 @@ TUNE_COMPILE_THREADS = 16
 
 def compile_threads() -> int:
     """Threads :class:`ConcurrentLaunches` uses: ``FASTDIFF_COMPILE_THREADS``, else 1. A process that samples
-    compiles one kernel at a time: on the H100 (git 735dba6), candidates compiled on 16 threads in the process
-    that then sampled, and a first forward launched from 16 threads, made images differ between processes; the
-    cause was not found. ``fastdiff tune`` (which samples nothing) sets :data:`TUNE_COMPILE_THREADS`."""
+    compiles one kernel at a time by default: on the H100 (git 735dba6), a first forward launched from 16 threads
+    made images differ between processes, most likely through the tiles Triton's autotuner timed under contention
+    (the kernels take their tiles from the kernel plan since git 01c5d7c; not re-measured). ``fastdiff tune``
+    (which samples nothing) sets :data:`TUNE_COMPILE_THREADS`."""
     value = os.environ.get("FASTDIFF_COMPILE_THREADS", "").strip()
     if value:
         try:
