@@ -8,7 +8,7 @@
 #   1. the random SD 1.5 directory (fp16 safetensors) and a file of 100 prompts;
 #   2. the engine's own end-to-end time for one image: the pipeline fastdiff serve loads, called directly
 #      (sequential batch-1 calls, prompt to PIL image; PNG encoding timed apart);
-#   3. fastdiff serve --warmup (engine, fp16, max batch 8 images = 16 U-Net rows, batches run at 1,2,4,8):
+#   3. fastdiff serve --warmup (engine, fp16, max batch 8 images = 16 U-Net rows, batches run at 1 or 8):
 #      loadtest at 1, 8 and 32 clients, then 2x overload (2 x (max batch + queue) clients) and 4 requests after it;
 #      the server's RSS and GPU memory sampled when ready, before and after the overload, and at the end;
 #   4. the reference server: the same loadtests at 1, 8 and 32 clients, memory when ready and at the end;
@@ -27,7 +27,7 @@ BUDGET_S=${BUDGET_S:-540}
 DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-fp16}
 SD_DIR=${SD_DIR:-}                      # empty: write a random sd15 directory under $WORK
 STEPS=${STEPS:-20}; GUIDANCE=${GUIDANCE:-7.5}
-MAX_BATCH=${MAX_BATCH:-8}; BUCKETS=${BUCKETS:-1,2,4,8}; MAX_WAIT_MS=${MAX_WAIT_MS:-5}; QUEUE_SIZE=${QUEUE_SIZE:-32}
+MAX_BATCH=${MAX_BATCH:-8}; BUCKETS=${BUCKETS:-1,8};  # the batch sizes the shipped sd15 plans cover (others tune) MAX_WAIT_MS=${MAX_WAIT_MS:-5}; QUEUE_SIZE=${QUEUE_SIZE:-32}
 COMPILE=${COMPILE:-1}                   # the reference's U-Net under torch.compile
 REQUESTS_K1=${REQUESTS_K1:-16}; REQUESTS_K8=${REQUESTS_K8:-64}; REQUESTS_K32=${REQUESTS_K32:-128}
 REF_REQUESTS_K1=${REF_REQUESTS_K1:-16}; REF_REQUESTS_K8=${REF_REQUESTS_K8:-32}; REF_REQUESTS_K32=${REF_REQUESTS_K32:-64}
@@ -240,6 +240,9 @@ ratios = {f"k{k}": (round(ips(engine[f"k{k}"]) / ips(reference[f"k{k}"]), 3)
 k1_p50 = (engine["k1"] or {}).get("latency_ms", {}).get("p50")
 one_image = (direct or {}).get("latency_ms", {}).get("p50")
 p50_ratio = round(k1_p50 / one_image, 3) if k1_p50 and one_image else None
+png_ms = (direct or {}).get("png_encode_ms_p50")
+p50_vs_png = round(k1_p50 / (one_image + png_ms), 3) if k1_p50 and one_image and png_ms else None
+"""The server's p50 against the engine's image *and its PNG* (what a response must carry): queue, HTTP, JSON."""
 over, after = engine["overload"], engine["after_overload"]
 overload_growth = growth(memory["before-overload"], memory["after-overload"])
 run_growth = growth(memory["ready"], memory["end"])
@@ -250,7 +253,7 @@ def met(value, ok):
 targets = {
     "k32_images_per_s_vs_reference": {"value": ratios["k32"], "target": ">= 3", "met": met(ratios["k32"], (ratios["k32"] or 0) >= 3)},
     "k1_p50_vs_engine_one_image": {"value": p50_ratio, "k1_p50_ms": k1_p50, "engine_one_image_ms": one_image,
-                                   "png_encode_ms": (direct or {}).get("png_encode_ms_p50"),
+                                   "png_encode_ms": png_ms, "vs_one_image_plus_png": p50_vs_png,
                                    "target": "<= 1.10", "met": met(p50_ratio, (p50_ratio or 9) <= 1.10)},
     "overload_nothing_lost": {"clients": $OVERLOAD_K, "requests": $OVERLOAD_REQUESTS,
                               "status_counts": over and over["status_counts"], "lost": over and over["lost"],
