@@ -225,6 +225,9 @@ class Engine:
         if not found and self.plan is not None:
             log.warning("the kernel plan has no entry for %s on %s: %s", label, self.gpu,
                         "tuning it" if self.tune == "auto" else "default kernels")  # fmt: skip
+        elif not found and self.tune == "auto" and self.device.type == "cuda":
+            log.info("no kernel plan holds %s on %s: timing its kernels (minutes for a large model, once per "
+                     "machine; fastdiff tune writes a plan to reuse)", label, self.gpu)  # fmt: skip
         for entry, source in found:
             why = fused.apply_plan(entry, x_in)
             if why is None:
