@@ -126,3 +126,45 @@ def test_cli_under_torchrun_matches_one_process(tmp_path):
         assert np.abs(split - alone).max() <= 1
     params = json.loads(Image.open(tmp_path / "pp.png").text[PNG_PARAMETERS_KEY])
     assert params["patch_parallel"] == {"processes": 2, "warmup_steps": 3}
+
+
+class WholeExchange:
+    """An exchange whose gather hands back a given whole tensor (one process standing in for every rank)."""
+
+    def __init__(self, rank: int, world: int, whole: torch.Tensor) -> None:
+        self.rank, self.world, self.whole = rank, world, whole
+
+    def gather(self, key, local, dim, fresh=False):
+        return self.whole
+
+
+@pytest.mark.parametrize(
+    ("kernel", "stride", "padding", "world"), [(3, 1, 1, 2), (3, 2, 1, 2), (5, 1, 2, 4), (3, 2, 1, 4)]
+)
+def test_band_conv_is_the_whole_conv_sliced(kernel, stride, padding, world):
+    """Each band's conv of its window of the whole input equals the whole conv's rows of that band (zeros beyond
+    the image at the top and bottom bands, a stride-2 downsampler's one row above)."""
+    from torch import nn
+
+    from fastdiff.pipelines.patch_parallel import BandConv2d
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 5, kernel, stride=stride, padding=padding)
+    whole = torch.randn(2, 3, 16, 12)
+    reference = conv(whole)
+    band, out_band = 16 // world, 16 // world // stride
+    for rank in range(world):
+        banded = BandConv2d(conv, WholeExchange(rank, world, whole), "conv")
+        got = banded(whole[:, :, rank * band : (rank + 1) * band])
+        torch.testing.assert_close(got, reference[:, :, rank * out_band : (rank + 1) * out_band], atol=1e-6, rtol=0)
+
+
+def test_band_conv_refuses_convs_that_change_the_size():
+    from torch import nn
+
+    from fastdiff.pipelines.patch_parallel import BandConv2d
+
+    with pytest.raises(FastdiffError, match="changes the size"):
+        BandConv2d(nn.Conv2d(3, 5, 3, padding=0), None, "valid")
+    with pytest.raises(FastdiffError, match="not a plain zero-padded conv"):
+        BandConv2d(nn.Conv2d(3, 5, 3, padding=1, padding_mode="reflect"), None, "reflect")

@@ -271,7 +271,8 @@ def run_sample(args: argparse.Namespace) -> int:
 
 
 def sample_and_write(args: argparse.Namespace, init_image: Any, device: str, backend: str | None, rank: int) -> int:
-    """``fastdiff sample`` after its checks: load, sample, write (rank 0 only under --guidance-parallel)."""
+    """``fastdiff sample`` after its checks: load, sample, write (rank 0 only under --guidance-parallel or
+    --patch-parallel)."""
     from fastdiff.atomic import AtomicOutputs
     from fastdiff.images import make_grid, png_writer
     from fastdiff.pipelines import Pipeline

@@ -116,6 +116,9 @@ class BandConv2d(nn.Module):
         super().__init__()
         if conv.padding_mode != "zeros" or conv.dilation != (1, 1) or conv.groups != 1 or isinstance(conv.padding, str):
             raise FastdiffError(f"patch-parallel: {key} is not a plain zero-padded conv")
+        (k, _), (stride, _), (p, _) = conv.kernel_size, conv.stride, conv.padding
+        if not k - stride <= 2 * p <= k - 1:  # a band of h rows must give h / stride output rows (h a multiple)
+            raise FastdiffError(f"patch-parallel: {key} (kernel {k}, stride {stride}, padding {p}) changes the size")
         self.conv, self.exchange, self.key = conv, exchange, key
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -221,6 +224,8 @@ class PatchSplit:
         """A one-line error unless a latent ``height`` rows high splits into whole rows at every level."""
         if not isinstance(unet, UNet2DConditionModel):
             raise FastdiffError(f"patch-parallel splits a UNet2DConditionModel, got {type(unet).__name__}")
+        if unet.config.downsample_padding != 1:  # padding 0 pads each band's bottom, not the image's
+            raise FastdiffError("patch-parallel needs downsample_padding 1 (Stable Diffusion's)")
         import torch.distributed as dist
 
         world, halvings = dist.get_world_size(self.group), len(unet.config.block_out_channels) - 1
@@ -243,7 +248,7 @@ class PatchSplit:
                     band = inp.shape[2] // exchange.world
                     rows = slice(exchange.rank * band, (exchange.rank + 1) * band)
                     out = exchange.gather("output", model(inp[:, :, rows], t), dim=2, fresh=True)
-                    exchange.step += 1
+                    exchange.step += 1  # one model call per sampler step (samplers/loop.py): steps = calls
                     return out
 
                 return banded
