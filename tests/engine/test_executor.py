@@ -240,6 +240,24 @@ def test_rows_attention_matches_eager(tiny_model):
     assert_two_forwards_match_eager(fused, model, seed=11)
 
 
+@pytest.mark.parametrize("rows", [False, True], ids=["stream", "rows"])
+def test_tiled_attention_matches_eager(tiny_model, rows):
+    """Every attention on a tile other than its default (``triton[-rows]-t...``, the candidates the engine times on
+    CUDA and a kernel plan pins; forced here, in the interpreter too): the tile reaches the kernel through the
+    engine's call and the forward still equals the eager model."""
+    from fastdiff.kernels.attention import attention_tiles
+
+    model = tiny_model("attn_pad0", 12).to(DEVICE)
+    fused = FusedModel(model, 2, torch.float32, DEVICE, "cudnn", "triton")
+    attentions = [op for op in fused.ops if op.kind == "attention"]
+    assert attentions
+    for op in attentions:
+        q = op.inputs[0].shape
+        tile = attention_tiles(op.params["head_dim"], q[2] * q[3], "rows" if rows else "stream")[-1]
+        fused.impls[op.name] = Impl("triton", rows=rows, tile=tile)
+    assert_two_forwards_match_eager(fused, model, seed=13)
+
+
 def test_layer_table(tiny_model):
     fused = FusedModel(tiny_model("attn_pad0", 1), 1, torch.float32, DEVICE, "triton", "triton")
     x_in = channels_last_empty(fused.x_in_value.shape, torch.float32, DEVICE).normal_()
