@@ -99,6 +99,14 @@ def test_cli_refuses_before_loading(tmp_path, capsys, monkeypatch):
     assert "--patch-warmup needs --patch-parallel" in capsys.readouterr().err
     assert main([*base[:-2], "--patch-parallel"]) == 2
     assert "--patch-parallel needs --prompt" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    assert main([*base, "--patch-parallel"]) == 2  # an 8-row latent in 3 bands: refused before loading
+    assert "needs a latent height that is a multiple of 12" in capsys.readouterr().err
+    assert main(
+        ["sample", "--model", "sd15", "--prompt", "x", "--height", "520", "--patch-parallel", "--out", str(out)]
+    )
+    assert "multiple of 24" in capsys.readouterr().err  # SD 1.5's 65-row latent, 3 bands, 3 downsamplers
     assert not out.exists()
 
 

@@ -259,7 +259,7 @@ def run_sample(args: argparse.Namespace) -> int:
     split = "--guidance-parallel" if args.guidance_parallel else "--patch-parallel" if args.patch_parallel else None
     device, backend, rank = args.device, None, 0
     if split is not None:
-        device, rank = start_parallel(args, split)
+        device, rank = start_parallel(args, split, init_image.height if init_image is not None else args.height)
         backend = "eager"
     try:
         return sample_and_write(args, init_image, device, backend, rank)
@@ -371,8 +371,9 @@ PARALLEL_TIMEOUT_S = 600
 first)."""
 
 
-def start_parallel(args: argparse.Namespace, split: str) -> tuple[str, int]:
-    """Checks for --guidance-parallel or --patch-parallel (``split``; before loading), then this process's device
+def start_parallel(args: argparse.Namespace, split: str, height: int | None) -> tuple[str, int]:
+    """Checks for --guidance-parallel or --patch-parallel (``split``; before loading; ``height``: the image's, None
+    for the model's default), then this process's device
     (``cuda:LOCAL_RANK`` when --device is auto and a GPU is present) and the joined torch.distributed group (NCCL on
     GPUs, gloo on the CPU); returns (device, rank)."""
     if split == "--guidance-parallel":
@@ -384,8 +385,9 @@ def start_parallel(args: argparse.Namespace, split: str) -> tuple[str, int]:
             raise FastdiffError(f"--guidance-parallel splits classifier-free guidance: --guidance {guidance} is off")
     else:
         from fastdiff.pipelines.patch_parallel import check_launch as check_patch_launch
+        from fastdiff.pipelines.patch_parallel import check_size_before_loading
 
-        check_patch_launch()
+        check_size_before_loading(str(args.model), height, check_patch_launch())
     if args.cache_interval > 1:
         raise FastdiffError(f"{split} runs every step in full: drop --cache-interval")
     import datetime

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdiff.errors import FastdiffError
-from fastdiff.models.unet_2d_condition import Attention, UNet2DConditionModel
+from fastdiff.models.unet_2d_condition import Attention, UNet2DConditionConfig, UNet2DConditionModel
 
 DEFAULT_WARMUP = 4
 """Synchronous steps before the exchanges go stale (DistriFusion's warm-up)."""
@@ -55,6 +55,45 @@ def check_launch() -> int:
     if not world.isdigit() or int(world) < 2:
         raise FastdiffError(f"patch-parallel splits the latent over 2 or more processes, got {world}")
     return int(world)
+
+
+def check_size_before_loading(model: str, height: int | None, world: int) -> None:
+    """The height check of :meth:`PatchSplit.check_height` from the model's config files alone (a preset or a
+    pipeline directory), so that a bad size is one line before anything loads. A model whose configs cannot be read
+    here is left to the pipeline's own check."""
+    import json
+
+    from fastdiff.models.autoencoder_kl import AutoencoderKLConfig
+    from fastdiff.models.stable_diffusion import SD_PRESETS, is_random_preset, resolve_pipeline_dir
+
+    if is_random_preset(model):
+        preset = SD_PRESETS[str(model)]
+        unet, vae = preset.unet, preset.vae
+    else:
+        root = resolve_pipeline_dir(model)
+        try:
+            unet = UNet2DConditionConfig.from_dict(json.loads((root / "unet" / "config.json").read_text()))
+            vae = AutoencoderKLConfig.from_dict(json.loads((root / "vae" / "config.json").read_text()))
+        except (OSError, ValueError, FastdiffError):
+            return
+    factor = 2 ** (len(vae.block_out_channels) - 1)
+    sample = unet.sample_size if isinstance(unet.sample_size, int) else unet.sample_size[0]
+    latent = (height if height is not None else sample * factor) // factor
+    size_error(unet, latent, world)
+
+
+def size_error(config: UNet2DConditionConfig, height: int, world: int) -> None:
+    """A one-line error unless a latent ``height`` rows high splits into ``world`` bands of whole rows at every
+    level, and the downsamplers pad the image, not each band."""
+    if config.downsample_padding != 1:  # padding 0 pads each band's bottom, not the image's
+        raise FastdiffError("patch-parallel needs downsample_padding 1 (Stable Diffusion's)")
+    halvings = len(config.block_out_channels) - 1
+    step = world * 2**halvings
+    if height % step:
+        raise FastdiffError(
+            f"patch-parallel on {world} processes needs a latent height that is a multiple of {step} "
+            f"({world} bands, halved at each of {halvings} downsamplers); got {height}"
+        )
 
 
 class Exchange:
@@ -224,17 +263,9 @@ class PatchSplit:
         """A one-line error unless a latent ``height`` rows high splits into whole rows at every level."""
         if not isinstance(unet, UNet2DConditionModel):
             raise FastdiffError(f"patch-parallel splits a UNet2DConditionModel, got {type(unet).__name__}")
-        if unet.config.downsample_padding != 1:  # padding 0 pads each band's bottom, not the image's
-            raise FastdiffError("patch-parallel needs downsample_padding 1 (Stable Diffusion's)")
         import torch.distributed as dist
 
-        world, halvings = dist.get_world_size(self.group), len(unet.config.block_out_channels) - 1
-        step = world * 2**halvings
-        if height % step:
-            raise FastdiffError(
-                f"patch-parallel on {world} processes needs a latent height that is a multiple of {step} "
-                f"({world} bands, halved at each of {halvings} downsamplers); got {height}"
-            )
+        size_error(unet.config, height, dist.get_world_size(self.group))
 
     @contextmanager
     def run(self, unet: nn.Module) -> Iterator[Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]]:
