@@ -1,4 +1,6 @@
-"""One text-to-image image split over GPUs by rows (``--patch-parallel``) against one GPU: time per image and PSNR.
+"""One text-to-image image split over GPUs against one GPU: time per image and PSNR. ``--split patch`` (default): the
+latent's rows (``--patch-parallel``, eager backend); ``--split guidance``: the two guidance halves
+(``--guidance-parallel``; ``--backend engine`` gathers them inside the engine's captured loop).
 
     python benchmarks/patch_parallel.py --model sd15 --size 1024 --work W one          # one GPU: W/one.pt + timing
     torchrun --nproc-per-node 2 benchmarks/patch_parallel.py --model sd15 --size 1024 --work W split
@@ -50,6 +52,8 @@ def main() -> None:
     p.add_argument("--prompt", default="a lighthouse on a cliff at sunset, oil painting")
     p.add_argument("--dtype", default="fp16")
     p.add_argument("--device", default="cuda", help="cuda (rank r: GPU r), or cpu to dry-run the flow (gloo)")
+    p.add_argument("--split", choices=("patch", "guidance"), default="patch")
+    p.add_argument("--backend", choices=("eager", "engine"), default="eager", help="both the one-GPU and split runs")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmups", default="4,20", help="comma-separated synchronous step counts to run")
     p.add_argument("--work", type=Path, required=True, help="folder for the images and timings")
@@ -66,7 +70,7 @@ def main() -> None:
     call = dict(prompt=args.prompt, guidance_scale=args.guidance, seeds=0, steps=args.steps, sampler=args.sampler,
                 height=args.size, width=args.size, output_type="tensor", progress=False)  # fmt: skip
     if args.mode == "one":
-        pipe = fastdiff.Pipeline.from_pretrained(args.model, device=args.device, dtype=args.dtype, backend="eager")
+        pipe = fastdiff.Pipeline.from_pretrained(args.model, device=args.device, dtype=args.dtype, backend=args.backend)
         times, images = timed_calls(pipe, call, args.repeats)
         torch.save(images.cpu(), args.work / "one.pt")
         (args.work / "one.json").write_text(json.dumps({"seconds": times}))
@@ -79,10 +83,13 @@ def main() -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device != "cpu" else "gloo")
     try:
-        pipe = fastdiff.Pipeline.from_pretrained(args.model, device=device, dtype=args.dtype, backend="eager")
+        pipe = fastdiff.Pipeline.from_pretrained(args.model, device=device, dtype=args.dtype, backend=args.backend)
         runs = {}
-        for warmup in (int(w) for w in args.warmups.split(",")):
-            pipe.split_patches(warmup=warmup)
+        if args.split == "guidance":
+            pipe.split_guidance()
+        for warmup in (int(w) for w in args.warmups.split(",")) if args.split == "patch" else (0,):
+            if args.split == "patch":
+                pipe.split_patches(warmup=warmup)
             times, images = timed_calls(pipe, call, args.repeats)
             runs[warmup] = times
             if dist.get_rank() == 0:
@@ -116,8 +123,9 @@ def report(args: argparse.Namespace) -> None:
             "max_abs": round((images - alone).abs().max().item(), 4),
         })  # fmt: skip
     result = {
-        "what": "one text-to-image image, the latent's rows split over GPUs (fastdiff --patch-parallel, eager "
-        "backend) against one GPU: median seconds per image and PSNR of the split image against the one-GPU image",
+        "what": "one text-to-image image split over GPUs (patch: the latent's rows, --patch-parallel; guidance: the "
+        "two guidance halves, --guidance-parallel; warmup_steps 0 for guidance) against one GPU on the same backend: "
+        "median seconds per image and PSNR of the split image against the one-GPU image",
         "env": environment(),
         "model": args.model,
         "random_weights": args.model in ("sd15", "sd21"),
@@ -131,6 +139,8 @@ def report(args: argparse.Namespace) -> None:
             "prompt": args.prompt,
         },  # fmt: skip
         "processes": split["world"],
+        "split": args.split,
+        "backend": args.backend,
         "one_gpu_seconds_median": round(t_one, 4),
         "one_gpu_seconds": one["seconds"],
         "split": rows,

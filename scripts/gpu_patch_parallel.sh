@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a 2-GPU host: one text-to-image image split over 2 GPUs by rows (--patch-parallel) against one GPU,
 # at SD 1.5 1024x1024 and SD 2.1 768x768 (random weights: no SD weights exist here), DDIM 20, guidance 7.5, fp16,
-# eager backend; warm-up 4 (stale exchanges after 4 synchronous steps) and 20 (always synchronous).
+# eager backend; warm-up 4 (stale exchanges after 4 synchronous steps) and 20 (always synchronous). Then SD 1.5 512
+# guidance-parallel on the engine (the halves gathered by NCCL inside the captured loop) against one engine.
 #   FASTDIFF_GIT_SHA=<sha> bash scripts/gpu_patch_parallel.sh     (repo root on the GPU machine)
 # Results: $OUT/patch-parallel-<model>-<size>-<gpu>.json (benchmarks/patch_parallel.py report).
 set -uo pipefail
@@ -21,3 +22,10 @@ for job in ${JOBS:-sd15:1024 sd21:768}; do
     python3 benchmarks/patch_parallel.py report "${flags[@]}" --out "$OUT/patch-parallel-$model-$size-$gpu.json" \
         | python3 -c "import json,sys; d=json.load(sys.stdin); print(d['one_gpu_seconds_median'], d['split'])"
 done
+work=$(mktemp -d); flags=(--model sd15 --size 512 --work "$work" --split guidance --backend engine --repeats "${REPEATS:-3}")
+echo "== sd15 512px guidance-parallel on the engine: one GPU, then two"
+timeout 240 python3 benchmarks/patch_parallel.py one "${flags[@]}" 2>&1 | tail -n 2
+timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/patch_parallel.py split \
+    "${flags[@]}" 2>&1 | tail -n 2
+python3 benchmarks/patch_parallel.py report "${flags[@]}" --out "$OUT/guidance-parallel-engine-sd15-512-$gpu.json" \
+    | python3 -c "import json,sys; d=json.load(sys.stdin); print(d['one_gpu_seconds_median'], d['split'])"

@@ -81,6 +81,41 @@ def test_two_ranks_agree_and_match_one_process(tmp_path):
     assert (rank0[0] - rank0[1]).abs().max() > 0.1  # the two prompts make different images
 
 
+ENGINE_CALL = {**CALL, "negative_prompt": "a shirt", "seeds": [5, 6], "steps": 2, "sampler": "ddim"}
+"""On the tiny random SD 1.5 pipeline of ``sd_fixtures`` (the engine runs in the Triton interpreter here)."""
+
+
+def run_engine_rank(rank: int, init_file: str, out_dir: str) -> None:
+    import fastdiff
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        pipe = fastdiff.Pipeline.from_pretrained(os.path.join(out_dir, "sd"), device="cpu", backend="engine")
+        pipe.split_guidance()
+        torch.save(pipe(PROMPTS, **ENGINE_CALL), os.path.join(out_dir, f"engine-rank{rank}.pt"))
+        assert pipe.engine.current_step_model.inner.batch == 2  # this rank's U-Net: its half of the 4 rows
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_engine_split_matches_one_engine(tmp_path):
+    """On the engine (the Triton interpreter here), each rank's fused U-Net runs B rows and the halves are gathered
+    inside the sampling loop before the fused sampler step: both ranks hold the same bytes, one process's engine's
+    image up to float rounding."""
+    from sd_fixtures import write_tiny_sd_pipeline
+
+    import fastdiff
+
+    write_tiny_sd_pipeline(tmp_path / "sd", "sd15")
+    mp.spawn(run_engine_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    rank0, rank1 = (torch.load(tmp_path / f"engine-rank{r}.pt") for r in (0, 1))
+    assert torch.equal(rank0, rank1)
+    alone = fastdiff.Pipeline.from_pretrained(tmp_path / "sd", device="cpu", backend="engine")
+    torch.testing.assert_close(rank0, alone(PROMPTS, **ENGINE_CALL), atol=1e-4, rtol=0)  # B rows against 2B
+    assert (rank0[0] - rank0[1]).abs().max() > 0.01  # two prompts, two images
+
+
 @pytest.mark.slow
 def test_cli_under_torchrun_writes_rank_zeros_images(tmp_path):
     """``torchrun --nproc-per-node 2 ... sample --guidance-parallel``: the same PNGs as one process, up to one grey

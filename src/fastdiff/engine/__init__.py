@@ -94,6 +94,38 @@ class EagerStepModel:
         return step
 
 
+class GuidanceHalf:
+    """The step model of a guided loop whose two halves run on two processes (guidance-parallel on the engine):
+    ``inner`` is the U-Net at B rows; this rank runs half ``rank`` of the [x; x] input (0: the unconditional rows, 1:
+    the conditional) against its half of the text states, and ``all_gather_into_tensor`` puts both halves' outputs
+    into one [2B] buffer on both ranks, so the fused sampler step that follows (and the captured graph around it,
+    where NCCL allows the capture) is the one-process loop's."""
+
+    def __init__(self, inner: FusedModel | EagerStepModel, group: Any, rank: int) -> None:
+        self.inner, self.group, self.rank = inner, group, rank
+        self.out: torch.Tensor | None = None
+
+    def set_context(self, context: torch.Tensor) -> None:
+        half = context.shape[0] // 2
+        self.inner.set_context(context[self.rank * half : (self.rank + 1) * half])
+
+    def bind_timesteps(self, timesteps: torch.Tensor) -> StepModel:
+        import torch.distributed as dist
+
+        inner = self.inner.bind_timesteps(timesteps)
+
+        def step(x_in: torch.Tensor, index: torch.Tensor, shallow: bool | None = None) -> torch.Tensor:
+            half = x_in.shape[0] // 2
+            mine = inner(x_in[self.rank * half : (self.rank + 1) * half], index)
+            if self.out is None or self.out.shape[0] != 2 * half:  # allocated once, outside graph capture
+                self.out = channels_last_empty((2 * half, *mine.shape[1:]), mine.dtype, mine.device)
+            rows = mine.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)  # N-major: ranks' blocks
+            dist.all_gather_into_tensor(self.out.permute(0, 2, 3, 1), rows, group=self.group)
+            return self.out
+
+        return step
+
+
 def on_own_device(method: Callable[..., T]) -> Callable[..., T]:
     """Run an Engine method with the engine's GPU as the current CUDA device: Triton launches, graph capture and
     replays go to the current device, so an engine on cuda:1 works whichever device is current."""
@@ -162,6 +194,8 @@ class Engine:
         self.plan_sources: dict[str, str] = {}  # by structure: "given", "shipped", "cache", "tuned" or "default"
         self._digests: dict[int, str] = {}  # id(FusedModel) -> its plan entry's digest
         self._last_decoder: FusedModel | None = None
+        self.guidance_group: Any = None  # split_guidance's group (None: the default group)
+        self.guidance_rank: int | None = None  # set by split_guidance: guided loops run one half per process
 
     def clear(self) -> None:
         """Drop every prepared step model, loop and decoder (their weights and arenas); the next calls rebuild."""
@@ -241,9 +275,21 @@ class Engine:
     def plan_digest(self) -> str | None:
         """The kernel plan digest of what the last sampling run and decode ran (step model, then the decoder
         joined by "+"): equal digests, equal kernels. None before any fused forward."""
-        parts = [self._digests.get(id(m)) for m in (self.current_step_model, self._last_decoder) if m is not None]
+        models = (getattr(self.current_step_model, "inner", self.current_step_model), self._last_decoder)
+        parts = [self._digests.get(id(m)) for m in models if m is not None]
         parts = [p for p in parts if p]
         return "+".join(parts) or None
+
+    def split_guidance(self, group: Any = None) -> None:
+        """Run the guided loops prepared from now on as one of the two processes of ``group`` (an initialised
+        ``torch.distributed`` group; None: the default): this process's U-Net runs B rows, its guidance half, and
+        the halves' outputs are gathered into the [2B] model output every step (:class:`GuidanceHalf`)."""
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) != 2:
+            raise FastdiffError("the engine's guidance split needs an initialised torch.distributed group of 2")
+        self.guidance_group, self.guidance_rank = group, dist.get_rank(group)
+        self.loops.clear()  # loops prepared before hold whole guided batches
 
     def save_plan(self, path: str | os.PathLike[str]) -> Path:
         """Write the kernel plan this engine used (every fused forward built so far) to ``path``."""
@@ -300,7 +346,12 @@ class Engine:
         if key not in self.loops:
             caller_sampler = sampler
             sampler = sampler if sampler.coefs.device == self.device else sampler.to(self.device)
-            step = self.step_model(model, batch * (2 if guided else 1), dtype, size, context_tokens)
+            split = guided and self.guidance_rank is not None
+            step = self.step_model(model, batch * (2 if guided and not split else 1), dtype, size, context_tokens)
+            if split:
+                if cache_interval > 1:
+                    raise FastdiffError("guidance-parallel runs every step in full: use cache_interval=1")
+                step = GuidanceHalf(step, self.guidance_group, self.guidance_rank)
             t0 = time.perf_counter()
             loop = SamplingLoop(
                 step.bind_timesteps(sampler.timesteps), sampler, (batch, cfg.in_channels, *size), dtype,

@@ -7,8 +7,11 @@ hold the whole model output and take the same sampler step: their states, and so
 Against one process the difference is only what the U-Net's kernels give at batch B instead of 2B (on the CPU, GEMMs
 may round differently by batch size; ``tests/test_guidance_parallel.py`` bounds it).
 
-It runs on the eager backend: the engine captures the whole loop in one CUDA graph on one GPU, and splitting that
-graph (an NCCL gather captured inside it) is not built.
+On the eager backend this module's ``GuidanceSplit.wrap`` gathers the halves; on the engine
+(``TextToImagePipeline.split_guidance`` with backend "engine") ``fastdiff.engine.GuidanceHalf`` runs the U-Net at B
+rows and gathers inside the sampling loop, before the fused sampler step, so the collective is captured in the
+loop's CUDA graph (checked on the CPU with gloo; not yet run on GPUs, so ``fastdiff sample --guidance-parallel``
+still runs eagerly).
 
     torchrun --nproc-per-node 2 -m fastdiff.cli sample --model DIR --prompt "a cat" --guidance-parallel --out cat.png
 """

@@ -255,15 +255,14 @@ class TextToImagePipeline(EnginePipeline):
 
     def split_guidance(self, group: torch.distributed.ProcessGroup | None = None) -> None:
         """Run guided calls as one of two processes of ``group`` (``fastdiff.pipelines.guidance_parallel``): this
-        rank computes one guidance half of each U-Net call and both ranks return the same images. Eager backend
-        only; ``torch.distributed`` must be initialised with two processes."""
-        if self.backend != "eager":
-            raise FastdiffError(
-                "guidance-parallel runs on the eager backend (backend='eager'): the engine's loop is not split yet"
-            )
+        rank computes one guidance half of each U-Net call and both ranks return the same images. On the engine the
+        gather runs inside its sampling loop (``fastdiff.engine.GuidanceHalf``); ``torch.distributed`` must be
+        initialised with two processes."""
         if self.patch_split is not None:
             raise FastdiffError("guidance-parallel and patch-parallel do not combine: use one")
         self.guidance_split = GuidanceSplit(group)
+        if self.backend == "engine":
+            self.engine.split_guidance(group)
 
     def split_patches(self, group: torch.distributed.ProcessGroup | None = None, warmup: int = DEFAULT_WARMUP) -> None:
         """Run every call as one of the processes of ``group`` (``fastdiff.pipelines.patch_parallel``): this rank
