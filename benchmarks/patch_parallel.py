@@ -139,7 +139,7 @@ def report(args: argparse.Namespace) -> None:
             "prompt": args.prompt,
         },  # fmt: skip
         "processes": split["world"],
-        "split": args.split,
+        "split_kind": args.split,
         "backend": args.backend,
         "one_gpu_seconds_median": round(t_one, 4),
         "one_gpu_seconds": one["seconds"],
