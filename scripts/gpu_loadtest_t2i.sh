@@ -27,6 +27,7 @@ BUDGET_S=${BUDGET_S:-540}
 DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-fp16}
 SD_DIR=${SD_DIR:-}                      # empty: write a random sd15 directory under $WORK
 STEPS=${STEPS:-20}; GUIDANCE=${GUIDANCE:-7.5}
+PAD_WAIT=${PAD_WAIT:-0.1}  # serve --pad-wait: a batch that would run padded waits up to this fraction of a run
 MAX_BATCH=${MAX_BATCH:-8}; BUCKETS=${BUCKETS:-1,8};  # the batch sizes the shipped sd15 plans cover (others tune) MAX_WAIT_MS=${MAX_WAIT_MS:-5}; QUEUE_SIZE=${QUEUE_SIZE:-32}
 COMPILE=${COMPILE:-1}                   # the reference's U-Net under torch.compile
 REQUESTS_K1=${REQUESTS_K1:-16}; REQUESTS_K8=${REQUESTS_K8:-64}; REQUESTS_K32=${REQUESTS_K32:-128}
@@ -157,7 +158,7 @@ echo "== $(elapsed) fastdiff serve: $DTYPE, ddim $STEPS, guidance $GUIDANCE, max
 ready_start=$(date +%s)
 python3 -m fastdiff.cli serve --model "$SD_DIR" --device "$DEVICE" --dtype "$DTYPE" --sampler ddim --steps "$STEPS" \
     --guidance "$GUIDANCE" --max-batch "$MAX_BATCH" --batch-buckets "$BUCKETS" --max-wait-ms "$MAX_WAIT_MS" \
-    --queue-size "$QUEUE_SIZE" --warmup --port "$PORT" >"$OUT/serve-engine.log" 2>&1 &
+    --queue-size "$QUEUE_SIZE" --pad-wait "$PAD_WAIT" --warmup --port "$PORT" >"$OUT/serve-engine.log" 2>&1 &
 server=$!
 ref=
 trap 'kill "$server" 2>/dev/null; [ -n "$ref" ] && kill "$ref" 2>/dev/null' EXIT
@@ -273,7 +274,7 @@ record = {
     "model": {"name": "sd15", "random_weights": $RANDOM_WEIGHTS == 1, "directory": "$SD_DIR",
               "size": [512, 512], "prompts": 100},
     "server": {"model": "sd15", "device": "$DEVICE", "dtype": "$DTYPE", "sampler": "ddim", "steps": $STEPS,
-               "guidance": $GUIDANCE, "max_batch": $MAX_BATCH, "max_wait_ms": $MAX_WAIT_MS, "queue_size": $QUEUE_SIZE,
+               "guidance": $GUIDANCE, "max_batch": $MAX_BATCH, "max_wait_ms": $MAX_WAIT_MS, "pad_wait": $PAD_WAIT, "queue_size": $QUEUE_SIZE,
                "batch_buckets": buckets, "ready_s": number("engine_ready_s")},
     "loadtests": {k: v for k, v in engine.items() if v is not None},
     "memory": memory,

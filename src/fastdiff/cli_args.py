@@ -23,6 +23,10 @@ DEFAULT_GUIDANCE = 7.5
 """Classifier-free guidance when none is given: diffusers' ``StableDiffusionPipeline`` default (the bundled
 fashion-mnist-t2i is sampled at 3 in its documentation)."""
 
+PAD_WAIT = 0.1
+"""``serve``'s default ``--pad-wait``: the extra wait of a batch that would run padded, as a fraction of its run
+size's sampling time (``fastdiff.serve.batcher``)."""
+
 MAX_SEED = 2**63 - 1
 """Largest seed (``fastdiff.samplers.noise.MAX_SEED``): seeds are int64 on the device."""
 

@@ -230,3 +230,35 @@ def test_cli_errors(capsys):
     assert "unknown model 'no-such-model'" in capsys.readouterr().err
     assert main(["serve", "--max-batch", "4", "--batch-buckets", "2,8", "--device", "cpu"]) == 2
     assert "batch bucket 8 is outside 1..4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("pad_wait", [0.0, 0.5])
+def test_a_batch_that_would_run_padded_waits_for_company(fake_factory, pad_wait):
+    """Run sizes 1 and 4: two requests, then two more 0.1 s later. Without ``pad_wait`` the first two run padded to 4
+    (seeds repeated); with it they wait, up to half of the size-4 run's time (1 s), and all four run together. A
+    lone request is never held: its batch is not padded."""
+    import time
+
+    from fastdiff.serve.batcher import Batcher, BatchKey
+    from fastdiff.serve.metrics import ServiceMetrics
+
+    batcher = Batcher(fake_factory, ServiceMetrics(4), 4, 0.005, 8, [1, 4], pad_wait=pad_wait)
+    batcher._run_seconds[4] = 1.0  # as warm-up would measure it
+    key = BatchKey("ddim", 5)
+    batcher.start()
+    try:
+        start = time.perf_counter()
+        alone = batcher.submit(key, [9]).future.result(10)
+        assert time.perf_counter() - start < 0.5 and len(alone.images) == 1
+        first = [batcher.submit(key, [seed]) for seed in (1, 2)]
+        time.sleep(0.1)
+        second = [batcher.submit(key, [seed]) for seed in (3, 4)]
+        for job in first + second:
+            job.future.result(10)
+    finally:
+        batcher.stop()
+    runs = [seeds for _, _, seeds in fake_factory.calls[-3:]]
+    if pad_wait:
+        assert fake_factory.calls[-1][2] == [1, 2, 3, 4] and fake_factory.calls[-2][2] == [9]
+    else:
+        assert runs[-2:] == [[1, 2, 2, 2], [3, 4, 4, 4]]

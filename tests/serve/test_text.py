@@ -282,7 +282,7 @@ def test_img2img_on_a_stable_diffusion_directory_alone_or_batched(tmp_path, serv
 def test_text_warmup_and_png_answer_with_warnings(fake_text_factory):
     app = create_app("fake-t2i", pipeline_factory=fake_text_factory, max_batch=4, batch_buckets=[1], warmup=True)
     warmups = fake_text_factory.calls
-    assert [len(call["prompt"]) for call in warmups] == [1, 4] and warmups[0]["prompt"] == [""]
+    assert [len(call["prompt"]) for call in warmups] == [1, 4, 1, 4] and warmups[0]["prompt"] == [""]  # then timed
     assert warmups[1]["guidance_scale"] == [7.5] * 4 and (warmups[1]["height"], warmups[1]["width"]) == (32, 32)
     with TestClient(app) as client:
         body = {"prompt": "a cat", "negative_prompt": "dog", "guidance": 0.5, "seed": 12}

@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from PIL import Image
 
-from fastdiff.cli_args import DEFAULT_GUIDANCE, DEFAULT_MODEL
+from fastdiff.cli_args import DEFAULT_GUIDANCE, DEFAULT_MODEL, PAD_WAIT
 from fastdiff.engine.kernel_plan import KernelPlan
 from fastdiff.errors import FastdiffError
 from fastdiff.images import png_bytes
@@ -190,13 +190,15 @@ def create_app(
     warmup: bool = False,
     plan: str | os.PathLike[str] | None = None,
     guidance: float = DEFAULT_GUIDANCE,
+    pad_wait: float = PAD_WAIT,
 ) -> FastAPI:
     """The service for ``model`` (a preset or model directory; or any ``pipeline_factory(sampler, steps)``).
 
     ``sampler``/``steps`` (and ``guidance``, for text-to-image models) are the defaults of requests that name
     none. Batches hold at most ``max_batch`` images (also the per-request limit) and are sampled at the sizes
     ``batch_buckets`` (default: ``max_batch`` only, see ``fastdiff.serve.batcher``); a request waits at most
-    ``max_wait_ms`` for company; more than ``queue_size`` waiting requests are answered with 429. ``warmup``
+    ``max_wait_ms`` for company (a batch that would run padded up to ``pad_wait`` of a run longer); more than
+    ``queue_size`` waiting requests are answered with 429. ``warmup``
     samples every bucket size once before serving. ``plan``: a kernel plan file for the engine (``fastdiff tune``).
     """
     if sampler not in SAMPLERS:
@@ -208,7 +210,7 @@ def create_app(
     kernel_plan = None if plan is None else KernelPlan.load(plan)  # a bad file: one line, before any model loads
     factory = pipeline_factory or pretrained_factory(model, device, dtype, kernel_plan)
     metrics = ServiceMetrics(max_batch)
-    batcher = Batcher(factory, metrics, max_batch, max_wait_ms / 1000, queue_size, batch_buckets)
+    batcher = Batcher(factory, metrics, max_batch, max_wait_ms / 1000, queue_size, batch_buckets, pad_wait)
     default_key = BatchKey(sampler, steps)
     pipe = batcher.pipeline(default_key)
     info = describe_model(model, pipe, sampler, steps, max_batch, guidance)

@@ -3,7 +3,11 @@
 A batch starts from the oldest waiting request and takes, in arrival order, the waiting requests with the same
 ``BatchKey`` (sampler, steps; for text-to-image models also size, guided or not, and img2img strength) while their
 images fit in ``max_batch``. It waits at most ``max_wait_s`` after the oldest request arrived for more company, and
-starts at once when ``max_batch`` images are waiting.
+starts at once when ``max_batch`` images are waiting. A batch that would run padded (fewer images than its run size,
+below) waits longer, up to ``pad_wait`` times that run size's last sampling time, for requests that fill it: padding
+costs a whole run for images thrown away, the wait at most that fraction of one. (SD 1.5 on the H100 with run sizes
+1 and 8 and clients that send again as soon as they are answered: 8 clients got 5.1 images/s against 8.7 for 32,
+the 8 clients' requests arriving a few ms apart and leaving in batches of 2-7 padded to 8.)
 
 Every batch is sampled at a fixed *run size* (the smallest of ``buckets`` that holds its images), padded with
 filler images that are thrown away. Image k depends on seeds[k] only, but the float result of a kernel can depend
@@ -31,7 +35,7 @@ from typing import NamedTuple
 import torch
 from PIL import Image
 
-from fastdiff.cli_args import DEFAULT_GUIDANCE
+from fastdiff.cli_args import DEFAULT_GUIDANCE, PAD_WAIT
 from fastdiff.errors import FastdiffError
 from fastdiff.pipelines import Pipeline, TextToImagePipeline
 from fastdiff.serve.metrics import ServiceMetrics
@@ -123,11 +127,15 @@ class Batcher:
         max_wait_s: float,
         queue_size: int,
         buckets: Sequence[int] | None = None,
+        pad_wait: float = PAD_WAIT,
     ) -> None:
-        if max_batch < 1 or queue_size < 1 or max_wait_s < 0:
+        if max_batch < 1 or queue_size < 1 or max_wait_s < 0 or not pad_wait >= 0:
             raise FastdiffError(
-                f"max batch ({max_batch}) and queue size ({queue_size}) must be positive, max wait ({max_wait_s}) >= 0"
+                f"max batch ({max_batch}) and queue size ({queue_size}) must be positive, max wait ({max_wait_s}) and "
+                f"pad wait ({pad_wait}) >= 0"
             )
+        self.pad_wait = pad_wait
+        self._run_seconds: dict[int, float] = {}  # run size -> its last sampling time (warm-up or batch)
         self.pipeline_factory = pipeline_factory
         self.metrics = metrics
         self.max_batch = max_batch
@@ -238,18 +246,22 @@ class Batcher:
         return next(b for b in self.buckets if b >= images)
 
     def warmup(self, key: BatchKey, guidance: float = DEFAULT_GUIDANCE) -> None:
-        """Sample once at every run size (CUDA: captures the graphs before the first request); a text model
-        samples the empty prompt at ``guidance``."""
+        """Sample once at every run size (CUDA: captures the graphs before the first request), then once more to
+        time each (``pad_wait``'s unit); a text model samples the empty prompt at ``guidance``."""
         pipe = self.pipeline(key)
-        for size in self.buckets:
-            start = time.perf_counter()
-            seeds = list(range(size))
-            if is_text_pipeline(pipe):
-                text = TextInputs([""] * size, "", guidance)
-                self._sample_text(pipe, key, [Job(key, seeds, text)], seeds, size, "tensor")
-            else:
-                pipe(batch_size=size, seeds=seeds, output_type="tensor", progress=False)
-            log.info("warm-up at batch %d: %.2f s", size, time.perf_counter() - start)
+        for timed in (False, True):
+            for size in self.buckets:
+                start = time.perf_counter()
+                seeds = list(range(size))
+                if is_text_pipeline(pipe):
+                    text = TextInputs([""] * size, "", guidance)
+                    self._sample_text(pipe, key, [Job(key, seeds, text)], seeds, size, "tensor")
+                else:
+                    pipe(batch_size=size, seeds=seeds, output_type="tensor", progress=False)
+                if timed:
+                    self._run_seconds[size] = time.perf_counter() - start
+                else:
+                    log.info("warm-up at batch %d: %.2f s", size, time.perf_counter() - start)
 
     def _serve(self) -> None:
         while True:
@@ -275,9 +287,16 @@ class Batcher:
                 head = self._queue[0]
                 deadline = head.enqueued_at + self.max_wait_s
                 while not self._stopping and self._queue and self._queue[0] is head:
-                    remaining = deadline - time.perf_counter()
-                    if remaining <= 0 or self._images_waiting(head.key) >= self.max_batch:
+                    waiting = self._images_waiting(head.key)
+                    if waiting >= self.max_batch:
                         break
+                    remaining = deadline - time.perf_counter()
+                    if remaining <= 0:  # padded? then wait for more, up to pad_wait of a run (module docstring)
+                        run = self.run_size(waiting)
+                        extra = self.pad_wait * self._run_seconds.get(run, 0.0)
+                        remaining = deadline + extra - time.perf_counter() if waiting < run else 0.0
+                        if remaining <= 0:
+                            break
                     self._cond.wait(remaining)
                 if self._stopping:
                     return None
@@ -329,6 +348,7 @@ class Batcher:
                 torch.cuda.empty_cache()
             return
         sample_s = time.perf_counter() - start
+        self._run_seconds[run_size] = sample_s
         self.metrics.record_batch(len(seeds), run_size, sample_s)
         log.debug("batch of %d (run at %d) for %d requests: %.3f s", len(seeds), run_size, len(jobs), sample_s)
         offset = 0

@@ -12,6 +12,7 @@ from fastdiff.cli_args import (
     DEFAULT_GUIDANCE,
     DEFAULT_MODEL,
     DTYPES,
+    PAD_WAIT,
     SAMPLERS,
     add_command,
     add_plan_argument,
@@ -65,6 +66,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=positive_int, default=16, help="images per batch (and per request)")
     p.add_argument(
         "--max-wait-ms", type=finite_nonnegative_float, default=10.0, help="longest wait of a request for company"
+    )
+    p.add_argument(
+        "--pad-wait",
+        type=finite_nonnegative_float,
+        default=PAD_WAIT,
+        help="a batch that would run padded (fewer images than its batch size) waits for more requests up to this "
+        "fraction of that size's sampling time beyond --max-wait-ms (0: off)",
     )
     p.add_argument("--queue-size", type=positive_int, default=64, help="waiting requests before 429")
     p.add_argument(
@@ -150,6 +158,7 @@ def run_serve(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         plan=args.plan,
         guidance=args.guidance,
+        pad_wait=args.pad_wait,
     )
     log.info("open http://%s:%d/ in a browser", args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=args.verbose)
