@@ -382,8 +382,10 @@ SCHEDULES = ("stream", "rows")
 the value columns split (Lk <= :data:`ROWS_MAX_KEYS`); see the module docstring."""
 
 
-SPLIT_KV_CHOICES = (2, 4, 8)
-"""The ``split_kv`` values offered to a caller that times them (:func:`split_kv_choices`)."""
+SPLIT_KV_CHOICES = (2,)
+"""The ``split_kv`` values offered to a caller that times them (:func:`split_kv_choices`). 4 and 8 were offered
+too until git 9823897 and never won in a committed kernel plan (H100: ddpm-cifar10, fashion-mnist, fashion-mnist-t2i
+and sd15 at their shipped batch sizes; H200: ddpm-cifar10); 2 won once. ``split_kv`` itself takes any count."""
 
 
 def split_kv_choices(batch: int, heads: int, lq: int, lk: int, device: torch.device) -> tuple[int, ...]:

@@ -606,8 +606,9 @@ FLAT_K_MAX_CIN = 16
 of the packed weight in BLOCK_K steps instead of one step per tap: a U-Net's first conv (3 channels, 3x3) takes one
 32-deep step instead of nine 16-deep ones of which 13 of 16 columns are padding."""
 
-SPLIT_K_CHOICES = (2, 4, 8, 16)
-"""The split-K factors offered to a caller that times them (``split_k_choices``)."""
+SPLIT_K_CHOICES = (2, 4, 8)
+"""The split-K factors offered to a caller that times them (``split_k_choices``). 16 was offered too until git
+9823897 and never won in a committed kernel plan (H100 and H200, every shipped plan); 8 won 50 ops, 4 won 103."""
 
 
 def split_k_choices(
