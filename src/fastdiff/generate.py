@@ -780,10 +780,9 @@ def image_shape(pipe) -> tuple[int, int, int]:
 
 def prepare_engine(pipe, batch: int, ranks: Ranks, job: PromptJob | None) -> None:
     """Build the engine's forward at ``batch`` (the first pending chunk's size) on every rank before the timed
-    rounds: rank 0 first (from
-    ``--plan``, a shipped or cached plan, or by tuning), then the others on rank 0's kernel plan (one plan, the same
-    kernels, the same bytes on any number of ranks); all ranks leave together, so no rank's round 0 waits for
-    another's build."""
+    rounds: rank 0 first (from ``--plan``, a shipped or cached plan, or by tuning), then the others on rank 0's
+    kernel plan (one plan, the same kernels, the same bytes on any number of ranks); all ranks leave together, so no
+    rank's round 0 waits for another's build."""
     if ranks.world_size == 1:
         warm_up(pipe, batch, job)
         return
