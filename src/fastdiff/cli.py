@@ -392,20 +392,11 @@ def start_parallel(args: argparse.Namespace, split: str, height: int | None) -> 
         raise FastdiffError(f"{split} runs every step in full: drop --cache-interval")
     import datetime
 
-    import torch
     import torch.distributed as dist
 
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if local_rank >= torch.cuda.device_count():
-            raise FastdiffError(f"LOCAL_RANK {local_rank} but {torch.cuda.device_count()} CUDA GPUs are visible")
-        device = f"cuda:{local_rank}"
-        torch.cuda.set_device(local_rank)
-    elif device != "cpu":
-        raise FastdiffError(f"{split} takes --device auto, cuda or cpu (rank r: GPU r), got {device}")
+    from fastdiff.devices import rank_device
+
+    device = rank_device(args.device, split)
     timeout = datetime.timedelta(seconds=PARALLEL_TIMEOUT_S)
     dist.init_process_group("nccl" if device != "cpu" else "gloo", timeout=timeout)
     return device, dist.get_rank()

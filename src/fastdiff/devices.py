@@ -55,6 +55,25 @@ def warn_slow_dtype(device: torch.device, dtype: torch.dtype) -> None:
         )
 
 
+def rank_device(device: str, flag: str) -> str:
+    """The device of a torchrun process: ``device`` "auto" (a GPU if present, else the CPU) or "cuda" means
+    ``cuda:LOCAL_RANK`` (made the current device), "cpu" stays; anything else is a one-line error naming ``flag``
+    (the option that launched the processes)."""
+    import os
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if local_rank >= torch.cuda.device_count():
+            raise FastdiffError(f"LOCAL_RANK {local_rank} but {torch.cuda.device_count()} CUDA GPUs are visible")
+        torch.cuda.set_device(local_rank)
+        return f"cuda:{local_rank}"
+    if device != "cpu":
+        raise FastdiffError(f"{flag} takes --device auto, cuda or cpu (rank r takes GPU r), got {device}")
+    return device
+
+
 def normalize_device(device: torch.device | str) -> torch.device:
     """``device`` with an explicit index for CUDA ("cuda" -> "cuda:<current>"), so it compares equal to
     tensors' devices."""

@@ -387,19 +387,11 @@ class Ranks:
         """Join torch.distributed when launched by torchrun (RANK/WORLD_SIZE set); else a single process."""
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             return cls(0, 1, device, owns_group=False)
-        import torch
         import torch.distributed as dist
 
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda":
-            if local_rank >= torch.cuda.device_count():
-                raise FastdiffError(f"LOCAL_RANK {local_rank} but {torch.cuda.device_count()} CUDA GPUs are visible")
-            device = f"cuda:{local_rank}"
-            torch.cuda.set_device(local_rank)
-        elif device != "cpu":
-            raise FastdiffError(f"under torchrun use --device auto, cuda or cpu (rank r takes GPU r), got {device}")
+        from fastdiff.devices import rank_device
+
+        device = rank_device(device, "generate under torchrun")
         owns_group = not dist.is_initialized()
         timeout = datetime.timedelta(seconds=timeout_s)
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
