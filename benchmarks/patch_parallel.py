@@ -41,6 +41,15 @@ def timed_calls(pipe, call: dict, repeats: int) -> tuple[list[float], object]:
     return times, images
 
 
+def profile_call(pipe, call: dict, path: Path) -> None:
+    """One more call under the PyTorch profiler: the 30 ops of most GPU time, as its table, into ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        pipe(**call)
+    path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=("one", "split", "report"))
@@ -58,6 +67,7 @@ def main() -> None:
     p.add_argument("--warmups", default="4,20", help="comma-separated synchronous step counts to run")
     p.add_argument("--work", type=Path, required=True, help="folder for the images and timings")
     p.add_argument("--out", type=Path, default=None, help="report: the result JSON")
+    p.add_argument("--profile", type=Path, default=None, help="one / split: one more call profiled, its op table here")
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     if args.mode == "report":
@@ -72,6 +82,8 @@ def main() -> None:
     if args.mode == "one":
         pipe = fastdiff.Pipeline.from_pretrained(args.model, device=args.device, dtype=args.dtype, backend=args.backend)
         times, images = timed_calls(pipe, call, args.repeats)
+        if args.profile:
+            profile_call(pipe, call, args.profile)
         torch.save(images.cpu(), args.work / "one.pt")
         (args.work / "one.json").write_text(json.dumps({"seconds": times}))
         return None
@@ -91,6 +103,10 @@ def main() -> None:
             if args.split == "patch":
                 pipe.split_patches(warmup=warmup)
             times, images = timed_calls(pipe, call, args.repeats)
+            if args.profile and dist.get_rank() == 0:
+                profile_call(pipe, call, args.profile.with_name(f"{args.profile.stem}-warmup{warmup}.txt"))
+            elif args.profile:
+                pipe(**call)  # the other ranks take part in rank 0's profiled call
             runs[warmup] = times
             if dist.get_rank() == 0:
                 torch.save(images.cpu(), args.work / f"split-warmup{warmup}.pt")

@@ -137,32 +137,41 @@ def test_cli_under_torchrun_matches_one_process(tmp_path):
 
 
 class WholeExchange:
-    """An exchange whose gather hands back a given whole tensor (one process standing in for every rank)."""
+    """An exchange that hands every rank's edge rows cut from a given whole tensor (one process standing in for
+    every rank)."""
 
     def __init__(self, rank: int, world: int, whole: torch.Tensor) -> None:
         self.rank, self.world, self.whole = rank, world, whole
+        self.edges_of = None  # the band module's own edge cut, set once it exists
 
-    def gather(self, key, local, dim, fresh=False):
-        return self.whole
+    def parts(self, key, local, fresh=False):
+        h = self.whole.shape[2] // self.world
+        parts = [self.edges_of(self.whole[:, :, r * h : (r + 1) * h]) for r in range(self.world)]
+        torch.testing.assert_close(parts[self.rank], local, atol=0, rtol=0)
+        return parts
 
 
 @pytest.mark.parametrize(
-    ("kernel", "stride", "padding", "world"), [(3, 1, 1, 2), (3, 2, 1, 2), (5, 1, 2, 4), (3, 2, 1, 4)]
+    ("kernel", "stride", "padding", "world", "height"),
+    [(3, 1, 1, 2, 16), (3, 2, 1, 2, 16), (5, 1, 2, 4, 16), (3, 2, 1, 4, 16), (3, 3, 1, 2, 24), (4, 2, 1, 2, 16)],
 )
-def test_band_conv_is_the_whole_conv_sliced(kernel, stride, padding, world):
-    """Each band's conv of its window of the whole input equals the whole conv's rows of that band (zeros beyond
-    the image at the top and bottom bands, a stride-2 downsampler's one row above)."""
+def test_band_conv_is_the_whole_conv_sliced(kernel, stride, padding, world, height):
+    """Each band's conv of its rows and its neighbours' edge rows equals the whole conv's rows of that band (zeros
+    beyond the image at the top and bottom bands, a stride-2 downsampler's one row above, a stride-3 conv that
+    reads fewer rows than its band holds, an even kernel that reads one row below)."""
     from torch import nn
 
     from fastdiff.pipelines.patch_parallel import BandConv2d
 
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 5, kernel, stride=stride, padding=padding)
-    whole = torch.randn(2, 3, 16, 12)
+    whole = torch.randn(2, 3, height, 12)
     reference = conv(whole)
-    band, out_band = 16 // world, 16 // world // stride
+    band, out_band = height // world, height // world // stride
     for rank in range(world):
-        banded = BandConv2d(conv, WholeExchange(rank, world, whole), "conv")
+        exchange = WholeExchange(rank, world, whole)
+        banded = BandConv2d(conv, exchange, "conv")
+        exchange.edges_of = banded.edges
         got = banded(whole[:, :, rank * band : (rank + 1) * band])
         torch.testing.assert_close(got, reference[:, :, rank * out_band : (rank + 1) * out_band], atol=1e-6, rtol=0)
 

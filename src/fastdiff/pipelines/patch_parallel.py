@@ -5,8 +5,8 @@ Each of ``world`` processes runs the whole U-Net on one horizontal band of the l
 bands from the other processes:
 
 1. **Convolutions** wider than 1x1 read the rows around their band (a 3x3 conv: one above and one below; the
-   stride-2 downsampler: one above). Every such conv's input is gathered from all ranks, and the conv runs on its
-   band's window of the whole (zeros outside the image, as its padding gives).
+   stride-2 downsampler: one above). Every rank sends only those edge rows of its band; the conv runs on the band
+   with its neighbours' edges around it (zeros outside the image, as its padding gives).
 2. **GroupNorm** needs each group's mean and variance over the whole image: every rank's band statistics (count,
    mean, sum of squared deviations) are gathered and merged with Chan et al.'s parallel formula.
 3. **Self-attention** needs every token's key and value: they are gathered, the band's queries attend to all.
@@ -124,6 +124,13 @@ class Exchange:
         return self.step < self.warmup
 
     def gather(self, key: str, local: torch.Tensor, dim: int, fresh: bool = False) -> torch.Tensor:
+        """Every rank's ``local`` (see :meth:`parts`), concatenated along ``dim`` in rank order."""
+        return torch.cat(self.parts(key, local, fresh), dim=dim)
+
+    def parts(self, key: str, local: torch.Tensor, fresh: bool = False) -> list[torch.Tensor]:
+        """Every rank's ``local`` of layer ``key``, in rank order: this rank's as given, the others' of this call
+        (``sync`` or ``fresh``: the collective runs now) or of the previous one (this call's gather then runs in the
+        background, waited for at the layer's next call)."""
         local = local.contiguous()
         if key in self._pending:
             work, parts = self._pending.pop(key)
@@ -133,12 +140,12 @@ class Exchange:
             parts = [torch.empty_like(local) for _ in range(self.world)]
             self.dist.all_gather(parts, local, group=self.group)
             self._parts[key] = parts
-        else:
-            parts = list(self._parts[key])
-            parts[self.rank] = local
-            fresh = [torch.empty_like(local) for _ in range(self.world)]
-            self._pending[key] = (self.dist.all_gather(fresh, local, group=self.group, async_op=True), fresh)
-        return torch.cat(parts, dim=dim)
+            return parts
+        parts = list(self._parts[key])
+        parts[self.rank] = local
+        incoming = [torch.empty_like(local) for _ in range(self.world)]
+        self._pending[key] = (self.dist.all_gather(incoming, local, group=self.group, async_op=True), incoming)
+        return parts
 
     def finish(self) -> None:
         """Wait for the gathers still in flight (the last step's, which nothing reads)."""
@@ -160,17 +167,32 @@ class BandConv2d(nn.Module):
             raise FastdiffError(f"patch-parallel: {key} (kernel {k}, stride {stride}, padding {p}) changes the size")
         self.conv, self.exchange, self.key = conv, exchange, key
 
+    def reach(self) -> tuple[int, int]:
+        """Rows of the band above and of the band below that this band's output reads: a band's output rows read
+        the input rows [top - p, top + h + k - s - p), so p above and k - s - p below (negative: fewer of its own)."""
+        (k, _), (s, _), (p, _) = self.conv.kernel_size, self.conv.stride, self.conv.padding
+        return p, k - s - p
+
+    def edges(self, x: torch.Tensor) -> torch.Tensor:
+        """What this band sends: its first rows (the band above reads them) and its last (the band below reads)."""
+        above, below = self.reach()
+        return torch.cat([x[:, :, : max(below, 0)], x[:, :, x.shape[2] - above :]], dim=2)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        (k, _), (s, _), (p, pw) = self.conv.kernel_size, self.conv.stride, self.conv.padding
-        h = x.shape[2]
-        top = self.exchange.rank * h  # this band's first row in the whole input
-        whole = self.exchange.gather(self.key, x, dim=2)
-        if top % s or h % s:
+        (_, _), (s, _), (_, pw) = self.conv.kernel_size, self.conv.stride, self.conv.padding
+        h, rank, world = x.shape[2], self.exchange.rank, self.exchange.world
+        if h % s:
             raise FastdiffError(f"patch-parallel: {self.key}'s band of {h} rows does not fit its stride {s}")
-        first, last = top // s, (top + h) // s  # the band's output rows [first, last)
-        lo, hi = first * s - p, (last - 1) * s - p + k  # the input rows they read, [lo, hi)
-        rows = whole[:, :, max(lo, 0) : min(hi, whole.shape[2])]
-        window = F.pad(rows, (0, 0, max(-lo, 0), max(hi - whole.shape[2], 0)))  # zeros beyond the image
+        above, below = self.reach()
+        parts = self.exchange.parts(self.key, self.edges(x))
+        zeros = x.new_zeros(x.shape[0], x.shape[1], 0, x.shape[3])
+        top_rows = parts[rank - 1][:, :, max(below, 0) :] if rank > 0 else F.pad(zeros, (0, 0, 0, above))
+        bottom_rows = (
+            (parts[rank + 1][:, :, :below] if rank < world - 1 else F.pad(zeros, (0, 0, 0, below)))
+            if below > 0
+            else zeros
+        )
+        window = torch.cat([top_rows, x[:, :, : h + min(below, 0)], bottom_rows], dim=2)
         return F.conv2d(window, self.conv.weight, self.conv.bias, stride=self.conv.stride, padding=(0, pw))
 
 
@@ -185,20 +207,22 @@ class BandGroupNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c = x.shape[:2]
         groups = self.norm.num_groups
-        values = x.float().reshape(b, groups, -1)
+        values = x.reshape(b, groups, -1)
         count = values.shape[2]
-        mean = values.mean(dim=2)
-        m2 = (values - mean[..., None]).square().sum(dim=2)
+        mean = values.sum(dim=2, dtype=torch.float32) / count  # fp32 sums straight from x: no fp32 copy of it
+        m2 = (torch.linalg.vector_norm(values, dim=2, dtype=torch.float32).square() - count * mean.square()).clamp(0)
         stats = self.exchange.gather(self.key, torch.stack([mean, m2])[None], dim=0)  # [world, 2, B, G]
         means, m2s = stats[:, 0], stats[:, 1]
         total_mean = means.mean(dim=0)  # every band has the same count
         total_m2 = (m2s + count * (means - total_mean).square()).sum(dim=0)
-        var = total_m2 / (count * stats.shape[0])
-        out = (values - total_mean[..., None]) * torch.rsqrt(var[..., None] + self.norm.eps)
-        out = out.reshape(x.shape)
+        rstd = torch.rsqrt(total_m2 / (count * stats.shape[0]) + self.norm.eps)  # [B, G]
+        per = c // groups
+        scale = rstd.repeat_interleave(per, dim=1)  # [B, C]
+        shift = -total_mean.repeat_interleave(per, dim=1) * scale
         if self.norm.affine:
-            out = out * self.norm.weight.float().view(1, c, 1, 1) + self.norm.bias.float().view(1, c, 1, 1)
-        return out.to(x.dtype)
+            scale = scale * self.norm.weight.float()
+            shift = shift * self.norm.weight.float() + self.norm.bias.float()
+        return torch.addcmul(shift[:, :, None, None], x, scale[:, :, None, None]).to(x.dtype)  # one pass over x
 
 
 class BandAttention(nn.Module):
