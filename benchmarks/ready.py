@@ -11,7 +11,7 @@ caches filled by one untimed run before them. ``--system compile`` times the sam
 U-Net under torch.compile (reduce-overhead, Inductor's cache emptied for cold runs), the fair baseline's ready time.
 Text-to-image models sample ``--batch`` images of ``--prompt`` at ``--guidance``. The result gives best / worst /
 mean of every phase per mode, and how many images differ between the runs (0: the same seed gave the same bytes in
-every process).
+every process; ``digests``: one per distinct set of images, to compare runs).
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ def child(args: argparse.Namespace) -> None:
                 "call_ms": start.elapsed_time(end),
                 "step_ms": start.elapsed_time(end) / args.steps,
                 "ops_timed": timings.get("step_ops_timed"),
+                "kernels": {k[len("step_kernels_") :]: v for k, v in timings.items() if k.startswith("step_kernels_")},
                 "plan_sources": sorted(set(pipe.engine.plan_sources.values())) if backend == "engine" else [],
                 "plan_digest": pipe.plan_digest if backend == "engine" else None,
                 "image_sha256": [hashlib.sha256(p.numpy().tobytes()).hexdigest()[:16] for p in pixels],
@@ -128,6 +129,7 @@ def summarize(rows: list[dict]) -> dict:
     out["plan_sources"] = sorted({s for r in rows for s in r["plan_sources"]})
     out["plan_digests"] = sorted({r["plan_digest"] or "" for r in rows})
     out["ops_timed"] = [r["ops_timed"] for r in rows]
+    out["kernels"] = [r.get("kernels") for r in rows]  # the step's compiles: recorded, in workers, at launch
     return out
 
 
@@ -163,7 +165,9 @@ def main() -> None:
 
     result = {"what": "time to ready and first image in fresh processes; image bytes compared across them",
               "config": {k: v for k, v in vars(args).items() if k not in ("child", "out")},
-              "env": environment(), "modes": {}}  # fmt: skip
+              "env": environment(), "modes": {},
+              "compile": {k: os.environ.get(f"FASTDIFF_COMPILE_{k.upper()}", "default")
+                          for k in ("workers", "threads")}}  # fmt: skip
     hashes = []
     for mode, runs in (("cold", args.cold), ("warm", args.warm)):
         if runs <= 0:
@@ -183,8 +187,9 @@ def main() -> None:
             rows.append(row)
         result["modes"][mode] = {"summary": summarize(rows), "rows": rows}
     differing = sum(len(set(column)) > 1 for column in zip(*hashes, strict=True))
+    digests = sorted({hashlib.sha256("".join(h).encode()).hexdigest()[:16] for h in hashes})
     result["images_differing_between_processes"] = {"images": len(hashes[0]), "processes": len(hashes),
-                                                    "differing": differing}  # fmt: skip
+                                                    "differing": differing, "digests": digests}  # fmt: skip
     print(json.dumps({m: v["summary"] for m, v in result["modes"].items()}, indent=1))
     print("images differing between processes:", result["images_differing_between_processes"])
     if args.out:

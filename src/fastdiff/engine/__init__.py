@@ -228,6 +228,7 @@ class Engine:
         fused.streamer.wait_all()
         self._sync()
         self.timings[f"{role}_first_forward_s"] = time.perf_counter() - t0
+        self.timings.update({f"{role}_kernels_{k}": v for k, v in fused.compile_stats.items()})
         t1 = time.perf_counter()
         if source is None and self.tune != "off":
             fused.autotune(x_in)

@@ -53,6 +53,7 @@ from torch import nn
 from fastdiff.devices import normalize_device
 from fastdiff.engine.calls import build_call
 from fastdiff.engine.candidates import ATTENTION_IMPLS, CONV_IMPLS, candidates, default_why, taps_fit
+from fastdiff.engine.compile_pool import compile_workers, counting_compiles, precompile
 from fastdiff.engine.epilogue_norm import EPILOGUE_NORM, EPILOGUE_STATS
 from fastdiff.engine.fp8 import fp8_unsupported, mark_fp8_convs
 from fastdiff.engine.fusion import Fusion
@@ -174,6 +175,7 @@ class FusedModel:
         self._shallow_calls: list[Callable[[], None]] = []
         self._context_calls: list[Callable[[], None]] = []
         self.ops_timed = 0  # set by autotune()
+        self.compile_stats: dict[str, float] = {}  # the first forward's kernel compiles (compile_pool.precompile)
 
     @property
     def weights_loaded(self) -> bool:
@@ -310,31 +312,44 @@ class FusedModel:
 
     def _streamed_forward(self, x_in: torch.Tensor) -> None:
         """The first forward, interleaved with the weight upload: for each module, pack its weights on the host
-        and queue their copy on the copy stream, then queue its compute behind that module's event only. The
-        GPU runs module k while the host packs and the copy engine uploads modules k+1, ... (the context-stage
-        ops run in model order too, on the context set so far). Its kernels compile one after another unless
-        ``FASTDIFF_COMPILE_THREADS`` > 1 (opt-in, :class:`fastdiff.engine.tuning.ConcurrentLaunches`): then the ops
-        launch from that many host threads, so their kernels compile at once, and run again in model order. That
-        compiled the first forward 1.7x faster from empty caches on the H100 but made images differ between
-        processes (241 of 256 at ddpm-cifar10 batch 256, git 735dba6), most likely through the tiles Triton's
-        autotuner then timed under contention, which the kernels no longer do (git 01c5d7c); not re-measured yet
-        (docs/engine/kernel-plans.md).
-        """
+        and queue their copy on the copy stream, then queue its compute behind that module's event only.
+
+        On CUDA with :func:`fastdiff.engine.compile_pool.compile_workers` > 1 (the default), every module's upload is
+        queued first, then the kernels the forward would compile are recorded and compiled in worker processes
+        (:func:`fastdiff.engine.compile_pool.precompile`, while the copy engine uploads), then the forward runs and
+        loads them from Triton's cache (``compile_stats`` says what was compiled where). Otherwise the GPU runs
+        module k while the host packs and the copy engine uploads modules k+1, ..., and its kernels compile one after
+        another at their first launch, or from ``FASTDIFF_COMPILE_THREADS`` host threads
+        (:class:`fastdiff.engine.tuning.ConcurrentLaunches`; the ops then run again in model order).
+        The context-stage ops run in model order too, on the context set so far."""
         self._check_input(x_in)
         self._x_in, self.tensors = x_in, {}
+        if self.device.type == "cuda" and compile_workers() > 1:
+            calls = [(op.name, self._upload_and_bind(op)) for op in self.ops]
+            with counting_compiles() as counts:
+                self.compile_stats = precompile([call for _, call in calls], self.device.type)
+                for name, call in calls:
+                    self._after_upload(name, call)
+            self.compile_stats.update({f"launch_{k}": v for k, v in counts.items()})
+            self.bind(x_in)
+            return
         with ConcurrentLaunches(self.device) as launches:
             for op in self.ops:
-                packed = host_weights(op, self.dtype, self.device, self.conv_impl, taps_fit(self, op))
-                self.device_weights[op.name] = self.streamer.submit(op.name, packed)
-                op.weights = {}  # the fp32 source copies are no longer needed
-                if op.name not in self.impls:
-                    self.impls[op.name] = candidates(self, op)[0]
-                call = self.call(op, self._first_forward_impl(op))
-                launches.submit(functools.partial(self._after_upload, op.name, call))
+                launches.submit(functools.partial(self._after_upload, op.name, self._upload_and_bind(op)))
         self.bind(x_in)
         if launches.concurrent:  # the threads launched the ops in any order: the forward again, in model order
             for call in (*self._context_calls, *self._calls):
                 call()
+
+    def _upload_and_bind(self, op: Op) -> Callable[[], None]:
+        """Queue ``op``'s weights' upload; its first-forward call (its implementation: the plan's or the first
+        candidate)."""
+        packed = host_weights(op, self.dtype, self.device, self.conv_impl, taps_fit(self, op))
+        self.device_weights[op.name] = self.streamer.submit(op.name, packed)
+        op.weights = {}  # the fp32 source copies are no longer needed
+        if op.name not in self.impls:
+            self.impls[op.name] = candidates(self, op)[0]
+        return self.call(op, self._first_forward_impl(op))
 
     def _after_upload(self, name: str, call: Callable[[], None]) -> None:
         """``call`` on the current stream once op ``name``'s weights are on the device."""

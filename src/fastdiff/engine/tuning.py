@@ -28,6 +28,7 @@ from triton.runtime.errors import OutOfResources, PTXASError
 
 from fastdiff.atomic import write_text_atomic
 from fastdiff.engine.candidates import candidates
+from fastdiff.engine.compile_pool import compile_workers, precompile
 from fastdiff.engine.fusion import BoundModel, Fusion
 from fastdiff.engine.impl import Impl
 from fastdiff.engine.ir import Op
@@ -182,11 +183,13 @@ class ConcurrentLaunches:
 
 
 def compile_candidates(model: BoundModel) -> int:
-    """Compile, concurrently (:class:`ConcurrentLaunches`), every candidate that :func:`choose_impls` will time (those
-    of ops with several candidates, not in the tuning cache yet), so its timing loop compiles nothing; returns how
-    many. One thread runs all of an op's candidates, one after another: they share the op's output and a fusion's
-    statistics buffer, which each call may resize. Writes the arena: fill it afterwards."""
-    if compile_threads() <= 1 or model.device.type != "cuda":
+    """Compile at once every candidate that :func:`choose_impls` will time (those of ops with several candidates, not
+    in the tuning cache yet), so its timing loop compiles nothing; returns how many calls that covered. On CUDA:
+    in worker processes (:func:`fastdiff.engine.compile_pool.precompile`), else from :func:`compile_threads` host
+    threads (:class:`ConcurrentLaunches`; one thread runs all of an op's candidates, one after another: they share
+    the op's output and a fusion's statistics buffer, which each call may resize). Writes the arena: fill it
+    afterwards."""
+    if model.device.type != "cuda":
         return 0  # the timing loop compiles each candidate at its first launch anyway
     per_op = []
     for op in model.ops:
@@ -196,11 +199,16 @@ def compile_candidates(model: BoundModel) -> int:
         known = TUNING_CACHE.get(tuning_key(model, op), {})
         calls = [model.call(op, impl) for impl in impls if impl.name not in known]
         if calls:
-            per_op.append(functools.partial(call_each, calls))
+            per_op.append(calls)
+    if compile_workers() > 1:
+        precompile([call for calls in per_op for call in calls], model.device.type)
+        return sum(map(len, per_op))
+    if compile_threads() <= 1:
+        return 0
     with ConcurrentLaunches(model.device) as launches:
         for calls in per_op:
-            launches.submit(calls)
-    return sum(len(calls.args[0]) for calls in per_op)
+            launches.submit(functools.partial(call_each, calls))
+    return sum(map(len, per_op))
 
 
 def call_each(calls: list[Callable[[], None]]) -> None:

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One GPU call: the cold start compiled three ways in the same run (ddpm-cifar10 batch 256, the shipped plan, fresh
+# processes, images compared): kernels compiled in worker processes (the default, fastdiff.engine.compile_pool), on
+# 16 host threads (FASTDIFF_COMPILE_WORKERS=1 FASTDIFF_COMPILE_THREADS=16) and one after another in the process
+# (both 1). Then `fastdiff tune` from empty caches with the workers (the cold, no-plan time), SD 1.5's cold and warm
+# start with its shipped plan, and SD 1.5's plan at guidance 1 (the U-Net at one row: what guidance-parallel runs).
+#   FASTDIFF_GIT_SHA=<sha> bash scripts/gpu_compile_modes.sh     (repo root on the GPU machine)
+# Results under $OUT: ready-<model>-<mode>-<gpu>.json, tune-*.log, plan-sd15-guidance1-<gpu>.json.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH="src" PYTHONUNBUFFERED=1
+[ -n "${FASTDIFF_GIT_SHA:-}" ] || echo "warning: FASTDIFF_GIT_SHA is unset" >&2
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')
+start=$(date +%s)
+stamp() { echo "== [$(( $(date +%s) - start )) s] $*"; }
+ready() {  # mode, then ready.py's arguments
+  local mode=$1; shift
+  timeout 200 python3 benchmarks/ready.py "$@" --out "$OUT/ready-$mode-$gpu.json" 2>&1 \
+    | grep -E "differing|failed" | cut -c1-300
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1]))
+for m, v in d['modes'].items():
+    s = v['summary']; print(m, s['runs'], {k: round(s[k]['mean'], 2) for k in ('import_s', 'first_forward_s', 'to_first_image_s', 'step_ms')}, s['kernels'][0])" \
+    "$OUT/ready-$mode-$gpu.json" 2>&1 | tail -n 2
+}
+stamp "ddpm-cifar10 b256: workers (default)"
+ready ddpm-cifar10-b256-workers --model ddpm-cifar10 --batch 256 --cold "${COLD:-2}" --warm 1
+stamp "ddpm-cifar10 b256: 16 threads"
+FASTDIFF_COMPILE_WORKERS=1 FASTDIFF_COMPILE_THREADS=16 ready ddpm-cifar10-b256-threads16 --model ddpm-cifar10 \
+  --batch 256 --cold 1 --warm 0
+stamp "ddpm-cifar10 b256: serial"
+FASTDIFF_COMPILE_WORKERS=1 FASTDIFF_COMPILE_THREADS=1 ready ddpm-cifar10-b256-serial --model ddpm-cifar10 \
+  --batch 256 --cold 1 --warm 0
+stamp "tune ddpm-cifar10 b256 from empty caches (workers)"
+tmp=$(mktemp -d)
+TRITON_CACHE_DIR=$tmp/triton FASTDIFF_CACHE_DIR=$tmp/fastdiff timeout 200 python3 -m fastdiff.cli tune \
+  --model ddpm-cifar10 --batch 256 --out "$tmp/plan.json" >"$OUT/tune-ddpm-cifar10-b256-cold.log" 2>&1
+echo "   rc=$?"; grep -E "kernels to compile|tuning took" "$OUT/tune-ddpm-cifar10-b256-cold.log" | cut -c1-200
+[ "${SKIP_SD:-0}" = 1 ] && { stamp done; exit 0; }
+stamp "sd15 b1 guidance 7.5: workers, shipped plan"
+ready sd15-b1-workers --model sd15 --batch 1 --cold 1 --warm 1
+stamp "tune sd15 b1 guidance 1 (the U-Net at one row)"
+timeout 250 python3 -m fastdiff.cli tune --model sd15 --batch 1 --guidance 1 --out "$OUT/plan-sd15-guidance1-$gpu.json" \
+  >"$OUT/tune-sd15-guidance1.log" 2>&1
+echo "   rc=$?"; tail -n 1 "$OUT/tune-sd15-guidance1.log" | cut -c1-200
+stamp done

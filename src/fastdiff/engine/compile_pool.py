@@ -1,0 +1,278 @@
+"""Triton kernels compiled in worker processes before their first launch: a cold start's compiles on every core.
+
+A Triton kernel compiles at its first launch, in the launching process, one kernel after another (host threads help
+little: much of a compile holds the GIL). Here a set of calls is first *recorded*: each call runs with Triton's
+``jit_cache_hook`` refusing every compile, so a launch that would compile hands over the kernel's specialization
+(serialised as Triton's own ``JITFunction.preload`` reads it) and launches nothing. The kernels not yet in Triton's
+on-disk cache go to worker processes (``python -m fastdiff.engine.compile_pool``, each compiling its share one after
+another), which write them to that cache. The calls then run as usual and load each kernel from the cache, as a
+second process does: the cache key is computed from the same source, specialization, options, target and
+environment in the worker and in the launch, so the binaries are those of an in-process compile.
+
+    specs = record(calls)                      # nothing compiles; nothing that would compile launches
+    compiled, failed = compile_in_workers(missing(specs), workers=16)
+
+:func:`precompile` does all three and says what it did; :func:`compile_workers` is the number of workers
+(``FASTDIFF_COMPILE_WORKERS``, default: one per CPU this process may use, at most :data:`MAX_WORKERS`; 1: none, the
+launches compile in this process). Only CUDA devices compile this way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MAX_WORKERS = 16
+"""The most worker processes :func:`compile_workers` starts by default (each imports torch and Triton)."""
+MIN_KERNELS = 4
+"""Fewer kernels to compile than this compile in the launching process: a worker's start (its imports) costs more."""
+
+
+def compile_workers() -> int:
+    """``FASTDIFF_COMPILE_WORKERS`` (at most the CPUs this process may use), else one per such CPU up to
+    :data:`MAX_WORKERS`; 1 or less: kernels compile in the launching process."""
+    cpus = len(os.sched_getaffinity(0))
+    value = os.environ.get("FASTDIFF_COMPILE_WORKERS", "").strip()
+    if value:
+        try:
+            return max(1, min(int(value), cpus))
+        except ValueError:
+            log.warning("ignoring FASTDIFF_COMPILE_WORKERS=%r: not an integer", value)
+    return min(cpus, MAX_WORKERS)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """One Triton kernel specialization: the ``@triton.jit`` function by module and qualified name, Triton's JSON
+    of its specialization (signature, constexprs, attributes, options) and the GPU target."""
+
+    module: str
+    name: str
+    data: str
+    target: dict[str, Any]
+
+
+def record(calls: Iterable[Callable[[], None]]) -> list[KernelSpec]:
+    """The kernels that ``calls`` would compile, each once, in first-launch order. Every call runs with Triton's
+    ``jit_cache_hook`` refusing each compile: a launch of a kernel that is not compiled in this process returns
+    without launching; launches of compiled kernels and non-Triton work run (on whatever the buffers hold: callers
+    run the real work afterwards). A call that fails is logged and left to the real run to report."""
+    from triton import knobs
+    from triton.runtime.driver import driver
+
+    current = driver.active.get_current_target()
+    target = {"backend": current.backend, "arch": current.arch, "warp_size": current.warp_size}
+    found: dict[str, KernelSpec] = {}
+
+    def refuse(*, fn: Any, compile: dict, **_: Any) -> bool:
+        data = compile["specialization_data"]
+        found.setdefault(data, KernelSpec(fn.module, fn.name, data, target))
+        return True
+
+    previous = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = refuse
+    try:
+        for call in calls:
+            try:
+                call()
+            except Exception as exc:  # noqa: BLE001 - the real run meets it again and reports it
+                log.debug("a recorded call failed: %s", exc)
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+    return list(found.values())
+
+
+def jit_function(module: str, name: str) -> Any:
+    """The ``JITFunction`` named ``module:name`` (through any wrapper that keeps it in ``.fn``)."""
+    from triton.runtime.jit import JITFunction
+
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    while not isinstance(obj, JITFunction):
+        obj = obj.fn
+    return obj
+
+
+def source(spec: KernelSpec) -> tuple[Any, dict[str, Any]]:
+    """The compiler input of ``spec`` (``ASTSource``, or Gluon's) and its options, decoded as Triton's
+    ``JITFunction.preload`` decodes its specialization data."""
+    import triton.language as tl
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import convert_to_tuple_if_list
+
+    fn = jit_function(spec.module, spec.name)
+    data = json.loads(spec.data)
+
+    def constant(value: Any) -> Any:
+        if tl.dtype.is_dtype(value):
+            return tl.dtype(value)
+        if isinstance(value, dict) and "constexpr" in value:
+            return tl.constexpr(convert_to_tuple_if_list(value["constexpr"]))
+        if isinstance(value, dict) and "jit_function" in value:
+            return jit_function(*value["jit_function"].split(":", 1))
+        return convert_to_tuple_if_list(value)
+
+    constexprs = {tuple(k): constant(v) for k, v in zip(data["constant_keys"], data["constant_vals"], strict=True)}
+    attrs = {tuple(k): v for k, v in zip(data["attrs_keys"], data["attrs_vals"], strict=True)}
+    signature = {k: convert_to_tuple_if_list(v) for k, v in data["signature"].items()}
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()}
+    if fn.is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource as source_class
+    else:
+        source_class = ASTSource
+    return source_class(fn, signature, constexprs, attrs), options
+
+
+def gpu_target(spec: KernelSpec) -> Any:
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget(spec.target["backend"], spec.target["arch"], spec.target["warp_size"])
+
+
+def in_cache(spec: KernelSpec) -> bool:
+    """Whether Triton's on-disk cache holds ``spec``'s binary (the lookup ``triton.compile`` makes first)."""
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.cache import get_cache_key, get_cache_manager
+
+    src, options = source(spec)
+    backend = make_backend(gpu_target(spec))
+    parsed = backend.parse_options(dict(options, **src.parse_options()))
+    key = get_cache_key(src, backend, parsed, env_vars=get_cache_invalidating_env_vars())
+    name = f"{src.name[:150]}.json"
+    return name in (get_cache_manager(hashlib.sha256(key.encode("utf-8")).hexdigest()).get_group(name) or {})
+
+
+def missing(specs: list[KernelSpec]) -> list[KernelSpec]:
+    """``specs`` that Triton's on-disk cache lacks."""
+    return [spec for spec in specs if not in_cache(spec)]
+
+
+def compile_spec(spec: KernelSpec) -> None:
+    """Compile ``spec`` into Triton's on-disk cache (what a worker does with each kernel it is given)."""
+    import triton
+
+    src, options = source(spec)
+    triton.compile(src, target=gpu_target(spec), options=options)
+
+
+def compile_in_workers(specs: list[KernelSpec], workers: int) -> tuple[int, list[str]]:
+    """Compile ``specs`` in ``workers`` processes at once (kernel i to worker i mod ``workers``); returns how many
+    compiled and one line per failure (the launch compiles those itself, and reports what is wrong)."""
+    package_root = str(Path(__file__).resolve().parents[2])  # the folder that holds the fastdiff package
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "fastdiff.engine.compile_pool"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )  # fmt: skip
+        for _ in range(min(workers, len(specs)))
+    ]
+    compiled, failures = 0, []
+    try:
+        for i, spec in enumerate(specs):
+            procs[i % len(procs)].stdin.write(json.dumps(dataclasses.asdict(spec)) + "\n")  # type: ignore[union-attr]
+        for proc in procs:
+            proc.stdin.close()  # type: ignore[union-attr]
+        for proc in procs:
+            for line in proc.stdout:  # type: ignore[union-attr]
+                result = json.loads(line)
+                if result["ok"]:
+                    compiled += 1
+                else:
+                    failures.append(result["error"])
+            proc.wait()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    answered = compiled + len(failures)
+    if answered < len(specs):
+        failures.append(f"{len(specs) - answered} kernels got no answer (a worker ended early)")
+    return compiled, failures
+
+
+@contextmanager
+def counting_compiles() -> Iterator[dict[str, int]]:
+    """Counts, while open, the kernels Triton compiles in this process (``compiled``) and loads from its on-disk
+    cache (``loaded``), through its compilation listener."""
+    from triton import knobs
+
+    counts = {"compiled": 0, "loaded": 0}
+
+    def listen(*, cache_hit: bool, **_: Any) -> None:
+        counts["loaded" if cache_hit else "compiled"] += 1
+
+    previous = knobs.compilation.listener
+    knobs.compilation.listener = listen
+    try:
+        yield counts
+    finally:
+        knobs.compilation.listener = previous
+
+
+def precompile(calls: list[Callable[[], None]], device_type: str) -> dict[str, float]:
+    """Record ``calls``, compile what Triton's cache lacks in :func:`compile_workers` processes; returns what it did
+    (``kernels``: recorded, ``to_compile``, ``compiled``, ``failed``, ``seconds``), empty where it does not apply
+    (not CUDA, one worker). A recording or cache lookup that fails is logged: the launches then compile as usual."""
+    workers = compile_workers()
+    if device_type != "cuda" or workers <= 1:
+        return {}
+    start = time.perf_counter()
+    try:
+        specs = record(calls)
+        todo = missing(specs)
+    except Exception as exc:  # noqa: BLE001 - a Triton whose internals differ: compile at launch instead
+        log.warning("compiling at first launch: the kernels could not be recorded (%s)", exc)
+        return {}
+    done: dict[str, float] = {"kernels": len(specs), "to_compile": len(todo), "compiled": 0, "failed": 0}
+    if len(todo) >= MIN_KERNELS:
+        compiled, failures = compile_in_workers(todo, workers)
+        done.update(compiled=compiled, failed=len(failures))
+        for failure in failures[:3]:
+            log.info("a worker could not compile a kernel (its launch will): %s", failure)
+    done["seconds"] = time.perf_counter() - start
+    log.info(
+        "%d kernels to compile of %d, %d compiled in %d workers (%.1f s)",
+        len(todo), len(specs), done["compiled"], min(workers, len(todo)) if len(todo) >= MIN_KERNELS else 0,
+        done["seconds"],
+    )  # fmt: skip
+    return done
+
+
+def worker_main() -> None:
+    """A worker: one JSON :class:`KernelSpec` per line on stdin, compiled in turn, one JSON answer per line."""
+    importlib.import_module("fastdiff.kernels")  # the usual kernels' modules, while the parent records
+    for line in sys.stdin:
+        spec = KernelSpec(**json.loads(line))
+        try:
+            compile_spec(spec)
+            answer: dict[str, Any] = {"ok": True}
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, whose launch compiles it again
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            answer = {"ok": False, "error": f"{spec.module}:{spec.name}: {first}"}
+        print(json.dumps(answer), flush=True)
+
+
+if __name__ == "__main__":
+    worker_main()

@@ -1,0 +1,117 @@
+"""``fastdiff.engine.compile_pool``: kernels compiled in worker processes. Recording and compiling need a GPU's driver
+and ptxas (``benchmarks/ready.py`` measures them there); here: the worker count, the decoding of Triton's
+specialization data into the same compiler input as the launch's (so the worker's cache key is the launch's), and
+the workers' protocol end to end (each kernel answered, failures reported, none lost)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from fastdiff.engine.compile_pool import KernelSpec, compile_in_workers, compile_workers, precompile, source
+
+KERNEL = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def scale_kernel(x_ptr, y_ptr, n, alpha, BLOCK: tl.constexpr, FLAG: tl.constexpr, DTYPE: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    if FLAG:
+        x = x * alpha
+    tl.store(y_ptr + offs, x.to(DTYPE), mask=offs < n)
+"""
+TARGET = {"backend": "cuda", "arch": 90, "warp_size": 32}
+
+
+@pytest.fixture
+def kernel_module(tmp_path, monkeypatch):
+    """A module with one ``@triton.jit`` kernel compiled as on a GPU (a ``JITFunction``, not the interpreter's)."""
+    import triton
+
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    (tmp_path / "pool_kernel_module.py").write_text(KERNEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield importlib.import_module("pool_kernel_module")
+    sys.modules.pop("pool_kernel_module", None)
+
+
+def serialized(kernel, signature, constants, attrs, options) -> str:
+    """Triton's own specialization JSON (what its ``jit_cache_hook`` hands over), whichever Triton is installed."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import serialize_specialization_data
+
+    args = ["scale_kernel", signature, constants, attrs, options, "key"]
+    if "target" in inspect.signature(serialize_specialization_data).parameters:
+        args.append(GPUTarget(**TARGET))
+    return serialize_specialization_data(*args)
+
+
+def test_decoded_source_hashes_as_the_launch_s(kernel_module):
+    """The worker's compiler input from the JSON hashes exactly as the one the launch builds from live values: tuple
+    paths, divisibility attributes, an int, a bool and a dtype constexpr, options' lists back to tuples."""
+    import triton.language as tl
+    from triton.compiler import ASTSource
+
+    kernel = kernel_module.scale_kernel
+    signature = {"x_ptr": "*fp16", "y_ptr": "*fp16", "n": "i32", "alpha": "fp32", "BLOCK": "constexpr",
+                 "FLAG": "constexpr", "DTYPE": "constexpr"}  # fmt: skip
+    constants = {(4,): 128, (5,): True, (6,): tl.float16}
+    attrs = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}
+    options = types.SimpleNamespace(num_warps=4, num_stages=3, supported_fp8_dtypes=("fp8e4nv", "fp8e5"))
+    spec = KernelSpec("pool_kernel_module", "scale_kernel", serialized(kernel, signature, constants, attrs, options),
+                      TARGET)  # fmt: skip
+    src, decoded = source(spec)
+    assert type(src) is ASTSource
+    assert src.hash() == ASTSource(kernel, signature, constants, attrs).hash()
+    assert decoded == {"num_warps": 4, "num_stages": 3, "supported_fp8_dtypes": ("fp8e4nv", "fp8e5")}
+    other = dict(constants)
+    other[(4,)] = 64
+    assert src.hash() != ASTSource(kernel, signature, other, attrs).hash()  # the hash does see the constants
+
+
+def test_workers_answer_every_kernel_and_report_failures():
+    """Two workers, three kernels none of which can compile here: three one-line failures, in the order given,
+    nothing compiled, no worker left running."""
+    data = json.dumps({"signature": {}, "constant_keys": [], "constant_vals": [], "attrs_keys": [], "attrs_vals": [],
+                       "options": {}})  # fmt: skip
+    specs = [
+        KernelSpec("fastdiff_no_such_module", "kernel", data, TARGET),
+        KernelSpec("fastdiff.kernels.layer_norm", "no_such_kernel", data, TARGET),
+        KernelSpec("fastdiff_no_such_module", "other", data, TARGET),
+    ]
+    compiled, failures = compile_in_workers(specs, workers=2)
+    assert compiled == 0
+    assert len(failures) == 3
+    assert failures[0].startswith("fastdiff_no_such_module:kernel: ") and "No module named" in failures[0]
+    assert failures[1].startswith("fastdiff_no_such_module:other: ")  # worker 0's second, read before worker 1's
+    assert failures[2].startswith("fastdiff.kernels.layer_norm:no_such_kernel: ")
+    assert all("\n" not in f for f in failures)
+
+
+def test_worker_count(monkeypatch):
+    import os
+
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("FASTDIFF_COMPILE_WORKERS", raising=False)
+    assert compile_workers() == min(cpus, 16)
+    monkeypatch.setenv("FASTDIFF_COMPILE_WORKERS", "1")
+    assert compile_workers() == 1
+    monkeypatch.setenv("FASTDIFF_COMPILE_WORKERS", "0")
+    assert compile_workers() == 1
+    monkeypatch.setenv("FASTDIFF_COMPILE_WORKERS", "many")
+    assert compile_workers() == min(cpus, 16)
+
+
+def test_precompile_does_nothing_off_cuda():
+    calls = []
+    assert precompile([lambda: calls.append(1)], torch.device("cpu").type) == {}
+    assert calls == []  # not even recorded: the interpreter compiles nothing
