@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call: the cold start compiled three ways in the same run (ddpm-cifar10 batch 256, the shipped plan, fresh
-# processes, images compared): kernels compiled in worker processes (the default, fastdiff.engine.compile_pool), on
+# processes, images compared): kernels compiled in forked worker processes (the default, engine/compile_pool.py), on
 # 16 host threads (FASTDIFF_COMPILE_WORKERS=1 FASTDIFF_COMPILE_THREADS=16) and one after another in the process
 # (both 1). Then `fastdiff tune` from empty caches with the workers (the cold, no-plan time), SD 1.5's cold and warm
 # start with its shipped plan, and SD 1.5's plan at guidance 1 (the U-Net at one row: what guidance-parallel runs).
@@ -16,8 +16,9 @@ start=$(date +%s)
 stamp() { echo "== [$(( $(date +%s) - start )) s] $*"; }
 ready() {  # mode, then ready.py's arguments
   local mode=$1; shift
-  timeout 200 python3 benchmarks/ready.py "$@" --out "$OUT/ready-$mode-$gpu.json" 2>&1 \
-    | grep -E "differing|failed" | cut -c1-300
+  timeout 200 python3 benchmarks/ready.py "$@" --out "$OUT/ready-$mode-$gpu.json" >/tmp/ready-$mode.log 2>&1 \
+    || tail -n 25 /tmp/ready-$mode.log
+  grep -E "differing" /tmp/ready-$mode.log | cut -c1-300
   python3 -c "import json,sys; d=json.load(open(sys.argv[1]))
 for m, v in d['modes'].items():
     s = v['summary']; print(m, s['runs'], {k: round(s[k]['mean'], 2) for k in ('import_s', 'first_forward_s', 'to_first_image_s', 'step_ms')}, s['kernels'][0])" \
@@ -38,7 +39,8 @@ TRITON_CACHE_DIR=$tmp/triton FASTDIFF_CACHE_DIR=$tmp/fastdiff timeout 200 python
 echo "   rc=$?"; grep -E "kernels to compile|tuning took" "$OUT/tune-ddpm-cifar10-b256-cold.log" | cut -c1-200
 [ "${SKIP_SD:-0}" = 1 ] && { stamp done; exit 0; }
 stamp "sd15 b1 guidance 7.5: workers, shipped plan"
-ready sd15-b1-workers --model sd15 --batch 1 --cold 1 --warm 1
+ready sd15-b1-workers --model sd15 --batch 1 --cold 1 --warm "${SD_WARM:-1}"
+[ "${SKIP_SD_TUNE:-0}" = 1 ] && { stamp done; exit 0; }
 stamp "tune sd15 b1 guidance 1 (the U-Net at one row)"
 timeout 250 python3 -m fastdiff.cli tune --model sd15 --batch 1 --guidance 1 --out "$OUT/plan-sd15-guidance1-$gpu.json" \
   >"$OUT/tune-sd15-guidance1.log" 2>&1

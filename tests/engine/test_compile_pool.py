@@ -1,13 +1,14 @@
 """``fastdiff.engine.compile_pool``: kernels compiled in worker processes. Recording and compiling need a GPU's driver
 and ptxas (``benchmarks/ready.py`` measures them there); here: the worker count, the decoding of Triton's
 specialization data into the same compiler input as the launch's (so the worker's cache key is the launch's), and
-the workers' protocol end to end (each kernel answered, failures reported, none lost)."""
+the forked workers' answers end to end (each kernel answered, failures reported, none lost)."""
 
 from __future__ import annotations
 
 import importlib
 import inspect
 import json
+import os
 import sys
 import types
 
@@ -79,8 +80,8 @@ def test_decoded_source_hashes_as_the_launch_s(kernel_module):
 
 
 def test_workers_answer_every_kernel_and_report_failures():
-    """Two workers, three kernels none of which can compile here: three one-line failures, in the order given,
-    nothing compiled, no worker left running."""
+    """Two forked workers, three kernels none of which can compile here: three one-line failures (worker 0's two,
+    then worker 1's), nothing compiled."""
     data = json.dumps({"signature": {}, "constant_keys": [], "constant_vals": [], "attrs_keys": [], "attrs_vals": [],
                        "options": {}})  # fmt: skip
     specs = [
@@ -98,8 +99,6 @@ def test_workers_answer_every_kernel_and_report_failures():
 
 
 def test_worker_count(monkeypatch):
-    import os
-
     cpus = len(os.sched_getaffinity(0))
     monkeypatch.delenv("FASTDIFF_COMPILE_WORKERS", raising=False)
     assert compile_workers() == min(cpus, 16)
