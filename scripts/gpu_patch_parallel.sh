@@ -6,7 +6,8 @@
 #   FASTDIFF_GIT_SHA=<sha> bash scripts/gpu_patch_parallel.sh     (repo root on the GPU machine)
 # Results: $OUT/patch-parallel-<model>-<size>-<gpu>.json (benchmarks/patch_parallel.py report). PROFILE=1: the
 # patch runs also write the PyTorch profiler's op table of one call (one GPU, and rank 0 of each split run).
-# JOBS ("sd15:1024 sd21:768") chooses the patch runs; GUIDANCE=0 skips the guidance-parallel run.
+# JOBS ("sd15:1024 sd21:768") chooses the patch runs, WARMUPS ("4,20") their synchronous steps; GUIDANCE=0 skips
+# the guidance-parallel run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -15,7 +16,7 @@ export PYTHONPATH="src" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')
 for job in ${JOBS:-sd15:1024 sd21:768}; do
     model=${job%%:*} size=${job##*:} work=$(mktemp -d)
-    flags=(--model "$model" --size "$size" --work "$work" --repeats "${REPEATS:-3}")
+    flags=(--model "$model" --size "$size" --work "$work" --repeats "${REPEATS:-3}" --warmups "${WARMUPS:-4,20}")
     one=() split=()
     [ "${PROFILE:-0}" = 1 ] && one=(--profile "$OUT/profile-$model-$size-one.txt") \
         && split=(--profile "$OUT/profile-$model-$size-split.txt")
