@@ -653,7 +653,7 @@ def ready_table() -> str:
 def tune_table() -> str:
     """``benchmarks/tune_presets.py``: ``fastdiff tune`` per preset from empty caches (the cold, no-plan time)."""
     lines = [
-        "| run | model | batch | guidance | GPU | compile threads | wall s | status | git |",
+        "| run | model | batch | guidance | GPU | compiled on | wall s | status | git |",
         "| --- | --- | ---: | ---: | --- | --- | ---: | --- | --- |",
     ]
     shas = []
@@ -664,8 +664,12 @@ def tune_table() -> str:
         for job in d["jobs"]:
             status = job.get("skipped") or ("ok" if job.get("rc") == 0 else f"failed ({job.get('rc')})")
             wall = f"{job['wall_s']:.0f}" if "wall_s" in job else "–"
-            threads = job.get("compile_threads", "–")
-            threads = "16 (tune's default)" if threads == "default" else threads
+            if "compile_workers" in job:  # forked worker processes (engine/compile_pool.py)
+                workers = job["compile_workers"]
+                threads = "16 processes" if workers == "default" else f"{workers} processes"
+            else:  # runs before git 708d16e: host threads
+                threads = job.get("compile_threads", "–")
+                threads = "16 threads" if threads == "default" else f"{threads} threads"
             lines.append(
                 f"| `{path.stem}` | {job['model']} | {job['batch']} | {job.get('guidance', '–')} | {machine(env)} "
                 f"| {threads} | {wall} | {status} | {env['git_sha'][:7]} |"

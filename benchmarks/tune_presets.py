@@ -5,7 +5,7 @@ in a fresh process from empty Triton and fastdiff caches (the cold, no-plan time
 
 A job is ``MODEL:BATCH[:GUIDANCE]`` (guidance: text-to-image models, default 7.5). Jobs run in the order given
 while ``--budget-s`` leaves room for one (a job that would not finish is skipped and said so). The result records
-each job's wall time, exit status, the compile threads (``FASTDIFF_COMPILE_THREADS``) and the environment; the
+each job's wall time, exit status, the compile workers (``FASTDIFF_COMPILE_WORKERS``) and the environment; the
 plan file is what ``src/fastdiff/engine/plans/<gpu>.json`` ships (merged with ``KernelPlan``).
 """
 
@@ -49,7 +49,7 @@ def main() -> None:
 
     start = time.perf_counter()
     rows = []
-    threads = os.environ.get("FASTDIFF_COMPILE_THREADS", "default")
+    workers = os.environ.get("FASTDIFF_COMPILE_WORKERS", "default")
     for job in map(parse_job, args.jobs):
         left = args.budget_s - (time.perf_counter() - start)
         if left < 30:
@@ -70,7 +70,7 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             rc, log_tail = "timeout", ""
         shutil.rmtree(cold, ignore_errors=True)
-        row = {**job, "wall_s": round(time.perf_counter() - t0, 2), "rc": rc, "compile_threads": threads,
+        row = {**job, "wall_s": round(time.perf_counter() - t0, 2), "rc": rc, "compile_workers": workers,
                "log_tail": log_tail.splitlines()[-3:]}  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)

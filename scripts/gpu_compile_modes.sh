@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# One GPU call: the cold start compiled three ways in the same run (ddpm-cifar10 batch 256, the shipped plan, fresh
-# processes, images compared): kernels compiled in forked worker processes (the default, engine/compile_pool.py), on
-# 16 host threads (FASTDIFF_COMPILE_WORKERS=1 FASTDIFF_COMPILE_THREADS=16) and one after another in the process
-# (both 1). Then `fastdiff tune` from empty caches with the workers (the cold, no-plan time), SD 1.5's cold and warm
+# One GPU call: the cold start compiled two ways in the same run (ddpm-cifar10 batch 256, the shipped plan, fresh
+# processes, images compared): kernels compiled in forked worker processes (the default, engine/compile_pool.py) and
+# one after another in the process (FASTDIFF_COMPILE_WORKERS=1). Then `fastdiff tune` from empty caches with the workers (the cold, no-plan time), SD 1.5's cold and warm
 # start with its shipped plan, and SD 1.5's plan at guidance 1 (the U-Net at one row: what guidance-parallel runs).
 #   FASTDIFF_GIT_SHA=<sha> bash scripts/gpu_compile_modes.sh     (repo root on the GPU machine)
 # Results under $OUT: ready-<model>-<mode>-<gpu>.json, tune-*.log, plan-sd15-guidance1-<gpu>.json.
@@ -26,11 +25,8 @@ for m, v in d['modes'].items():
 }
 stamp "ddpm-cifar10 b256: workers (default)"
 ready ddpm-cifar10-b256-workers --model ddpm-cifar10 --batch 256 --cold "${COLD:-2}" --warm 1
-stamp "ddpm-cifar10 b256: 16 threads"
-FASTDIFF_COMPILE_WORKERS=1 FASTDIFF_COMPILE_THREADS=16 ready ddpm-cifar10-b256-threads16 --model ddpm-cifar10 \
-  --batch 256 --cold 1 --warm 0
 stamp "ddpm-cifar10 b256: serial"
-FASTDIFF_COMPILE_WORKERS=1 FASTDIFF_COMPILE_THREADS=1 ready ddpm-cifar10-b256-serial --model ddpm-cifar10 \
+FASTDIFF_COMPILE_WORKERS=1 ready ddpm-cifar10-b256-serial --model ddpm-cifar10 \
   --batch 256 --cold 1 --warm 0
 stamp "tune ddpm-cifar10 b256 from empty caches (workers)"
 tmp=$(mktemp -d)

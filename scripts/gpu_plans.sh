@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU call: the cold start with the shipped plan compiled on 1 host thread against 16 (ddpm-cifar10 batch 1,
+# One GPU call: the cold start with the shipped plan compiled in this process against forked workers (ddpm-cifar10 b1,
 # fresh processes, images compared), then kernel plans for the presets made by `fastdiff tune` from empty caches
 # (benchmarks/tune_presets.py). Results and the plan file under $OUT.   JOBS="model:batch[:guidance] ..." to choose.
 set -uo pipefail
@@ -10,9 +10,9 @@ export PYTHONPATH="src" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')
 if [ -z "${SKIP_AB:-}" ]; then
-  for t in 1 16; do
-    FASTDIFF_COMPILE_THREADS=$t timeout 200 python3 benchmarks/ready.py --model ddpm-cifar10 --batch 1 --cold 1 --warm 1 \
-      --out "$OUT/ready-ddpm-cifar10-b1-threads$t-$gpu.json" 2>&1 | tail -n 4
+  for w in 1 16; do
+    FASTDIFF_COMPILE_WORKERS=$w timeout 200 python3 benchmarks/ready.py --model ddpm-cifar10 --batch 1 --cold 1 --warm 1 \
+      --out "$OUT/ready-ddpm-cifar10-b1-workers$w-$gpu.json" 2>&1 | tail -n 4
   done
 fi
 timeout "${TUNE_TIMEOUT:-420}" python3 benchmarks/tune_presets.py --plan "$OUT/plan-$gpu.json" \

@@ -59,18 +59,7 @@ def run_tune(args: argparse.Namespace) -> int:
     check_output_location(args.out, "--out")
     existing = KernelPlan.load(args.out) if args.out.exists() else None
 
-    import os
-
-    from fastdiff.engine.tuning import TUNE_COMPILE_THREADS
-
-    # this process makes a plan and no images: its candidates compile on several threads (engine/tuning.py)
-    threads_before = os.environ.get("FASTDIFF_COMPILE_THREADS")
-    os.environ.setdefault("FASTDIFF_COMPILE_THREADS", str(TUNE_COMPILE_THREADS))
-    try:
-        return make_plan(args, existing)
-    finally:  # whatever samples in this process afterwards compiles one kernel at a time again
-        if threads_before is None:
-            os.environ.pop("FASTDIFF_COMPILE_THREADS", None)
+    return make_plan(args, existing)
 
 
 def make_plan(args: argparse.Namespace, existing: KernelPlan | None) -> int:

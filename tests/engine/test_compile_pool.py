@@ -98,6 +98,27 @@ def test_workers_answer_every_kernel_and_report_failures():
     assert all("\n" not in f for f in failures)
 
 
+def test_a_worker_past_its_time_is_killed_and_its_kernels_left_to_the_launch(monkeypatch):
+    """A worker that hangs (here: sleeps in its first kernel) is killed at the deadline; the other worker's answers
+    still count, and the hung one's kernels are reported unanswered."""
+    import time
+
+    from fastdiff.engine import compile_pool
+
+    def answer(spec):
+        if spec.name == "hangs":
+            time.sleep(60)
+        return {"ok": True}
+
+    monkeypatch.setattr(compile_pool, "compile_answer", answer)  # the forked workers run this process's code
+    specs = [KernelSpec("m", name, "{}", TARGET) for name in ("hangs", "fine", "after", "fine2")]
+    start = time.monotonic()
+    compiled, failures = compile_in_workers(specs, workers=2, timeout_s=2.0)
+    assert time.monotonic() - start < 20
+    assert compiled == 2  # worker 1: "fine" and "fine2"
+    assert failures == ["2 kernels got no answer (a worker ended early or ran out of time)"]
+
+
 def test_worker_count(monkeypatch):
     cpus = len(os.sched_getaffinity(0))
     monkeypatch.delenv("FASTDIFF_COMPILE_WORKERS", raising=False)

@@ -25,6 +25,8 @@ import importlib
 import json
 import logging
 import os
+import selectors
+import signal
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -35,6 +37,9 @@ log = logging.getLogger(__name__)
 
 MAX_WORKERS = 16
 """The most worker processes :func:`compile_workers` starts by default."""
+WORKER_TIMEOUT_S = 300.0
+"""How long :func:`compile_in_workers` waits for its workers before it kills them (their kernels then compile at
+launch): a guard against a worker that hangs, far above any compile measured (137 kernels took 12 s)."""
 MIN_KERNELS = 2
 """Fewer kernels to compile than this compile in the launching process."""
 
@@ -168,15 +173,19 @@ def compile_spec(spec: KernelSpec) -> None:
     triton.compile(src, target=gpu_target(spec), options=options)
 
 
-def compile_in_workers(specs: list[KernelSpec], workers: int) -> tuple[int, list[str]]:
+def compile_in_workers(
+    specs: list[KernelSpec], workers: int, timeout_s: float = WORKER_TIMEOUT_S
+) -> tuple[int, list[str]]:
     """Compile ``specs`` in ``workers`` forked processes at once (kernel i to worker i mod ``workers``); returns how
-    many compiled and one line per failure (the launch compiles those itself, and reports what is wrong).
+    many compiled and one line per failure (the launch compiles those itself, and reports what is wrong). Workers
+    still running after ``timeout_s`` are killed and their kernels left to the launch.
 
     A forked worker starts in milliseconds with the parent's modules already imported (a fresh interpreter spent
     8-9 s importing torch and Triton beside 15 others on the H100 machine, git 708d16e). It only runs Triton's
     compiler and ptxas: no CUDA call, which a process forked from one that holds a CUDA context must not make."""
-    children = []
-    for share in (specs[i :: min(workers, len(specs))] for i in range(min(workers, len(specs)))):
+    count = min(workers, len(specs))
+    children: list[tuple[int, int]] = []
+    for share in (specs[i::count] for i in range(count)):
         read_fd, write_fd = os.pipe()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # "multi-threaded, fork() may deadlock": see above
@@ -194,12 +203,25 @@ def compile_in_workers(specs: list[KernelSpec], workers: int) -> tuple[int, list
                 os._exit(code)
         os.close(write_fd)
         children.append((pid, read_fd))
+    received = {fd: b"" for _, fd in children}
+    deadline = time.monotonic() + timeout_s
+    with selectors.DefaultSelector() as selector:
+        for _, fd in children:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map() and (left := deadline - time.monotonic()) > 0:
+            for key, _ in selector.select(left):
+                chunk = os.read(key.fd, 1 << 16)
+                if chunk:
+                    received[key.fd] += chunk
+                else:
+                    selector.unregister(key.fd)
     compiled, failures = 0, []
-    for pid, read_fd in children:
-        with os.fdopen(read_fd) as answers:
-            lines = answers.read().splitlines()
-        os.waitpid(pid, 0)
-        for line in lines:
+    for pid, fd in children:
+        if os.waitpid(pid, os.WNOHANG) == (0, 0):  # still compiling at the deadline
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
+        for line in received[fd].decode().splitlines():
             answer = json.loads(line)
             if answer["ok"]:
                 compiled += 1
@@ -207,7 +229,7 @@ def compile_in_workers(specs: list[KernelSpec], workers: int) -> tuple[int, list
                 failures.append(answer["error"])
     answered = compiled + len(failures)
     if answered < len(specs):
-        failures.append(f"{len(specs) - answered} kernels got no answer (a worker ended early)")
+        failures.append(f"{len(specs) - answered} kernels got no answer (a worker ended early or ran out of time)")
     return compiled, failures
 
 

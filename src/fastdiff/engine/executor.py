@@ -41,7 +41,6 @@ lowerings' and kernels' (:mod:`fastdiff.engine.ir`).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -65,7 +64,6 @@ from fastdiff.engine.lower import lowering_for
 from fastdiff.engine.plan import BufferSpec, MemoryPlan, plan_memory
 from fastdiff.engine.shortcut import SHORTCUT
 from fastdiff.engine.tuning import (
-    ConcurrentLaunches,
     choose_impls,
     compile_candidates,
     load_tuning_cache,
@@ -311,17 +309,16 @@ class FusedModel:
                 call()
 
     def _streamed_forward(self, x_in: torch.Tensor) -> None:
-        """The first forward, interleaved with the weight upload: for each module, pack its weights on the host
-        and queue their copy on the copy stream, then queue its compute behind that module's event only.
+        """The first forward, interleaved with the weight upload.
 
-        On CUDA with :func:`fastdiff.engine.compile_pool.compile_workers` > 1 (the default), every module's upload is
-        queued first, then the kernels the forward would compile are recorded and compiled in worker processes
-        (:func:`fastdiff.engine.compile_pool.precompile`, while the copy engine uploads), then the forward runs and
-        loads them from Triton's cache (``compile_stats`` says what was compiled where). Otherwise the GPU runs
-        module k while the host packs and the copy engine uploads modules k+1, ..., and its kernels compile one after
-        another at their first launch, or from ``FASTDIFF_COMPILE_THREADS`` host threads
-        (:class:`fastdiff.engine.tuning.ConcurrentLaunches`; the ops then run again in model order).
-        The context-stage ops run in model order too, on the context set so far."""
+        On CUDA with :func:`fastdiff.engine.compile_pool.compile_workers` > 1 (the default), every module's weights are
+        packed and their copy queued on the copy stream first; then the kernels the forward would compile are
+        recorded and compiled in forked worker processes (:func:`fastdiff.engine.compile_pool.precompile`) while the
+        copy engine uploads; then each module's compute is queued behind its own upload event and loads its kernels
+        from Triton's cache (``compile_stats`` says what was compiled where). Otherwise each module's compute is
+        queued right after its upload, so the GPU runs module k while the host packs and the copy engine uploads
+        modules k+1, ..., and its kernels compile at their first launch. The context-stage ops run in model order
+        too, on the context set so far."""
         self._check_input(x_in)
         self._x_in, self.tensors = x_in, {}
         if self.device.type == "cuda" and compile_workers() > 1:
@@ -331,15 +328,10 @@ class FusedModel:
                 for name, call in calls:
                     self._after_upload(name, call)
             self.compile_stats.update({f"launch_{k}": v for k, v in counts.items()})
-            self.bind(x_in)
-            return
-        with ConcurrentLaunches(self.device) as launches:
+        else:
             for op in self.ops:
-                launches.submit(functools.partial(self._after_upload, op.name, self._upload_and_bind(op)))
+                self._after_upload(op.name, self._upload_and_bind(op))
         self.bind(x_in)
-        if launches.concurrent:  # the threads launched the ops in any order: the forward again, in model order
-            for call in (*self._context_calls, *self._calls):
-                call()
 
     def _upload_and_bind(self, op: Op) -> Callable[[], None]:
         """Queue ``op``'s weights' upload; its first-forward call (its implementation: the plan's or the first

@@ -18,7 +18,6 @@ import math
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -28,7 +27,7 @@ from triton.runtime.errors import OutOfResources, PTXASError
 
 from fastdiff.atomic import write_text_atomic
 from fastdiff.engine.candidates import candidates
-from fastdiff.engine.compile_pool import compile_workers, precompile
+from fastdiff.engine.compile_pool import precompile
 from fastdiff.engine.fusion import BoundModel, Fusion
 from fastdiff.engine.impl import Impl
 from fastdiff.engine.ir import Op
@@ -118,106 +117,21 @@ def candidate_times(model: BoundModel, op: Op, impls: tuple[Impl, ...], reps: in
     return {impl: known[impl.name] for impl in impls}
 
 
-TUNE_COMPILE_THREADS = 16
-"""Host threads ``fastdiff tune`` compiles the candidates on (at most the CPUs it may use), when
-``FASTDIFF_COMPILE_THREADS`` does not say."""
-
-
-def compile_threads() -> int:
-    """Threads :class:`ConcurrentLaunches` uses: ``FASTDIFF_COMPILE_THREADS``, else 1. A process that samples
-    compiles one kernel at a time by default: on the H100 (git 735dba6), a first forward launched from 16 threads
-    made images differ between processes, most likely through the tiles Triton's autotuner timed under contention
-    (the kernels take their tiles from the kernel plan since git 01c5d7c; not re-measured). ``fastdiff tune``
-    (which samples nothing) sets :data:`TUNE_COMPILE_THREADS`."""
-    value = os.environ.get("FASTDIFF_COMPILE_THREADS", "").strip()
-    if value:
-        try:
-            return max(1, min(int(value), len(os.sched_getaffinity(0))))
-        except ValueError:
-            log.warning("ignoring FASTDIFF_COMPILE_THREADS=%r: not an integer", value)
-    return 1
-
-
-class ConcurrentLaunches:
-    """Calls made once each from :func:`compile_threads` host threads (on CUDA; elsewhere at once, in order), waited
-    for on exit with the GPU: the first launch of a Triton kernel compiles it (or loads it from Triton's cache), and
-    much of a compile (ptxas, the MLIR passes where Triton releases the GIL) runs in parallel this way. The launches
-    land on the caller's current stream in any order, so what they write is not meaningful: callers run the real
-    work afterwards. A call that fails is logged and left for the caller's own run of it to report.
-
-        with ConcurrentLaunches(device) as launches:
-            for call in calls:
-                launches.submit(call)
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        threads = compile_threads() if device.type == "cuda" else 1
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="fastdiff-compile") if threads > 1 else None
-        self.stream = torch.cuda.current_stream(device) if self.pool is not None else None
-
-    @property
-    def concurrent(self) -> bool:
-        return self.pool is not None
-
-    def submit(self, call: Callable[[], None]) -> None:
-        if self.pool is None:
-            call()
-        else:
-            self.pool.submit(self._launch, call)
-
-    def _launch(self, call: Callable[[], None]) -> None:
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            try:
-                call()
-            except Exception as exc:  # noqa: BLE001 - reported again by the caller's ordered run
-                log.debug("a concurrent first launch failed: %s", exc)
-
-    def __enter__(self) -> ConcurrentLaunches:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
-            torch.cuda.synchronize(self.device)
-
-
 def compile_candidates(model: BoundModel) -> int:
     """Compile at once every candidate that :func:`choose_impls` will time (those of ops with several candidates, not
-    in the tuning cache yet), so its timing loop compiles nothing; returns how many calls that covered. On CUDA:
-    in worker processes (:func:`fastdiff.engine.compile_pool.precompile`), else from :func:`compile_threads` host
-    threads (:class:`ConcurrentLaunches`; one thread runs all of an op's candidates, one after another: they share
-    the op's output and a fusion's statistics buffer, which each call may resize). Writes the arena: fill it
-    afterwards."""
+    in the tuning cache yet), in worker processes (:func:`fastdiff.engine.compile_pool.precompile`), so its timing
+    loop compiles nothing; returns how many calls that covered. Writes the arena: fill it afterwards."""
     if model.device.type != "cuda":
         return 0  # the timing loop compiles each candidate at its first launch anyway
-    per_op = []
+    calls = []
     for op in model.ops:
         impls = candidates(model, op)
         if len(impls) < 2:
             continue
         known = TUNING_CACHE.get(tuning_key(model, op), {})
-        calls = [model.call(op, impl) for impl in impls if impl.name not in known]
-        if calls:
-            per_op.append(calls)
-    if compile_workers() > 1:
-        precompile([call for calls in per_op for call in calls], model.device.type)
-        return sum(map(len, per_op))
-    if compile_threads() <= 1:
-        return 0
-    with ConcurrentLaunches(model.device) as launches:
-        for calls in per_op:
-            launches.submit(functools.partial(call_each, calls))
-    return sum(map(len, per_op))
-
-
-def call_each(calls: list[Callable[[], None]]) -> None:
-    """Make every call, in order, whichever fail (each failure logged)."""
-    for call in calls:
-        try:
-            call()
-        except Exception as exc:  # noqa: BLE001 - the timing loop meets it again and reports it
-            log.debug("a candidate's first launch failed: %s", exc)
+        calls += [model.call(op, impl) for impl in impls if impl.name not in known]
+    precompile(calls, model.device.type)
+    return len(calls)
 
 
 def choose_impls(model: BoundModel, reps: int) -> None:
