@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from fastdiff.devices import normalize_device
+from fastdiff.engine.compile_pool import precompile
 from fastdiff.engine.executor import FusedModel
 from fastdiff.engine.fp8 import fp8_unsupported
 from fastdiff.engine.graph import CapturedForward, SamplingLoop, StepModel, channels_last_empty
@@ -42,6 +43,7 @@ from fastdiff.engine.weights import WeightStreamer
 from fastdiff.errors import FastdiffError
 from fastdiff.models import step_cache
 from fastdiff.samplers import Sampler
+from fastdiff.samplers.noise import X_T_COUNTER, draw
 from fastdiff.version import __version__
 
 log = logging.getLogger(__name__)
@@ -361,7 +363,13 @@ class Engine:
             if loop.use_graphs:
                 guidance = torch.ones(batch, device=self.device) if guided else None
                 x_t = torch.randn(loop.shape, device=self.device)
-                loop.load(x_t, torch.arange(batch, device=self.device), guidance)
+                seeds = torch.arange(batch, device=self.device)
+                loop.load(x_t, seeds, guidance)
+                # The kernels the first call compiles outside the model (x_T's noise, the fused sampler step),
+                # compiled in workers; the recorded step moved the loop, so it is loaded again.
+                noise = functools.partial(draw, seeds, X_T_COUNTER, loop.shape[1:])
+                self.timings["loop_kernels"] = precompile([noise, loop.step], self.device.type).get("to_compile", 0)
+                loop.load(x_t, seeds, guidance)
                 loop.capture(loop.steps_per_graph)
             self.timings["loop_s"] = time.perf_counter() - t0
             self.loops[key] = (caller_sampler, loop, step)  # the caller's sampler is kept so its id stays unique
