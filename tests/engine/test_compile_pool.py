@@ -119,6 +119,38 @@ def test_a_worker_past_its_time_is_killed_and_its_kernels_left_to_the_launch(mon
     assert failures == ["2 kernels got no answer (a worker ended early or ran out of time)"]
 
 
+def test_a_failed_fork_leaves_no_worker_or_pipe_behind(monkeypatch):
+    """The second fork fails (a pid limit): the error reaches the caller (``precompile`` then compiles at launch),
+    the first worker is ended and reaped, and every pipe is closed."""
+    import time
+
+    from fastdiff.engine import compile_pool
+
+    def answer(spec):
+        time.sleep(60)
+        return {"ok": True}
+
+    real_fork, forks, started = os.fork, [], []
+
+    def fork():
+        if forks:
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        forks.append(1)
+        pid = real_fork()
+        if pid:
+            started.append(pid)
+        return pid
+
+    monkeypatch.setattr(compile_pool, "compile_answer", answer)
+    monkeypatch.setattr(os, "fork", fork)
+    fds = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(BlockingIOError):
+        compile_in_workers([KernelSpec("m", n, "{}", TARGET) for n in ("a", "b")], workers=2, timeout_s=30)
+    assert set(os.listdir("/proc/self/fd")) <= fds
+    with pytest.raises(ChildProcessError):
+        os.waitpid(started[0], os.WNOHANG)  # reaped already
+
+
 def test_worker_count(monkeypatch):
     cpus = len(os.sched_getaffinity(0))
     monkeypatch.delenv("FASTDIFF_COMPILE_WORKERS", raising=False)

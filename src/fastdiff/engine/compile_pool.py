@@ -185,44 +185,56 @@ def compile_in_workers(
     compiler and ptxas: no CUDA call, which a process forked from one that holds a CUDA context must not make."""
     count = min(workers, len(specs))
     children: list[tuple[int, int]] = []
-    for share in (specs[i::count] for i in range(count)):
-        read_fd, write_fd = os.pipe()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # "multi-threaded, fork() may deadlock": see above
-            pid = os.fork()
-        if pid == 0:  # the worker: answer each kernel of its share, then leave without the parent's exit handlers
-            code = 0
+    received: dict[int, bytes] = {}
+    try:
+        for share in (specs[i::count] for i in range(count)):
+            read_fd, write_fd = os.pipe()
             try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)  # "multi-threaded, fork() may deadlock"
+                    pid = os.fork()
+            except OSError:
                 os.close(read_fd)
-                with os.fdopen(write_fd, "w") as answers:
-                    for spec in share:
-                        answers.write(json.dumps(compile_answer(spec)) + "\n")
-            except BaseException:  # noqa: BLE001 - the parent counts the kernels left unanswered
-                code = 1
-            finally:
-                os._exit(code)
-        os.close(write_fd)
-        children.append((pid, read_fd))
-    received = {fd: b"" for _, fd in children}
-    deadline = time.monotonic() + timeout_s
-    with selectors.DefaultSelector() as selector:
-        for _, fd in children:
-            selector.register(fd, selectors.EVENT_READ)
-        while selector.get_map() and (left := deadline - time.monotonic()) > 0:
-            for key, _ in selector.select(left):
-                chunk = os.read(key.fd, 1 << 16)
-                if chunk:
-                    received[key.fd] += chunk
-                else:
-                    selector.unregister(key.fd)
+                os.close(write_fd)
+                raise
+            if pid == 0:  # the worker: answer each kernel of its share, then leave without the parent's exit handlers
+                code = 0
+                try:
+                    os.close(read_fd)
+                    with os.fdopen(write_fd, "w", buffering=1) as answers:  # a line per answer, as it comes
+                        for spec in share:
+                            answers.write(json.dumps(compile_answer(spec)) + "\n")
+                except BaseException:  # noqa: BLE001 - the parent counts the kernels left unanswered
+                    code = 1
+                finally:
+                    os._exit(code)
+            os.close(write_fd)
+            children.append((pid, read_fd))
+            received[read_fd] = b""
+        deadline = time.monotonic() + timeout_s
+        with selectors.DefaultSelector() as selector:
+            for _, fd in children:
+                selector.register(fd, selectors.EVENT_READ)
+            while selector.get_map() and (left := deadline - time.monotonic()) > 0:
+                for key, _ in selector.select(left):
+                    chunk = os.read(key.fd, 1 << 16)
+                    if chunk:
+                        received[key.fd] += chunk
+                    else:
+                        selector.unregister(key.fd)
+    finally:  # whatever happened: every worker ended and reaped, every pipe closed
+        for pid, fd in children:
+            if os.waitpid(pid, os.WNOHANG) == (0, 0):  # still compiling (the deadline, or an error here)
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            os.close(fd)
     compiled, failures = 0, []
-    for pid, fd in children:
-        if os.waitpid(pid, os.WNOHANG) == (0, 0):  # still compiling at the deadline
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        os.close(fd)
-        for line in received[fd].decode().splitlines():
-            answer = json.loads(line)
+    for _, fd in children:
+        for line in received[fd].decode(errors="replace").splitlines():
+            try:
+                answer = json.loads(line)
+            except ValueError:  # a line cut short by a worker that was killed
+                continue
             if answer["ok"]:
                 compiled += 1
             else:
@@ -278,7 +290,11 @@ def precompile(calls: list[Callable[[], None]], device_type: str) -> dict[str, f
         return {}
     done: dict[str, float] = {"kernels": len(specs), "to_compile": len(todo), "compiled": 0, "failed": 0}
     if len(todo) >= MIN_KERNELS:
-        compiled, failures = compile_in_workers(todo, workers)
+        try:
+            compiled, failures = compile_in_workers(todo, workers)
+        except OSError as exc:  # no process or pipe to be had (a pid limit, memory): compile at launch
+            log.warning("compiling at first launch: no compile workers (%s)", exc)
+            compiled, failures = 0, [str(exc)]
         done.update(compiled=compiled, failed=len(failures))
         for failure in failures[:3]:
             log.info("a worker could not compile a kernel (its launch will): %s", failure)

@@ -311,14 +311,15 @@ class FusedModel:
     def _streamed_forward(self, x_in: torch.Tensor) -> None:
         """The first forward, interleaved with the weight upload.
 
-        On CUDA with :func:`fastdiff.engine.compile_pool.compile_workers` > 1 (the default), every module's weights are
-        packed and their copy queued on the copy stream first; then the kernels the forward would compile are
+        On CUDA with :func:`fastdiff.engine.compile_pool.compile_workers` > 1 (the default), every module's weights
+        are packed and their copy queued on the copy stream first; then the kernels the forward would compile are
         recorded and compiled in forked worker processes (:func:`fastdiff.engine.compile_pool.precompile`) while the
         copy engine uploads; then each module's compute is queued behind its own upload event and loads its kernels
-        from Triton's cache (``compile_stats`` says what was compiled where). Otherwise each module's compute is
-        queued right after its upload, so the GPU runs module k while the host packs and the copy engine uploads
-        modules k+1, ..., and its kernels compile at their first launch. The context-stage ops run in model order
-        too, on the context set so far."""
+        from Triton's cache; last, the kernels of the forward the plan binds (its fusions, which the first forward
+        runs apart) are compiled the same way (``compile_stats`` says what was compiled where). Otherwise each
+        module's compute is queued right after its upload, so the GPU runs module k while the host packs and the copy
+        engine uploads modules k+1, ..., and its kernels compile at their first launch. The context-stage ops run in
+        model order too, on the context set so far."""
         self._check_input(x_in)
         self._x_in, self.tensors = x_in, {}
         if self.device.type == "cuda" and compile_workers() > 1:
@@ -328,9 +329,15 @@ class FusedModel:
                 for name, call in calls:
                     self._after_upload(name, call)
             self.compile_stats.update({f"launch_{k}": v for k, v in counts.items()})
-        else:
-            for op in self.ops:
-                self._after_upload(op.name, self._upload_and_bind(op))
+            self.bind(x_in)  # the forward the plan asks for: its fused kernels (the first forward runs them apart)
+            bound = precompile([*self._context_calls, *self._calls], self.device.type)
+            self.compile_stats.update({f"bound_{k}": v for k, v in bound.items()})
+            if bound.get("kernels"):  # the recording skipped those calls' launches: the output is the bound forward's
+                for call in (*self._context_calls, *self._calls):
+                    call()
+            return
+        for op in self.ops:
+            self._after_upload(op.name, self._upload_and_bind(op))
         self.bind(x_in)
 
     def _upload_and_bind(self, op: Op) -> Callable[[], None]:

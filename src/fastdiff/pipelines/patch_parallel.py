@@ -184,6 +184,8 @@ class BandConv2d(nn.Module):
         if h % s:
             raise FastdiffError(f"patch-parallel: {self.key}'s band of {h} rows does not fit its stride {s}")
         above, below = self.reach()
+        if h < max(above, below):
+            raise FastdiffError(f"patch-parallel: {self.key} reads {max(above, below)} rows beyond a band of {h} rows")
         parts = self.exchange.parts(self.key, self.edges(x))
         zeros = x.new_zeros(x.shape[0], x.shape[1], 0, x.shape[3])
         top_rows = parts[rank - 1][:, :, max(below, 0) :] if rank > 0 else F.pad(zeros, (0, 0, 0, above))
@@ -209,8 +211,8 @@ class BandGroupNorm(nn.Module):
         groups = self.norm.num_groups
         values = x.reshape(b, groups, -1)
         count = values.shape[2]
-        mean = values.sum(dim=2, dtype=torch.float32) / count  # fp32 sums straight from x: no fp32 copy of it
-        m2 = (torch.linalg.vector_norm(values, dim=2, dtype=torch.float32).square() - count * mean.square()).clamp(0)
+        var, mean = torch.var_mean(values.float(), dim=2, correction=0)  # two-pass accuracy: no E[x^2] - E[x]^2
+        m2 = var * count
         stats = self.exchange.gather(self.key, torch.stack([mean, m2])[None], dim=0)  # [world, 2, B, G]
         means, m2s = stats[:, 0], stats[:, 1]
         total_mean = means.mean(dim=0)  # every band has the same count
