@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Bulk generation on one host with 2 GPUs: `fastdiff generate` on ddpm-cifar10 with one GPU, then under
-# `torchrun --nproc-per-node 2` (NCCL, NVLink multicast off), the same seeds; checks that both folders hold the
-# same bytes and writes $OUT/generate-ddpm-cifar10-2gpu.json (GPUs, versions, git sha, images/s, speed-up).
+# Bulk generation on one host with 2 GPUs: `fastdiff generate` of MODEL (default ddpm-cifar10) with one GPU, then
+# under `torchrun --nproc-per-node 2` (NCCL, NVLink multicast off), the same seeds; checks that both folders hold the
+# same bytes and writes $OUT/generate-$MODEL-2gpu.json (GPUs, versions, git sha, images/s, speed-up). A text-to-image
+# MODEL (fashion-mnist-t2i, sd15, sd21) samples a prompts file of NUM_IMAGES lines (the ten Fashion-MNIST classes in
+# turn) at GUIDANCE (3), as `generate --prompts`.
 #   bash scripts/gpu_generate.sh     (repo root on the 2-GPU machine; carry .whl if the tree needs diffusers)
 # ddpm-cifar10 ships no weights: the model is RANDOM (initialised from a fixed seed, the same on every rank), so
 # the images are noise; the work per image, hence the throughput, and the byte-identity do not depend on weights.
@@ -19,7 +21,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 WORK=${WORK:-/tmp/fastdiff-generate}
 NUM_IMAGES=${NUM_IMAGES:-65536} BATCH=${BATCH:-256} SAMPLER=${SAMPLER:-ddim} STEPS=${STEPS:-20}
-DTYPE=${DTYPE:-fp16} FORMAT=${FORMAT:-png}
+DTYPE=${DTYPE:-fp16} FORMAT=${FORMAT:-png} MODEL=${MODEL:-ddpm-cifar10} GUIDANCE=${GUIDANCE:-3}
 site=$(mktemp -d)
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl
@@ -28,9 +30,17 @@ export PYTHONPATH="src:$site" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 rm -rf "$WORK" && mkdir -p "$WORK"
 
-flags=(--model ddpm-cifar10 --sampler "$SAMPLER" --steps "$STEPS" --dtype "$DTYPE" --batch "$BATCH"
+flags=(--model "$MODEL" --sampler "$SAMPLER" --steps "$STEPS" --dtype "$DTYPE" --batch "$BATCH"
        --format "$FORMAT" --shard-size 4096 --no-progress)
 [ -n "${PLAN:-}" ] && flags+=(--plan "$PLAN")
+PROMPTS=""
+case "$MODEL" in *t2i*|sd15|sd21)  # text-to-image: a prompts file, the ten Fashion-MNIST classes in turn
+    PROMPTS="$WORK/prompts.txt"
+    python3 -c "import sys
+names = ('t-shirt', 'pair of trousers', 'pullover', 'dress', 'coat', 'sandal', 'shirt', 'sneaker', 'bag', 'ankle boot')
+sys.stdout.write(''.join(f'a photo of a {names[i % 10]}\n' for i in range(int(sys.argv[1]))))" "$NUM_IMAGES" > "$PROMPTS"
+    flags+=(--prompts "$PROMPTS" --guidance "$GUIDANCE");;
+esac
 echo "== warm-up: $((BATCH * 4)) images on one GPU"
 python3 -m fastdiff.cli generate "${flags[@]}" --num-images $((BATCH * 4)) --out-dir "$WORK/warm" 2>&1 | tail -n 3
 echo "== one GPU: $NUM_IMAGES images"
@@ -46,7 +56,8 @@ python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m fastdiff.cli
     --num-images "$NUM_IMAGES" --out-dir "$WORK/two" 2>&1 | tee "$OUT/generate-2gpu.log" | tail -n 3
 
 echo "== the sampler alone on one GPU: $NUM_IMAGES images, no files (what generate's host side must keep up with)"
-SAMPLER="$SAMPLER" STEPS="$STEPS" DTYPE="$DTYPE" BATCH="$BATCH" NUM_IMAGES="$NUM_IMAGES" python3 - \
+MODEL="$MODEL" PROMPTS="$PROMPTS" GUIDANCE="$GUIDANCE" SAMPLER="$SAMPLER" STEPS="$STEPS" DTYPE="$DTYPE" \
+    BATCH="$BATCH" NUM_IMAGES="$NUM_IMAGES" python3 - \
     > "$OUT/sampler-only.json" <<'PY' || echo '{"sampler_only_images_per_s": null}' > "$OUT/sampler-only.json"
 import json, os, time
 
@@ -56,14 +67,25 @@ from fastdiff.pipelines import Pipeline
 
 batch, count = int(os.environ["BATCH"]), int(os.environ["NUM_IMAGES"])
 torch.manual_seed(0)  # random weights, as generate's RANDOM_INIT_SEED
-pipe = Pipeline.from_pretrained("ddpm-cifar10", device="cuda:0", dtype=os.environ["DTYPE"],
+pipe = Pipeline.from_pretrained(os.environ["MODEL"], device="cuda:0", dtype=os.environ["DTYPE"],
                                 sampler=os.environ["SAMPLER"], steps=int(os.environ["STEPS"]))
+prompts = open(os.environ["PROMPTS"]).read().splitlines() if os.environ["PROMPTS"] else None
+
+
+def sample(first: int, n: int) -> None:
+    if prompts is None:
+        pipe(batch_size=n, seeds=first, output_type="tensor", progress=False)
+    else:  # generate's chunk: image i is prompt line i with seed i
+        pipe(prompts[first : first + n], guidance_scale=float(os.environ["GUIDANCE"]), seeds=first,
+             output_type="tensor", progress=False)
+
+
 for _ in range(3):
-    pipe(batch_size=batch, seeds=0, output_type="tensor", progress=False)
+    sample(0, batch)
 torch.cuda.synchronize()
 start = time.perf_counter()
 for first in range(0, count, batch):
-    pipe(batch_size=min(batch, count - first), seeds=first, output_type="tensor", progress=False)
+    sample(first, min(batch, count - first))
 torch.cuda.synchronize()
 print(json.dumps({"sampler_only_images_per_s": round(count / (time.perf_counter() - start), 1)}))
 PY
@@ -75,7 +97,8 @@ if [ "${SKIP_WRITER_BENCH:-0}" != 1 ]; then
         | tee "$OUT/bench-writer.log" | tail -n 1 > "$OUT/bench-writer.json"
 fi
 
-python3 - "$WORK" "$OUT/generate-ddpm-cifar10-2gpu.json" "$OUT/bench-writer.json" "$OUT/sampler-only.json" <<'EOF'
+MODEL="$MODEL" PROMPTS="$PROMPTS" GUIDANCE="$GUIDANCE" python3 - "$WORK" "$OUT/generate-$MODEL-2gpu.json" \
+    "$OUT/bench-writer.json" "$OUT/sampler-only.json" <<'EOF'
 import hashlib, json, os, sys
 from pathlib import Path
 
@@ -91,6 +114,10 @@ def read_json(path: Path):
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def count_lines(path: str) -> int:
+    return len(Path(path).read_text().splitlines())
 
 
 host_writers = read_json(writers)
@@ -120,7 +147,10 @@ result = {
     "env": environment(),
     "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
     "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-    "model": "ddpm-cifar10 (random weights: the preset ships none)",
+    "model": os.environ["MODEL"] + (" (random weights: the preset ships none)"
+                                    if os.environ["MODEL"] in ("ddpm-cifar10", "sd15", "sd21") else ""),
+    "prompts": {"lines": count_lines(os.environ["PROMPTS"]), "guidance": float(os.environ["GUIDANCE"])}
+    if os.environ["PROMPTS"] else None,
     "settings": {
         "num_images": s1["num_images"],
         "batch": s1["batch"],
