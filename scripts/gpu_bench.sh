@@ -3,13 +3,7 @@
 # model sees the Triton kernel cache and the engine's tuning cache that an earlier one filled: "warm").
 #   bash scripts/gpu_bench.sh "--batch 1 --name bench-ddpm-cifar10-b1" "--batch 256 --name ..."
 # Each argument is one bench's flags; JSON (and --plot PNGs) land in $OUT. Carry .whl (diffusers) with the call.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-site=$(mktemp -d)
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl
-export PYTHONPATH="src:$site" PYTHONUNBUFFERED=1
-[ -n "${FASTDIFF_GIT_SHA:-}" ] || echo "warning: FASTDIFF_GIT_SHA is unset: results record the sha of this copy's .git, which may not be the commit sent" >&2
+source "$(dirname "$0")/gpu_env.sh"
 for flags in "$@"; do
     echo "== fastdiff bench $flags"
     start=$(date +%s)

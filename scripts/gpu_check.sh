@@ -2,13 +2,7 @@
 # One H100 call: the GPU test suite (fp16/bf16 kernels, CUDA graphs) and the kernel benchmark.
 #   bash scripts/gpu_check.sh   (repo root on the GPU machine; carry .whl for diffusers; results under $OUT)
 # TESTS picks test paths, TEST_SECONDS / BENCH_SECONDS bound each part, KERNEL_BENCH=0 skips the benchmark.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-site=$(mktemp -d)
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl
-export PYTHONPATH="src:$site" PYTHONUNBUFFERED=1
-[ -n "${FASTDIFF_GIT_SHA:-}" ] || echo "warning: FASTDIFF_GIT_SHA is unset: results record the sha of this copy's .git, which may not be the commit sent" >&2
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 timeout "${TEST_SECONDS:-260}" python3 -m pytest -q -n 8 -p no:cacheprovider ${TESTS:-tests} 2>&1 \

@@ -5,12 +5,7 @@
 # start with its shipped plan, and SD 1.5's plan at guidance 1 (the U-Net at one row: what guidance-parallel runs).
 #   FASTDIFF_GIT_SHA=<sha> bash scripts/gpu_compile_modes.sh     (repo root on the GPU machine)
 # Results under $OUT: ready-<model>-<mode>-<gpu>.json, tune-*.log, plan-sd15-guidance1-<gpu>.json.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH="src" PYTHONUNBUFFERED=1
-[ -n "${FASTDIFF_GIT_SHA:-}" ] || echo "warning: FASTDIFF_GIT_SHA is unset" >&2
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')
+source "$(dirname "$0")/gpu_env.sh"
 start=$(date +%s)
 stamp() { echo "== [$(( $(date +%s) - start )) s] $*"; }
 ready() {  # mode, then ready.py's arguments

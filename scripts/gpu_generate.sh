@@ -16,17 +16,10 @@
 # Then the sampler alone on one GPU (same settings, no files: "sampler_only_images_per_s_1gpu", and generate's
 # fraction of it), and scripts/bench_writer.py times the host's PNG writers alone (no GPU): the old per-file
 # fsync writer, generate's UnitWriter at 1, 2, 4 threads and a process pool, as "host_writers" (images/s).
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_env.sh"
 WORK=${WORK:-/tmp/fastdiff-generate}
 NUM_IMAGES=${NUM_IMAGES:-65536} BATCH=${BATCH:-256} SAMPLER=${SAMPLER:-ddim} STEPS=${STEPS:-20}
 DTYPE=${DTYPE:-fp16} FORMAT=${FORMAT:-png} MODEL=${MODEL:-ddpm-cifar10} GUIDANCE=${GUIDANCE:-3}
-site=$(mktemp -d)
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl
-fi
-export PYTHONPATH="src:$site" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 rm -rf "$WORK" && mkdir -p "$WORK"
 

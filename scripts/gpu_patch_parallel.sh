@@ -8,12 +8,7 @@
 # patch runs also write the PyTorch profiler's op table of one call (one GPU, and rank 0 of each split run).
 # JOBS ("sd15:1024 sd21:768") chooses the patch runs, WARMUPS ("4,20") their synchronous steps; GUIDANCE=0 skips
 # the guidance-parallel run.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH="src" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-[ -n "${FASTDIFF_GIT_SHA:-}" ] || echo "warning: FASTDIFF_GIT_SHA is unset" >&2
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')
+source "$(dirname "$0")/gpu_env.sh"
 for job in ${JOBS:-sd15:1024 sd21:768}; do
     model=${job%%:*} size=${job##*:} work=$(mktemp -d)
     flags=(--model "$model" --size "$size" --work "$work" --repeats "${REPEATS:-3}" --warmups "${WARMUPS:-4,20}")

@@ -2,13 +2,8 @@
 # One GPU call: the cold start with the shipped plan compiled in this process against forked workers (ddpm-cifar10 b1,
 # fresh processes, images compared), then kernel plans for the presets made by `fastdiff tune` from empty caches
 # (benchmarks/tune_presets.py). Results and the plan file under $OUT.   JOBS="model:batch[:guidance] ..." to choose.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH="src" PYTHONUNBUFFERED=1
-[ -n "${FASTDIFF_GIT_SHA:-}" ] || echo "warning: FASTDIFF_GIT_SHA is unset" >&2
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')
 if [ -z "${SKIP_AB:-}" ]; then
   for w in 1 16; do
     FASTDIFF_COMPILE_WORKERS=$w timeout 200 python3 benchmarks/ready.py --model ddpm-cifar10 --batch 1 --cold 1 --warm 1 \

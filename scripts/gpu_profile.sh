@@ -3,13 +3,8 @@
 # as one archive ($OUT/profiles.tgz: a call returns at most 8 files).
 #   TESTS="tests/profile" bash scripts/gpu_profile.sh "ddpm-cifar10-b1-h100:--batch 1" "NAME:FLAGS" ...
 # Each argument is NAME:FLAGS (NAME = the report folder). TESTS (optional) runs pytest first. Carry .whl.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/reports"
-site=$(mktemp -d)
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl
-export PYTHONPATH="src:$site" PYTHONUNBUFFERED=1
-[ -n "${FASTDIFF_GIT_SHA:-}" ] || echo "warning: FASTDIFF_GIT_SHA is unset: results record the sha of this copy's .git, which may not be the commit sent" >&2
+source "$(dirname "$0")/gpu_env.sh"
+mkdir -p "$OUT/reports"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 if [ -n "${TESTS:-}" ]; then
     # shellcheck disable=SC2086  # a list of test paths

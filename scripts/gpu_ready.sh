@@ -2,13 +2,8 @@
 # One GPU call: kernel plans made by `fastdiff tune` from empty caches (the cold, no-plan time), then time to ready
 # and first image in fresh processes with that plan (cold caches and warm), and the images' bytes compared across
 # the processes. Plans and results under $OUT.   bash scripts/gpu_ready.sh   (MODEL, BATCHES, READY_BATCH, WARM)
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH="src" PYTHONUNBUFFERED=1
-[ -n "${FASTDIFF_GIT_SHA:-}" ] || echo "warning: FASTDIFF_GIT_SHA is unset" >&2
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')
 MODEL=${MODEL:-ddpm-cifar10}
 plan="$OUT/plan-$MODEL-$gpu.json"
 tmp=$(mktemp -d)

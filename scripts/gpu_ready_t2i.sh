@@ -3,12 +3,7 @@
 # ready and first image in fresh processes on the engine with that plan and on torch.compile (reduce-overhead),
 # cold and warm, images compared across processes. Results and the plan under $OUT.
 #   MODEL=sd15 BATCH=1 GUIDANCE=7.5 RUNS_COLD=1 RUNS_WARM=1 bash scripts/gpu_ready_t2i.sh
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH="src" PYTHONUNBUFFERED=1
-[ -n "${FASTDIFF_GIT_SHA:-}" ] || echo "warning: FASTDIFF_GIT_SHA is unset" >&2
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')
+source "$(dirname "$0")/gpu_env.sh"
 MODEL=${MODEL:-sd15}; BATCH=${BATCH:-1}; GUIDANCE=${GUIDANCE:-7.5}
 plan="$OUT/plan-$MODEL-b$BATCH-$gpu.json"
 if [ -z "${SKIP_TUNE:-}" ]; then

@@ -8,12 +8,7 @@
 #   FASTDIFF_GIT_SHA=<sha> bash scripts/gpu_repeatable.sh      (repo root on the GPU machine)
 # Results under $OUT: plan-<gpu>.json (to ship as src/fastdiff/engine/plans/<gpu>.json), tune-*.log,
 # ready-*.json, generate-ddpm-cifar10-2gpu.json.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH="src" PYTHONUNBUFFERED=1
-[ -n "${FASTDIFF_GIT_SHA:-}" ] || echo "warning: FASTDIFF_GIT_SHA is unset" >&2
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')
+source "$(dirname "$0")/gpu_env.sh"
 plan="$OUT/plan-$gpu.json"
 start=$(date +%s)
 plan_flag=()
