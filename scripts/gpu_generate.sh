@@ -11,7 +11,8 @@
 # NUM_IMAGES (default 65536: about 60 s on one GPU), BATCH (256), SAMPLER (ddim), STEPS (20), DTYPE (fp16),
 # FORMAT (png) override the settings; WORK is where the image folders go (not $OUT: too many files). PLAN: a kernel
 # plan file every run takes (--plan); REPEAT=1 runs the one-GPU generate twice (two processes, same GPU, compared
-# as "one_gpu_repeat": separates "processes differ" from "GPU counts differ"); SKIP_WRITER_BENCH=1 skips the host
+# as "one_gpu_repeat": separates "processes differ" from "GPU counts differ"), REPEAT=cuda:1 runs the second one on
+# the other GPU (cuda:0 against cuda:1); SKIP_WRITER_BENCH=1 skips the host
 # writers' bench; FASTDIFF_WRITER=processes is passed on to generate (and recorded).
 # Then the sampler alone on one GPU (same settings, no files: "sampler_only_images_per_s_1gpu", and generate's
 # fraction of it), and scripts/bench_writer.py times the host's PNG writers alone (no GPU): the old per-file
@@ -39,10 +40,11 @@ python3 -m fastdiff.cli generate "${flags[@]}" --num-images $((BATCH * 4)) --out
 echo "== one GPU: $NUM_IMAGES images"
 python3 -m fastdiff.cli generate "${flags[@]}" --num-images "$NUM_IMAGES" --out-dir "$WORK/one" --device cuda:0 \
     2>&1 | tee "$OUT/generate-1gpu.log" | tail -n 3
-if [ "${REPEAT:-0}" = 1 ]; then
-    echo "== one GPU again (a second process): $NUM_IMAGES images"
+REPEAT=${REPEAT:-0}; [ "$REPEAT" = 1 ] && REPEAT=cuda:0
+if [ "$REPEAT" != 0 ]; then
+    echo "== one GPU again (a second process, $REPEAT): $NUM_IMAGES images"
     python3 -m fastdiff.cli generate "${flags[@]}" --num-images "$NUM_IMAGES" --out-dir "$WORK/one-again" \
-        --device cuda:0 2>&1 | tail -n 1
+        --device "$REPEAT" 2>&1 | tail -n 1
 fi
 echo "== torchrun --nproc-per-node 2: $NUM_IMAGES images"
 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m fastdiff.cli generate "${flags[@]}" \
@@ -90,7 +92,7 @@ if [ "${SKIP_WRITER_BENCH:-0}" != 1 ]; then
         | tee "$OUT/bench-writer.log" | tail -n 1 > "$OUT/bench-writer.json"
 fi
 
-MODEL="$MODEL" PROMPTS="$PROMPTS" GUIDANCE="$GUIDANCE" python3 - "$WORK" "$OUT/generate-$MODEL-2gpu.json" \
+REPEAT="$REPEAT" MODEL="$MODEL" PROMPTS="$PROMPTS" GUIDANCE="$GUIDANCE" python3 - "$WORK" "$OUT/generate-$MODEL-2gpu.json" \
     "$OUT/bench-writer.json" "$OUT/sampler-only.json" <<'EOF'
 import hashlib, json, os, sys
 from pathlib import Path
@@ -135,7 +137,7 @@ repeat = None
 if (work / "one-again").is_dir():
     again = digests(work / "one-again")
     repeat_differ = sorted(name for name in one.keys() | again.keys() if one.get(name) != again.get(name))
-    repeat = {"files_compared": len(again), "files_differing": len(repeat_differ), "first_differing": repeat_differ[:10]}
+    repeat = {"device": os.environ["REPEAT"], "files_compared": len(again), "files_differing": len(repeat_differ), "first_differing": repeat_differ[:10]}
 result = {
     "env": environment(),
     "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],

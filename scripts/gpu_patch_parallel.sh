@@ -6,10 +6,10 @@
 #   FASTDIFF_GIT_SHA=<sha> bash scripts/gpu_patch_parallel.sh     (repo root on the GPU machine)
 # Results: $OUT/patch-parallel-<model>-<size>-<gpu>.json (benchmarks/patch_parallel.py report). PROFILE=1: the
 # patch runs also write the PyTorch profiler's op table of one call (one GPU, and rank 0 of each split run).
-# JOBS ("sd15:1024 sd21:768") chooses the patch runs, WARMUPS ("4,20") their synchronous steps; GUIDANCE=0 skips
+# JOBS ("sd15:1024 sd21:768"; empty: none) chooses the patch runs, WARMUPS ("4,20") their synchronous steps; GUIDANCE=0 skips
 # the guidance-parallel run.
 source "$(dirname "$0")/gpu_env.sh"
-for job in ${JOBS:-sd15:1024 sd21:768}; do
+for job in ${JOBS-sd15:1024 sd21:768}; do
     model=${job%%:*} size=${job##*:} work=$(mktemp -d)
     flags=(--model "$model" --size "$size" --work "$work" --repeats "${REPEATS:-3}" --warmups "${WARMUPS:-4,20}")
     one=() split=()
