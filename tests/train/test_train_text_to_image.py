@@ -133,15 +133,19 @@ def test_every_prompt_word_is_one_token_in_any_case(tokenizer):
     assert "".join(tokenizer.tokenize("zebra")) == "zebra</w>"
 
 
-def test_fashion_preset_fits_the_size_budget(tokenizer):
-    """fp16 safetensors of the real preset stay under 30 MB; the VAE maps 32x32x1 to the U-Net's 8x8x4."""
-    preset = t2i.PRESETS["fashion-mnist"]
+@pytest.mark.parametrize("name", [name for name in t2i.PRESETS if name != "tiny"])
+def test_fashion_preset_fits_the_size_budget(tokenizer, name):
+    """fp16 safetensors of each real preset stay under 30 MB; the VAE maps 32x32x1 to the U-Net's latents, the
+    shape its name says (8x8x4 for the bundled one)."""
+    preset = t2i.PRESETS[name]
     vae, unet = AutoencoderKL(preset.vae), UNet2DConditionModel(preset.unet)
     text_encoder = make_text_encoder(preset, tokenizer)
     total = sum(loop.num_params(m) for m in (vae, unet, text_encoder))
     assert 2 * total <= 30e6, f"{total} parameters"
     latents = vae.encode(torch.zeros(1, 1, 32, 32)).mean
     assert tuple(latents.shape[1:]) == (unet.config.in_channels, unet.config.sample_size, unet.config.sample_size)
+    c, h, w = latents.shape[1:]
+    assert name.endswith(f"{h}x{w}x{c}") or (name == "fashion-mnist" and (c, h, w) == (4, 8, 8))
     assert text_encoder.config.hidden_size == unet.config.cross_attention_dim
 
 
@@ -159,7 +163,7 @@ def trained(tmp_path_factory):
     torch.set_num_threads(1)
     try:
         vae_summary = t2i.train_vae(
-            VAEStageConfig(**stage_settings(root / "vae-stage", scaling_images=64)), images, test_images
+            VAEStageConfig(**stage_settings(root / "vae-stage", scaling_images=64, fd_images=0)), images, test_images
         )
         unet_config = UNetStageConfig(
             **stage_settings(root / "pipeline", vae_dir=root / "vae-stage"),
@@ -340,12 +344,25 @@ def test_learning_rate_follows_the_step_or_time_budget(monkeypatch):
     assert by_time.out_of_time() and by_time.progress(11) == 1.0
 
 
-def test_max_seconds_stops_a_stage_and_it_still_writes(tmp_path):
+def test_max_seconds_stops_a_stage_and_it_still_writes(tmp_path, monkeypatch):
+    """... and the reconstruction FD (the floor) gets the first fd_images training images' reconstructions."""
+    import fastdiff.quality.classifier as classifier
+
+    seen = []
+
+    def fake_fd(images, ref, **kwargs):
+        assert ref == "test" and images.min() >= -1 and images.max() <= 1
+        seen.append(tuple(images.shape))
+        return 1.5
+
+    monkeypatch.setattr(classifier, "fd_fmnist", fake_fd)
     images, _ = squares(32, seed=2)
-    summary = t2i.train_vae(VAEStageConfig(**stage_settings(tmp_path / "v", max_seconds=1e-3, scaling_images=16)),
+    summary = t2i.train_vae(VAEStageConfig(**stage_settings(tmp_path / "v", max_seconds=1e-3, scaling_images=16, fd_images=20)),
                             images, images[:8])  # fmt: skip
     assert summary["stopped"] == "max_seconds" and summary["step"] == 1
     assert (tmp_path / "v" / "vae" / "config.json").is_file()
+    assert seen == [(20, 1, 32, 32)]  # fd_images training images, reconstructed, to the FD
+    assert summary["fd_fmnist_reconstructions"] == 1.5
 
 
 def test_a_failing_evaluation_keeps_the_written_model(trained, tmp_path, monkeypatch):

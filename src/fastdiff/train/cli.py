@@ -157,7 +157,7 @@ COMMON_FLAGS = {
 }
 """text-to-image flag dest -> config field, for flags whose default depends on the stage (None = the stage's)."""
 STAGE_FLAGS = {
-    "vae": {"kl_weight": "kl_weight", "eval_images": "eval_images"},
+    "vae": {"kl_weight": "kl_weight", "eval_images": "eval_images", "fd_images": "fd_images"},
     "unet": {
         "vae": "vae_dir",
         "ema_decay": "ema_decay",
@@ -195,7 +195,7 @@ def add_text_to_image_arguments(p: argparse.ArgumentParser) -> None:
 
     p.description = (
         "Train a text-to-image model of Fashion-MNIST in Stable Diffusion's own directory format, in "
-        "two runs. '--stage vae' trains the AutoencoderKL (32x32x1 <-> 8x8x4), sets its scaling_factor from the "
+        "two runs. '--stage vae' trains the AutoencoderKL (32x32x1 <-> the preset's latents, 8x8x4 by default), sets its scaling_factor from the "
         "latent std and writes OUT/vae/ with summary.json (test PSNR), loss.jsonl and reconstructions.png. "
         "'--stage unet --vae VAE_OUT' trains a CLIP text encoder and the UNet2DConditionModel on the latents "
         "(epsilon, SD's scaled-linear schedule, 10% empty prompts for guidance, EMA) and writes OUT as a "
@@ -227,6 +227,12 @@ def add_text_to_image_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-every", type=int, default=None, help=f"steps between loss records {both('log_every')}")
     p.add_argument("--kl-weight", type=float, default=None, help=f"vae stage: KL weight (default: {vae.kl_weight})")
     p.add_argument("--eval-images", type=int, default=None, help="vae stage: test images for the PSNR (default: all)")
+    p.add_argument(
+        "--fd-images",
+        type=int,
+        default=None,
+        help=f"vae stage: training images whose reconstructions get an FD-FMNIST, 0 = none (default: {vae.fd_images})",
+    )
     p.add_argument("--ema-decay", type=float, default=None, help=f"unet stage: EMA decay (default: {unet.ema_decay})")
     p.add_argument(
         "--prompt-dropout",
@@ -295,7 +301,8 @@ def run_text_to_image(args: argparse.Namespace) -> int:
     )
     if stage == "vae":
         summary = train_vae(VAEStageConfig(**kwargs))
-        keys = ("step", "stopped", "train_seconds", "final_loss", "psnr_db", "psnr_db_28", "scaling_factor")
+        keys = ("step", "stopped", "train_seconds", "final_loss", "psnr_db", "psnr_db_28", "fd_fmnist_reconstructions",
+                "scaling_factor")
     else:
         summary = train_text_to_image(UNetStageConfig(**kwargs))
         keys = ("step", "stopped", "train_seconds", "final_loss", "model_bytes", "eval")

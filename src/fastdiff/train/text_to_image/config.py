@@ -49,6 +49,7 @@ def _preset(
     text_width: int,
     text_layers: int,
     text_heads: int,
+    latent_channels: int = 4,
 ) -> TextToImagePreset:
     levels = len(vae_channels)
     vae = AutoencoderKLConfig(
@@ -58,15 +59,15 @@ def _preset(
         up_block_types=("UpDecoderBlock2D",) * levels,
         block_out_channels=vae_channels,
         layers_per_block=1,
-        latent_channels=4,
+        latent_channels=latent_channels,
         norm_num_groups=vae_groups,
         sample_size=IMAGE_SIZE,
     )
     unet_levels = len(unet_channels)
     unet = UNet2DConditionConfig(
         sample_size=IMAGE_SIZE // 2 ** (levels - 1),
-        in_channels=4,
-        out_channels=4,
+        in_channels=latent_channels,
+        out_channels=latent_channels,
         down_block_types=("CrossAttnDownBlock2D",) * (unet_levels - 1) + ("DownBlock2D",),
         up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * (unet_levels - 1),
         block_out_channels=unet_channels,
@@ -81,6 +82,10 @@ def _preset(
 PRESETS: dict[str, TextToImagePreset] = {
     # VAE 3.8 M, U-Net 8.8 M, text encoder 0.9 M parameters: about 27 MB of fp16 safetensors.
     "fashion-mnist": _preset((64, 128, 128), 32, (64, 128, 128), 2, 32, (2, 4, 4), 128, 4, 4),
+    # Candidates for a VAE that is not the quality floor, named by their latents (the one above is 8x8x4).
+    "fashion-mnist-8x8x8": _preset((64, 128, 128), 32, (64, 128, 128), 2, 32, (2, 4, 4), 128, 4, 4, 8),
+    "fashion-mnist-8x8x16": _preset((64, 128, 128), 32, (64, 128, 128), 2, 32, (2, 4, 4), 128, 4, 4, 16),
+    "fashion-mnist-16x16x4": _preset((64, 128), 32, (64, 128, 128), 2, 32, (2, 4, 4), 128, 4, 4),
     # For tests and dry runs: every block type of the real one at a few thousand parameters each.
     "tiny": _preset((8, 8, 16), 4, (8, 16, 16), 1, 4, (1, 2, 2), 16, 1, 2),
 }
@@ -170,6 +175,9 @@ class VAEStageConfig(StageConfig):
     eval_images: int | None = None
     scaling_images: int = 10000
     """Training images whose latents set ``scaling_factor``."""
+    fd_images: int = 10000
+    """Training images whose reconstructions get an FD-FMNIST against the test set: the floor that no sampler on
+    these latents can beat (0: none)."""
 
 
 @dataclass
@@ -218,6 +226,8 @@ def validate_stage(config: StageConfig) -> None:
             raise FastdiffError(f"eval_images must be positive, got {config.eval_images}")
         if config.scaling_images <= 0:
             raise FastdiffError(f"scaling_images must be positive, got {config.scaling_images}")
+        if config.fd_images < 0:
+            raise FastdiffError(f"fd_images must be >= 0, got {config.fd_images}")
     if isinstance(config, UNetStageConfig):
         if not 0 <= config.ema_decay < 1:
             raise FastdiffError(f"ema_decay must be in [0, 1), got {config.ema_decay}")
