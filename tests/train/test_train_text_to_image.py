@@ -357,8 +357,8 @@ def test_max_seconds_stops_a_stage_and_it_still_writes(tmp_path, monkeypatch):
 
     monkeypatch.setattr(classifier, "fd_fmnist", fake_fd)
     images, _ = squares(32, seed=2)
-    summary = t2i.train_vae(VAEStageConfig(**stage_settings(tmp_path / "v", max_seconds=1e-3, scaling_images=16, fd_images=20)),
-                            images, images[:8])  # fmt: skip
+    config = VAEStageConfig(**stage_settings(tmp_path / "v", max_seconds=1e-3, scaling_images=16, fd_images=20))
+    summary = t2i.train_vae(config, images, images[:8])
     assert summary["stopped"] == "max_seconds" and summary["step"] == 1
     assert (tmp_path / "v" / "vae" / "config.json").is_file()
     assert seen == [(20, 1, 32, 32)]  # fd_images training images, reconstructed, to the FD

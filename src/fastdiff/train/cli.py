@@ -195,8 +195,9 @@ def add_text_to_image_arguments(p: argparse.ArgumentParser) -> None:
 
     p.description = (
         "Train a text-to-image model of Fashion-MNIST in Stable Diffusion's own directory format, in "
-        "two runs. '--stage vae' trains the AutoencoderKL (32x32x1 <-> the preset's latents, 8x8x4 by default), sets its scaling_factor from the "
-        "latent std and writes OUT/vae/ with summary.json (test PSNR), loss.jsonl and reconstructions.png. "
+        "two runs. '--stage vae' trains the AutoencoderKL (32x32x1 <-> the preset's latents, 8x8x4 by "
+        "default), sets its scaling_factor from the latent std and writes OUT/vae/ with summary.json (test PSNR, "
+        "reconstruction FD-FMNIST), loss.jsonl and reconstructions.png. "
         "'--stage unet --vae VAE_OUT' trains a CLIP text encoder and the UNet2DConditionModel on the latents "
         "(epsilon, SD's scaled-linear schedule, 10% empty prompts for guidance, EMA) and writes OUT as a "
         "StableDiffusionPipeline directory (fp16 safetensors) for 'fastdiff sample --model OUT --prompt ...' "
@@ -301,8 +302,16 @@ def run_text_to_image(args: argparse.Namespace) -> int:
     )
     if stage == "vae":
         summary = train_vae(VAEStageConfig(**kwargs))
-        keys = ("step", "stopped", "train_seconds", "final_loss", "psnr_db", "psnr_db_28", "fd_fmnist_reconstructions",
-                "scaling_factor")
+        keys = (
+            "step",
+            "stopped",
+            "train_seconds",
+            "final_loss",
+            "psnr_db",
+            "psnr_db_28",
+            "fd_fmnist_reconstructions",
+            "scaling_factor",
+        )
     else:
         summary = train_text_to_image(UNetStageConfig(**kwargs))
         keys = ("step", "stopped", "train_seconds", "final_loss", "model_bytes", "eval")
