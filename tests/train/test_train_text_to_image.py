@@ -136,7 +136,7 @@ def test_every_prompt_word_is_one_token_in_any_case(tokenizer):
 @pytest.mark.parametrize("name", [name for name in t2i.PRESETS if name != "tiny"])
 def test_fashion_preset_fits_the_size_budget(tokenizer, name):
     """fp16 safetensors of each real preset stay under 30 MB; the VAE maps 32x32x1 to the U-Net's latents, the
-    shape its name says (8x8x4 for the bundled one)."""
+    shape its name says (16x16x4 for the bundled one)."""
     preset = t2i.PRESETS[name]
     vae, unet = AutoencoderKL(preset.vae), UNet2DConditionModel(preset.unet)
     text_encoder = make_text_encoder(preset, tokenizer)
@@ -145,7 +145,7 @@ def test_fashion_preset_fits_the_size_budget(tokenizer, name):
     latents = vae.encode(torch.zeros(1, 1, 32, 32)).mean
     assert tuple(latents.shape[1:]) == (unet.config.in_channels, unet.config.sample_size, unet.config.sample_size)
     c, h, w = latents.shape[1:]
-    assert name.endswith(f"{h}x{w}x{c}") or (name == "fashion-mnist" and (c, h, w) == (4, 8, 8))
+    assert name.endswith(f"{h}x{w}x{c}") or (name == "fashion-mnist" and (c, h, w) == (4, 16, 16))
     assert text_encoder.config.hidden_size == unet.config.cross_attention_dim
 
 
