@@ -134,7 +134,7 @@ def add_sample_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="run the two guidance halves of each U-Net call on two processes (launch with torchrun "
         "--nproc-per-node 2: one GPU each, cuda:LOCAL_RANK; gloo on the CPU); both give the same images, rank 0 "
-        "writes them. Eager backend (the engine's loop is not split yet)",
+        "writes them. On CUDA the engine gathers the halves inside its captured loop",
     )
     p.add_argument(
         "--patch-parallel",
@@ -260,7 +260,7 @@ def run_sample(args: argparse.Namespace) -> int:
     device, backend, rank = args.device, None, 0
     if split is not None:
         device, rank = start_parallel(args, split, init_image.height if init_image is not None else args.height)
-        backend = "eager"
+        backend = "eager" if args.patch_parallel else None  # the engine splits guidance in its captured loop
     try:
         return sample_and_write(args, init_image, device, backend, rank)
     finally:

@@ -131,25 +131,26 @@ def test_fused_vae_decode_matches_eager(post_quant_conv):
 
 @pytest.mark.slow
 def test_bundled_text_to_image_model_on_the_engine():
-    """The bundled fashion-mnist-t2i model (trained weights: a 3-level U-Net on 8x8 latents, a one-channel 4x
+    """The bundled fashion-mnist-t2i model (trained weights: a 3-level U-Net on 16x16x4 latents, a one-channel 2x
     VAE) through the fused U-Net (guided batch of 2, its own 77-token text states) and the fused VAE decode."""
     pytest.importorskip("transformers")
     from fastdiff.models.stable_diffusion import load_stable_diffusion
 
     comps = load_stable_diffusion("fashion-mnist-t2i")
     unet, vae = comps.unet.to(DEVICE), comps.vae.to(DEVICE)
+    side = unet.config.sample_size  # the latents' side (16)
     fused = FusedModel(unet, 2, torch.float32, DEVICE, "triton", "triton", context_tokens=77)
     gen = torch.Generator().manual_seed(11)
-    x = torch.randn((2, 4, 8, 8), generator=gen)
+    x = torch.randn((2, 4, side, side), generator=gen)
     context = torch.randn((2, 77, unet.config.cross_attention_dim), generator=gen)
-    x_in = channels_last_empty((2, 4, 8, 8), torch.float32, DEVICE).copy_(x.to(DEVICE))
+    x_in = channels_last_empty((2, 4, side, side), torch.float32, DEVICE).copy_(x.to(DEVICE))
     out = fused.forward(x_in, torch.tensor([700], device=DEVICE), context.to(DEVICE))
     with torch.no_grad():
         ref = unet.double().cpu()(x.double(), torch.tensor([700]), context.double())
     assert rel_err(out, ref) < TOL
-    decoder = FusedModel(vae, 1, torch.float32, DEVICE, "triton", "triton", size=(8, 8))
-    latents = torch.randn((1, 4, 8, 8), generator=gen)
-    z_in = channels_last_empty((1, 4, 8, 8), torch.float32, DEVICE).copy_(latents.to(DEVICE))
+    decoder = FusedModel(vae, 1, torch.float32, DEVICE, "triton", "triton", size=(side, side))
+    latents = torch.randn((1, 4, side, side), generator=gen)
+    z_in = channels_last_empty((1, 4, side, side), torch.float32, DEVICE).copy_(latents.to(DEVICE))
     image = decoder.forward(z_in)
     with torch.no_grad():
         ref_image = vae.double().cpu().decode(latents.double() / vae.config.scaling_factor)
