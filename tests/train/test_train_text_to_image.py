@@ -447,3 +447,55 @@ def test_cli_runs_both_stages_on_fashion_mnist(tmp_path):
     assert summary["step"] == 3 and summary["num_images"] == 64 and "guidance" not in summary["eval"]
     assert (pipe_out / "samples.png").is_file()
     load_stable_diffusion(pipe_out)
+
+
+# ---------------------------------------------------------------- pause and resume
+
+
+def weights_of(folder) -> dict[str, torch.Tensor]:
+    return read_state_dict(next(folder.glob("*.safetensors")))
+
+
+@pytest.mark.parametrize("stage", ["vae", "unet"])
+def test_a_paused_stage_resumes_to_the_weights_of_one_run(stage, trained, tmp_path):
+    """--pause-after: the first run stops after a step and leaves only OUT.checkpoint.pt; the same command again
+    trains on to the same weights, bit for bit, as a run that never paused, and removes the checkpoint."""
+    images, labels = squares(64, seed=4)
+
+    def run(out, **overrides):
+        settings = stage_settings(out, max_steps=5, **overrides)
+        if stage == "vae":
+            return t2i.train_vae(VAEStageConfig(**settings, scaling_images=16, fd_images=0), images, images[:8])
+        config = UNetStageConfig(**settings, vae_dir=trained[0], eval_per_class=0, grid_per_prompt=0)
+        return t2i.train_text_to_image(config, images, labels)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        whole = run(tmp_path / "whole")
+        paused = run(tmp_path / "paused", pause_after_s=1e-9)
+        checkpoint = loop.checkpoint_path(tmp_path / "paused")
+        assert paused == {"stage": stage, "step": 1, "stopped": "paused", "checkpoint": str(checkpoint)}
+        assert checkpoint.is_file() and not (tmp_path / "paused").exists()
+        with pytest.raises(FastdiffError, match="lr=0.003, not 0.002"):
+            run(tmp_path / "paused", lr=2e-3)
+        resumed = run(tmp_path / "paused")
+    finally:
+        torch.set_num_threads(threads)
+    assert resumed["step"] == whole["step"] == 5 and resumed["stopped"] == "max_steps"
+    assert not checkpoint.exists()
+    part = "vae" if stage == "vae" else "unet"
+    mine, reference = weights_of(tmp_path / "paused" / part), weights_of(tmp_path / "whole" / part)
+    assert mine.keys() == reference.keys()
+    assert all(torch.equal(mine[k], reference[k]) for k in mine)
+    log_lines = (tmp_path / "paused" / "loss.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in log_lines]
+    assert steps[0] == 1 and steps[-1] == 5  # the paused run's records carry on in the resumed run's log
+
+
+def test_epoch_batches_skip_replays_the_order():
+    def take(skip, n):
+        batches = loop.epoch_batches(10, 3, torch.Generator().manual_seed(0), torch.device("cpu"), skip=skip)
+        return [next(batches).tolist() for _ in range(n)]
+
+    assert take(0, 8)[5:] == take(5, 3)  # 3 batches per epoch: the skip crosses an epoch

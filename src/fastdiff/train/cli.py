@@ -203,7 +203,8 @@ def add_text_to_image_arguments(p: argparse.ArgumentParser) -> None:
         "StableDiffusionPipeline directory (fp16 safetensors) for 'fastdiff sample --model OUT --prompt ...' "
         "and diffusers, with summary.json (classifier accuracy of its samples), loss.jsonl and samples.png. Each "
         "stage stops at --steps or --max-seconds, whichever comes first (the learning rate's cosine follows "
-        "that budget); OUT is written all or nothing."
+        "that budget); OUT is written all or nothing. --pause-after stops a run early with a checkpoint that the same "
+        "command resumes from."
     )
     p.add_argument("--stage", required=True, choices=TEXT_TO_IMAGE_STAGES, help="which networks to train")
     p.add_argument("--out", type=Path, required=True, help="output folder (replaced all or nothing)")
@@ -266,6 +267,13 @@ def add_text_to_image_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"unet stage: samples.png images per class, 0 = none (default: {unet.grid_per_prompt})",
     )
+    p.add_argument(
+        "--pause-after",
+        type=positive_float,
+        default=None,
+        help="stop this run SECONDS after it starts and write OUT.checkpoint.pt; the same command resumes from it "
+        "and trains as if it had never paused (for machines that lend time in slices)",
+    )
     p.add_argument("--seed", type=seed_int, default=vae.seed, help="seed of initialisation, data order and noise")
     p.add_argument("--device", default=vae.device, help="auto (GPU if present, else CPU), cpu, cuda or cuda:N")
     p.add_argument("--no-bf16", action="store_true", help="train in fp32 on CUDA (default: bf16 autocast)")
@@ -299,6 +307,7 @@ def run_text_to_image(args: argparse.Namespace) -> int:
         channels_last=not args.no_channels_last,
         compile=args.compile,
         progress=not args.no_progress,
+        pause_after_s=args.pause_after,
     )
     if stage == "vae":
         summary = train_vae(VAEStageConfig(**kwargs))
@@ -315,5 +324,9 @@ def run_text_to_image(args: argparse.Namespace) -> int:
     else:
         summary = train_text_to_image(UNetStageConfig(**kwargs))
         keys = ("step", "stopped", "train_seconds", "final_loss", "model_bytes", "eval")
+    if summary["stopped"] == "paused":
+        log.info("paused at step %d: run the same command again to go on from %s", summary["step"],
+                 summary["checkpoint"])  # fmt: skip
+        return 0
     log.info("summary: %s", json.dumps({k: summary.get(k) for k in keys}))
     return 0

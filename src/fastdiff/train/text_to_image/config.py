@@ -162,6 +162,9 @@ class StageConfig:
     channels_last: bool = True
     compile: bool = False
     progress: bool = True
+    pause_after_s: float | None = None
+    """Stop this run so many seconds after it starts and write a checkpoint next to ``out_dir``; the same command
+    resumes from it (None: run to the end)."""
 
 
 @dataclass
@@ -213,8 +216,10 @@ def validate_stage(config: StageConfig) -> None:
         raise FastdiffError(f"lr must be positive, got {config.lr}")
     if not 0 <= config.min_lr_ratio <= 1:
         raise FastdiffError(f"min_lr_ratio must be in [0, 1], got {config.min_lr_ratio}")
-    if config.max_seconds is not None and not config.max_seconds > 0:
-        raise FastdiffError(f"max_seconds must be positive, got {config.max_seconds}")
+    for name in ("max_seconds", "pause_after_s"):
+        value = getattr(config, name)
+        if value is not None and not value > 0:
+            raise FastdiffError(f"{name} must be positive, got {value}")
     if config.limit_images is not None and config.limit_images <= 0:
         raise FastdiffError(f"limit_images must be positive, got {config.limit_images}")
     if isinstance(config, VAEStageConfig):

@@ -1,15 +1,17 @@
 """What both stages train with: the device set-up, the data (Fashion-MNIST, padded) and its batches, the step
-and time budget with its learning-rate schedule, the loss log, and the budgeted training loop itself (with
-torch.compile's fallback to eager at the first step).
+and time budget with its learning-rate schedule, the loss log, the budgeted training loop itself (with
+torch.compile's fallback to eager at the first step), and the checkpoint a paused stage resumes from.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +21,7 @@ from tqdm.auto import tqdm
 from fastdiff.devices import resolve_device
 from fastdiff.errors import FastdiffError
 from fastdiff.train.text_to_image.config import IMAGE_SIZE, StageConfig
-from fastdiff.train.trainer import REPORT_SECONDS
+from fastdiff.train.trainer import REPORT_SECONDS, load_checkpoint, save_checkpoint_atomic
 
 log = logging.getLogger(__name__)
 
@@ -27,18 +29,32 @@ log = logging.getLogger(__name__)
 class Budget:
     """Where a stage stands against ``max_steps`` and ``max_seconds`` (from ``start``), and its learning rate:
     linear warm-up over ``warmup_steps``, then a cosine from ``lr`` to ``lr * min_lr_ratio`` over the fraction
-    of the budget used, by steps or by time, whichever is further along."""
+    of the budget used, by steps or by time, whichever is further along.
 
-    def __init__(self, config: StageConfig, start: float) -> None:
+    A resumed stage passes its checkpoint's ``state()``: the training seconds of the budget (``span``, fixed by the
+    first run: ``max_seconds`` less its set-up) and those already used, so that the cosine goes on where it paused."""
+
+    def __init__(self, config: StageConfig, start: float, resumed: dict | None = None) -> None:
         self.config = config
-        self.deadline = None if config.max_seconds is None else start + config.max_seconds
         self.loop_start = time.perf_counter()
+        if resumed is not None:
+            self.span, self.used_before = resumed["span"], resumed["used"]
+        else:
+            self.span = None if config.max_seconds is None else start + config.max_seconds - self.loop_start
+            self.used_before = 0.0
+        self.deadline = None if self.span is None else self.loop_start + self.span - self.used_before
+
+    def trained_s(self) -> float:
+        """Seconds in the training loop, over every run of this stage."""
+        return self.used_before + time.perf_counter() - self.loop_start
+
+    def state(self) -> dict:
+        return {"span": self.span, "used": self.trained_s()}
 
     def progress(self, step: int) -> float:
         done = step / self.config.max_steps
-        if self.deadline is not None:
-            span = max(self.deadline - self.loop_start, 1e-9)
-            done = max(done, (time.perf_counter() - self.loop_start) / span)
+        if self.span is not None:
+            done = max(done, self.trained_s() / max(self.span, 1e-9))
         return min(done, 1.0)
 
     def out_of_time(self) -> bool:
@@ -88,12 +104,20 @@ def run_first_step(step: Callable[[torch.Tensor], Any], batch: torch.Tensor, fal
         return step(batch)
 
 
-def epoch_batches(num: int, batch: int, generator: torch.Generator, device: torch.device) -> Iterator[torch.Tensor]:
-    """Index batches of ``batch`` over ``num`` items, a new permutation each epoch (the remainder dropped)."""
+def epoch_batches(
+    num: int, batch: int, generator: torch.Generator, device: torch.device, skip: int = 0
+) -> Iterator[torch.Tensor]:
+    """Index batches of ``batch`` over ``num`` items, a new permutation each epoch (the remainder dropped), after
+    the first ``skip`` batches (a resumed stage: the same order as if it had never paused)."""
+    per_epoch = num // batch
+    epochs, first = divmod(skip, per_epoch)
+    for _ in range(epochs):
+        torch.randperm(num, generator=generator)
     while True:
         order = torch.randperm(num, generator=generator).to(device)
-        for b in range(num // batch):
+        for b in range(first, per_epoch):
             yield order[b * batch : (b + 1) * batch]
+        first = 0
 
 
 class LossLog:
@@ -127,6 +151,11 @@ class LossLog:
             self.last_report = now
         self.sums, self.steps, self.interval_start = {}, 0, now
 
+    def resume(self, records: list[dict], step: int) -> None:
+        """Continue a paused stage's log: its records so far, the bar at ``step``."""
+        self.records = list(records)
+        self.bar.update(step)
+
     def close(self) -> None:
         self.bar.close()
 
@@ -149,29 +178,103 @@ def run_budgeted_loop(
     train_step: Callable[[torch.Tensor], dict],
     eager: Callable[[], None],
     after_step: Callable[[int], None] | None = None,
+    start_step: int = 0,
+    run_start: float | None = None,
 ) -> tuple[int, str]:
     """The training loop of both stages: the budget's learning rate, one ``train_step`` per batch (the first one
     through ``run_first_step``, which falls back to ``eager`` if a compiled step fails), ``after_step(step)``
-    (EMA), the loss log; stops at ``config.max_steps`` or when the time budget runs out. Returns (steps, why)."""
-    step, stopped = 0, "max_steps"
+    (EMA), the loss log; from ``start_step`` (a resumed stage) until ``config.max_steps`` or the time budget runs
+    out, or ``config.pause_after_s`` after ``run_start`` (this run's start) has passed. Returns (steps, why):
+    "max_steps", "max_seconds" or "paused"."""
+    step, stopped = start_step, "max_steps"
+    pause_at = None if config.pause_after_s is None or run_start is None else run_start + config.pause_after_s
     try:
         while step < config.max_steps:
             lr = budget.lr(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             batch = next_batch()
-            values = run_first_step(train_step, batch, eager) if step == 0 else train_step(batch)
+            values = run_first_step(train_step, batch, eager) if step == start_step else train_step(batch)
             if after_step is not None:
                 after_step(step)
             step += 1
             out_of_time = budget.out_of_time() or budget.progress(step) >= 1.0
-            loss_log.add(step, values, lr, last=step == config.max_steps or out_of_time)
-            if out_of_time and step < config.max_steps:
-                stopped = "max_seconds"
+            pause = pause_at is not None and time.perf_counter() >= pause_at and not out_of_time
+            loss_log.add(step, values, lr, last=step == config.max_steps or out_of_time or pause)
+            if step < config.max_steps and (out_of_time or pause):
+                stopped = "max_seconds" if out_of_time else "paused"
                 break
     finally:
         loss_log.close()
     return step, stopped
+
+
+RESUME_KEYS = (
+    "preset", "max_steps", "max_seconds", "batch_size", "lr", "warmup_steps", "min_lr_ratio", "weight_decay",
+    "grad_clip", "limit_images", "seed", "bf16", "kl_weight", "vae_dir", "ema_decay", "prompt_dropout",
+    "min_snr_gamma",
+)  # fmt: skip
+"""Settings a resumed stage must share with its checkpoint (those of the stage's config that shape training)."""
+
+
+def checkpoint_path(out_dir: Path) -> Path:
+    """Where a paused stage keeps its state: next to its output folder (OUT.checkpoint.pt), as OUT itself is only
+    written, all or nothing, when the stage ends."""
+    out = Path(out_dir)
+    return out.with_name(out.name + ".checkpoint.pt")
+
+
+class StageCheckpoint:
+    """A stage's state at a pause (``modules``' weights, the optimizer, the noise generator, the step, the time
+    budget and the loss records), written all or nothing to ``checkpoint_path(config.out_dir)``; the same command
+    run again resumes from it and, as the data order is replayed, trains as if it had never paused."""
+
+    def __init__(
+        self, config: StageConfig, stage: str, modules: dict[str, nn.Module], optimizer: torch.optim.Optimizer,
+        noise_rng: torch.Generator, num_images: int,
+    ) -> None:  # fmt: skip
+        self.path = checkpoint_path(config.out_dir)
+        self.stage, self.modules, self.optimizer, self.noise_rng = stage, modules, optimizer, noise_rng
+        fields = json.loads(json.dumps(dataclasses.asdict(config), default=str))
+        self.settings = {key: fields[key] for key in RESUME_KEYS if key in fields}
+        self.num_images = num_images
+
+    def load(self) -> dict | None:
+        """The saved state, loaded into the modules, optimizer and generator; None where no checkpoint exists.
+        A checkpoint of another stage, other settings or other data is refused in one line."""
+        if not self.path.is_file():
+            return None
+        ckpt = load_checkpoint(self.path)
+        if ckpt.get("stage") != self.stage:
+            raise FastdiffError(f"{self.path} is a checkpoint of the {ckpt.get('stage')} stage, not the {self.stage}")
+        for key, value in self.settings.items():
+            if ckpt["settings"].get(key) != value:
+                raise FastdiffError(
+                    f"{self.path} was trained with {key}={ckpt['settings'].get(key)!r}, not {value!r}: use the same "
+                    "settings, or delete it to start over"
+                )
+        if ckpt["num_images"] != self.num_images:
+            raise FastdiffError(f"{self.path} was trained on {ckpt['num_images']} images, not {self.num_images}")
+        for name, module in self.modules.items():
+            module.load_state_dict(ckpt["modules"][name])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.noise_rng.set_state(ckpt["noise_rng"])
+        log.info("%s stage: resumed from %s at step %d", self.stage, self.path, ckpt["step"])
+        return ckpt
+
+    def save(self, step: int, budget: Budget, records: list[dict]) -> Path:
+        state = {
+            "format": 1, "stage": self.stage, "settings": self.settings, "num_images": self.num_images, "step": step,
+            "budget": budget.state(), "records": records, "optimizer": self.optimizer.state_dict(),
+            "noise_rng": self.noise_rng.get_state(),
+            "modules": {name: module.state_dict() for name, module in self.modules.items()},
+        }  # fmt: skip
+        save_checkpoint_atomic(state, self.path)
+        log.info("%s stage: paused at step %d; the same command resumes from %s", self.stage, step, self.path)
+        return self.path
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def num_params(module: nn.Module) -> int:

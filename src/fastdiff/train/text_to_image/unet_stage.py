@@ -37,6 +37,7 @@ from fastdiff.train.text_to_image.files import LOSS_CURVE_NAME, LOSS_LOG_NAME, S
 from fastdiff.train.text_to_image.loop import (
     Budget,
     LossLog,
+    StageCheckpoint,
     check_images,
     epoch_batches,
     load_split,
@@ -204,19 +205,28 @@ def train_text_to_image(
         optimizer.zero_grad(set_to_none=True)
         fns["unet"] = unet
 
-    budget = Budget(config, start)
-    batches = epoch_batches(images.shape[0], config.batch_size, data_rng, device)
+    modules = {"unet": unet, "text_encoder": text_encoder, "ema_unet": ema_unet, "ema_text": ema_text}
+    checkpoint = StageCheckpoint(config, "unet", modules, optimizer, noise_rng, images.shape[0])
+    resumed = checkpoint.load()
+    first = resumed["step"] if resumed else 0
+    budget = Budget(config, start, resumed["budget"] if resumed else None)
+    batches = epoch_batches(images.shape[0], config.batch_size, data_rng, device, skip=first)
 
     def after_step(step: int) -> None:
         ema_update(ema_unet, unet, config.ema_decay, step)
         ema_update(ema_text, text_encoder, config.ema_decay, step)
 
     loss_log = LossLog(config, "unet")
+    if resumed:
+        loss_log.resume(resumed["records"], first)
     step, stopped = run_budgeted_loop(
-        config, budget, loss_log, optimizer, lambda: next(batches), train_step, eager, after_step
+        config, budget, loss_log, optimizer, lambda: next(batches), train_step, eager, after_step, first, start
     )
     synchronize(device)
-    train_seconds = time.perf_counter() - budget.loop_start
+    if stopped == "paused":
+        return {"stage": "unet", "step": step, "stopped": stopped, "checkpoint": str(checkpoint.save(step, budget,
+                loss_log.records))}  # fmt: skip
+    train_seconds = budget.trained_s()
 
     summary: dict[str, Any] = {
         "stage": "unet",
@@ -245,6 +255,7 @@ def train_text_to_image(
         (tmp / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n")
 
     out_dir = write_folder_atomic(config.out_dir, fill)
+    checkpoint.remove()
     log.info(
         "unet stage: %d steps (%s) in %.0f s, final loss %s; wrote %s (%.1f MB of models)",
         step,

@@ -34,6 +34,7 @@ from fastdiff.train.text_to_image.files import (
 from fastdiff.train.text_to_image.loop import (
     Budget,
     LossLog,
+    StageCheckpoint,
     check_images,
     epoch_batches,
     load_split,
@@ -170,14 +171,22 @@ def train_vae(
         optimizer.zero_grad(set_to_none=True)
         fns.update(encode=vae.encode, decode=vae.decode)
 
-    budget = Budget(config, start)
-    batches = epoch_batches(images.shape[0], config.batch_size, data_rng, device)
+    checkpoint = StageCheckpoint(config, "vae", {"vae": vae}, optimizer, noise_rng, images.shape[0])
+    resumed = checkpoint.load()
+    first = resumed["step"] if resumed else 0
+    budget = Budget(config, start, resumed["budget"] if resumed else None)
+    batches = epoch_batches(images.shape[0], config.batch_size, data_rng, device, skip=first)
     loss_log = LossLog(config, "vae")
+    if resumed:
+        loss_log.resume(resumed["records"], first)
     step, stopped = run_budgeted_loop(
-        config, budget, loss_log, optimizer, lambda: images[next(batches)], train_step, eager
+        config, budget, loss_log, optimizer, lambda: images[next(batches)], train_step, eager, None, first, start
     )
     synchronize(device)
-    train_seconds = time.perf_counter() - budget.loop_start
+    if stopped == "paused":
+        return {"stage": "vae", "step": step, "stopped": stopped, "checkpoint": str(checkpoint.save(step, budget,
+                loss_log.records))}  # fmt: skip
+    train_seconds = budget.trained_s()
 
     vae = round_to(vae.eval(), SAVE_DTYPE)
     scaling = torch.Generator(device=device).manual_seed(config.seed + 2)
@@ -222,6 +231,7 @@ def train_vae(
         (tmp / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n")
 
     write_folder_atomic(config.out_dir, fill)
+    checkpoint.remove()
     log.info(
         "vae stage: %d steps (%s) in %.0f s, test PSNR %.2f dB (%.2f dB on the 28x28 area), reconstruction "
         "FD-FMNIST %s, scaling_factor %.5f; wrote %s",
