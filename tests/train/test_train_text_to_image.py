@@ -499,3 +499,20 @@ def test_epoch_batches_skip_replays_the_order():
         return [next(batches).tolist() for _ in range(n)]
 
     assert take(0, 8)[5:] == take(5, 3)  # 3 batches per epoch: the skip crosses an epoch
+
+
+def test_a_failed_compiled_first_step_is_retried_from_the_same_noise():
+    """The eager retry after a torch.compile failure draws the noise the failed step drew (a resumed run's first
+    step too), so a fallback does not shift the noise stream against a run that never failed."""
+    rng = torch.Generator().manual_seed(0)
+    draws, calls = [], []
+
+    def step(batch):
+        draws.append(torch.rand(2, generator=rng))
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("inductor says no")
+        return "ok"
+
+    assert loop.run_first_step(step, torch.zeros(1), lambda: None, rng) == "ok"
+    assert torch.equal(draws[0], draws[1])

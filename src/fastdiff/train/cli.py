@@ -272,7 +272,8 @@ def add_text_to_image_arguments(p: argparse.ArgumentParser) -> None:
         type=positive_float,
         default=None,
         help="stop this run SECONDS after it starts and write OUT.checkpoint.pt; the same command resumes from it "
-        "and trains as if it had never paused (for machines that lend time in slices)",
+        "and trains as if it had never paused (for machines that lend time in slices); a paused run exits 0 and "
+        "says so in its last log line",
     )
     p.add_argument("--seed", type=seed_int, default=vae.seed, help="seed of initialisation, data order and noise")
     p.add_argument("--device", default=vae.device, help="auto (GPU if present, else CPU), cpu, cuda or cuda:N")

@@ -91,9 +91,14 @@ def maybe_compile(fn: Callable[..., Any], enabled: bool) -> Callable[..., Any]:
         return fn
 
 
-def run_first_step(step: Callable[[torch.Tensor], Any], batch: torch.Tensor, fallback: Callable[[], None]) -> Any:
-    """``step(batch)``, the first training step; if it fails inside torch.compile, ``fallback()`` (switch to
-    eager) and again."""
+def run_first_step(
+    step: Callable[[torch.Tensor], Any], batch: torch.Tensor, fallback: Callable[[], None],
+    rng: torch.Generator | None = None,
+) -> Any:  # fmt: skip
+    """``step(batch)``, the first training step of a run; if it fails inside torch.compile, ``fallback()`` (switch
+    to eager) and again, from the same state of ``rng`` (the step's noise generator), so that the draws the failed
+    step made are made again."""
+    state = rng.get_state() if rng is not None else None
     try:
         return step(batch)
     except (FastdiffError, KeyboardInterrupt, torch.cuda.OutOfMemoryError):
@@ -101,6 +106,8 @@ def run_first_step(step: Callable[[torch.Tensor], Any], batch: torch.Tensor, fal
     except Exception as exc:  # Dynamo / Inductor errors surface at the first compiled call
         log.warning("torch.compile failed at the first step (%s: %s): training eagerly", type(exc).__name__, exc)
         fallback()
+        if rng is not None:
+            rng.set_state(state)
         return step(batch)
 
 
@@ -152,8 +159,11 @@ class LossLog:
         self.sums, self.steps, self.interval_start = {}, 0, now
 
     def resume(self, records: list[dict], step: int) -> None:
-        """Continue a paused stage's log: its records so far, the bar at ``step``."""
+        """Continue a paused stage's log: its records so far (elapsed times go on from the last), the bar at
+        ``step``."""
         self.records = list(records)
+        if self.records:
+            self.start -= self.records[-1]["elapsed_s"]
         self.bar.update(step)
 
     def close(self) -> None:
@@ -180,12 +190,13 @@ def run_budgeted_loop(
     after_step: Callable[[int], None] | None = None,
     start_step: int = 0,
     run_start: float | None = None,
+    rng: torch.Generator | None = None,
 ) -> tuple[int, str]:
     """The training loop of both stages: the budget's learning rate, one ``train_step`` per batch (the first one
     through ``run_first_step``, which falls back to ``eager`` if a compiled step fails), ``after_step(step)``
     (EMA), the loss log; from ``start_step`` (a resumed stage) until ``config.max_steps`` or the time budget runs
-    out, or ``config.pause_after_s`` after ``run_start`` (this run's start) has passed. Returns (steps, why):
-    "max_steps", "max_seconds" or "paused"."""
+    out, or ``config.pause_after_s`` after ``run_start`` (this run's start) has passed; ``rng``: the noise
+    generator of ``train_step``. Returns (steps, why): "max_steps", "max_seconds" or "paused"."""
     step, stopped = start_step, "max_steps"
     pause_at = None if config.pause_after_s is None or run_start is None else run_start + config.pause_after_s
     try:
@@ -194,7 +205,7 @@ def run_budgeted_loop(
             for group in optimizer.param_groups:
                 group["lr"] = lr
             batch = next_batch()
-            values = run_first_step(train_step, batch, eager) if step == start_step else train_step(batch)
+            values = run_first_step(train_step, batch, eager, rng) if step == start_step else train_step(batch)
             if after_step is not None:
                 after_step(step)
             step += 1
@@ -237,6 +248,7 @@ class StageCheckpoint:
         self.stage, self.modules, self.optimizer, self.noise_rng = stage, modules, optimizer, noise_rng
         fields = json.loads(json.dumps(dataclasses.asdict(config), default=str))
         self.settings = {key: fields[key] for key in RESUME_KEYS if key in fields}
+        self.settings["device_type"] = resolve_device(config.device).type  # CPU and CUDA generators differ
         self.num_images = num_images
 
     def load(self) -> dict | None:

@@ -220,7 +220,17 @@ def train_text_to_image(
     if resumed:
         loss_log.resume(resumed["records"], first)
     step, stopped = run_budgeted_loop(
-        config, budget, loss_log, optimizer, lambda: next(batches), train_step, eager, after_step, first, start
+        config,
+        budget,
+        loss_log,
+        optimizer,
+        lambda: next(batches),
+        train_step,
+        eager,
+        after_step,
+        first,
+        start,
+        noise_rng,
     )
     synchronize(device)
     if stopped == "paused":

@@ -180,7 +180,17 @@ def train_vae(
     if resumed:
         loss_log.resume(resumed["records"], first)
     step, stopped = run_budgeted_loop(
-        config, budget, loss_log, optimizer, lambda: images[next(batches)], train_step, eager, None, first, start
+        config,
+        budget,
+        loss_log,
+        optimizer,
+        lambda: images[next(batches)],
+        train_step,
+        eager,
+        None,
+        first,
+        start,
+        noise_rng,
     )
     synchronize(device)
     if stopped == "paused":
