@@ -165,8 +165,8 @@ def test_text_to_image_export_reproduces_the_pipeline(tmp_path):
         assert max(graph["check"]["max_abs_diff"].values()) <= graph["check"]["tolerance"] <= 1e-4
 
     prompt, guidance, steps = "ankle boot", 3.0, 4
-    latents = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(5))
     pipe = TextToImagePipeline.from_pretrained("fashion-mnist-t2i", device="cpu", sampler="ddim", steps=steps)
+    latents = torch.randn(1, *pipe.latent_shape(), generator=torch.Generator().manual_seed(5))  # 4x16x16
     expected = pipe(prompt, guidance_scale=guidance, latents=latents, output_type="pt", progress=False).numpy()
 
     def session(name):

@@ -33,7 +33,9 @@ def test_quality_script_measures_the_floors(tmp_path):
     assert result["results"] == [] and floor["images"] == 600
     recorded = json.loads((root / "src/fastdiff/weights/fmnist-classifier/config.json").read_text())["test_accuracy"]
     assert floor["classifier_accuracy_real_test"] == pytest.approx(recorded, abs=1e-4)
-    # 600 real images sit close to the test set; reconstructions through the 4x-downsampling VAE lie further away
-    assert 0 < floor["fd_fmnist_real_train"] < floor["fd_fmnist_vae_reconstructions"]
+    # 600 images give both distances the same small-sample bias (about 4 here); the bundled VAE's reconstructions
+    # sit within 1 of the real images they reconstruct (its floor over 10,000 images: 0.45 against 0.31)
+    assert floor["fd_fmnist_real_train"] > 0 and floor["fd_fmnist_vae_reconstructions"] > 0
+    assert abs(floor["fd_fmnist_vae_reconstructions"] - floor["fd_fmnist_real_train"]) < 1.0
     with pytest.raises(FastdiffError, match="--floor"):
         module.main(["--out", str(tmp_path / "x.json"), "--floor", "-1"])

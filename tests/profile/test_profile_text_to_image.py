@@ -34,7 +34,7 @@ def check_text_result(result: dict, backends: list[str], steps: int, batch: int)
     cfg = result["config"]
     assert cfg["backends"] == backends and cfg["steps"] == steps and cfg["batch"] == batch
     assert cfg["model_class"] == "UNet2DConditionModel" and cfg["random_weights"] is False
-    assert (cfg["height"], cfg["width"], cfg["latent_shape"]) == (32, 32, [4, 8, 8])  # the model's own size
+    assert (cfg["height"], cfg["width"], cfg["latent_shape"]) == (32, 32, [4, 16, 16])  # the model's own size
     assert cfg["guidance"] == DEFAULT_GUIDANCE and cfg["guided"] and cfg["unet_batch"] == 2 * batch
     assert cfg["prompt"] == DEFAULT_PROMPT and cfg["sampler"] == "ddim" and cfg["timed_steps"] is None
     assert result["ceilings"]["tflops"] > 0 and result["ceilings"]["gbps"] > 0
