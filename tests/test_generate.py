@@ -266,33 +266,3 @@ def test_random_weight_presets_have_a_model_identity():
     from fastdiff.generate import model_hash
 
     assert model_hash("sd15") == "preset:sd15:random-init-seed-0" != model_hash("sd21")
-
-
-def test_png_units_of_several_batches_write_the_same_files(reference, tiny_model, tmp_path, monkeypatch):
-    """Units of several batches (what large jobs of small images get, ``png_unit_images``) leave each image in
-    the batch it was sampled in: the same bytes as one batch per unit."""
-    monkeypatch.setattr(generate_module, "UNITS_AT_LEAST", 1)
-    monkeypatch.setattr(generate_module, "UNIT_BYTES", 6 * 32 * 32)  # six one-channel 32x32 images
-    config = generate_module.GenerateConfig(model="m", out_dir=tmp_path, num_images=NUM_IMAGES, batch=2)
-    assert [u.stop - u.start for u in generate_module.all_units(config, 32 * 32)] == [6, 5]  # 3 batches a unit
-    out = tmp_path / "big-units"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert main(generate_argv(tiny_model, out)) == 0
-    finally:
-        torch.set_num_threads(threads)
-    assert folder_bytes(out) == folder_bytes(reference)
-
-
-@pytest.mark.parametrize(
-    "batch, num_images, image_bytes, expected",
-    [
-        (80, 16000, 32 * 32, 960),  # fashion-mnist-t2i: 12 batches a unit (the job keeps 16 units or more)
-        (256, 65536, 3 * 32 * 32, 1536),  # ddpm-cifar10: 6 batches reach 4 MiB
-        (1, 100, 3 * 512 * 512, 6),  # Stable Diffusion 512x512: 768 KiB an image
-        (4, 40, 1024, 4),  # a job of 10 batches keeps one batch a unit
-    ],
-)
-def test_png_unit_images(batch, num_images, image_bytes, expected):
-    assert generate_module.png_unit_images(batch, num_images, image_bytes) == expected

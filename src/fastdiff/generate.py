@@ -121,12 +121,6 @@ guidance follow from these, whatever ``--num-images``."""
 PNG_NAME = re.compile(r"(\d+)\.png")
 SHARD_NAME = re.compile(r"(\d+)-(\d+)\.npz")
 WRITER_THREADS = 8
-UNIT_BYTES = 4 * 2**20
-"""A PNG unit holds whole batches and at least this many bytes of pixels, where the job keeps 16 units or more
-(``png_unit_images``): each unit pays a fixed cost (one ``syncfs``, one folder fsync, the hand-offs between the
-sampling thread and the writer), which with one batch of 80 small images per unit capped fashion-mnist-t2i at
-about 1,840 images/s a process on the H200 host, half of what its sampler makes."""
-UNITS_AT_LEAST = 16
 """The most PNG encoder threads of one process (``writer_threads``)."""
 SHARED_FOLDER_WAIT_S = 30.0
 """How long a rank waits to see rank 0's probe file in ``--out-dir`` (a network filesystem may show it late)."""
@@ -220,7 +214,7 @@ class GenerateSummary:
 
 @dataclass(frozen=True)
 class Unit:
-    """A run of consecutive file numbers that one rank samples and writes: whole chunks (png) or one shard (npz).
+    """A run of consecutive file numbers that one rank samples and writes: one chunk (png) or one shard (npz).
     The numbers are seeds, or image indices in a ``--prompts`` job (``noun`` "images")."""
 
     start: int
@@ -663,21 +657,10 @@ def first_number(config: GenerateConfig) -> int:
     return 0 if config.prompts is not None else config.first_seed
 
 
-def png_unit_images(batch: int, num_images: int, image_bytes: int) -> int:
-    """Images per PNG unit: whole batches, at least ``UNIT_BYTES`` of uint8 pixels, but no fewer than
-    ``UNITS_AT_LEAST`` units in the job while it has that many batches (so that ranks share the work evenly)."""
-    chunks = max(1, math.ceil(UNIT_BYTES / (batch * image_bytes)))
-    chunks = min(chunks, max(1, math.ceil(num_images / batch) // UNITS_AT_LEAST))
-    return chunks * batch
-
-
-def all_units(config: GenerateConfig, image_bytes: int | None = None) -> list[Unit]:
-    """The job's units, fixed by first seed (image 0 with prompts), count and batch (png; with ``image_bytes``, the
-    uint8 bytes of one image, several batches each: ``png_unit_images``) or shard size (npz), never by world size.
-    A unit's chunks are batches counted from the job's first number, so the images do not depend on the units."""
+def all_units(config: GenerateConfig) -> list[Unit]:
+    """The job's units, fixed by first seed (image 0 with prompts), count and batch (png) or shard size (npz),
+    never by world size."""
     step = config.batch if config.image_format == "png" else config.shard_size
-    if config.image_format == "png" and image_bytes is not None:
-        step = png_unit_images(config.batch, config.num_images, image_bytes)
     first = first_number(config)
     end = first + config.num_images
     noun = "images" if config.prompts is not None else "seeds"
@@ -721,8 +704,7 @@ def plan_job(config: GenerateConfig, identity: dict[str, Any]) -> Plan:
     if existing is not None:
         check_manifest(existing, identity, out_dir)
         remove_stale_temp_files(out_dir)
-    channels, height, width = identity["channels"], *identity["image_size"]
-    units = all_units(config, channels * height * width)
+    units = all_units(config)
     if config.image_format == "png":
         first = first_number(config)
         pending = [u for u in units if not all(s in seeds for s in range(u.start, u.stop))]
