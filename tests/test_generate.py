@@ -89,6 +89,9 @@ def test_single_process_writes_each_seed_once(reference, tiny_model):
     summary = json.loads((reference / "summary.json").read_text())
     assert summary["written"] == NUM_IMAGES and summary["world_size"] == 1 and summary["already_present"] == 0
     assert summary["ranks"][0]["images"] == NUM_IMAGES and summary["images_per_s"] > 0
+    rank = summary["ranks"][0]  # where the sampling thread's time went: queueing units, waiting for their files
+    assert rank["queue_seconds"] > 0 and rank["write_wait_seconds"] >= 0
+    assert rank["queue_seconds"] + rank["write_wait_seconds"] <= rank["seconds"] + 1e-3
     # seed k's file is the pipeline's image for seed k, in the batch of two it was sampled in
     pipe = Pipeline.from_pretrained(tiny_model, device="cpu", sampler="ddpm", steps=3)
     images = pipe(batch_size=2, seeds=[5, 6], output_type="tensor", progress=False)

@@ -170,12 +170,17 @@ class GenerateConfig:
 
 @dataclass
 class RankStats:
-    """One rank's share of a run."""
+    """One rank's share of a run. ``queue_seconds``: time the sampling thread spent handing units to the GPU and
+    the writer (it returns once the work is queued, so this grows when the GPU is the limit and the queue is
+    full); ``write_wait_seconds``: time it then waited for the previous unit's files (the host's writing is the
+    limit where this is large)."""
 
     rank: int
     device: str
     images: int
     seconds: float
+    queue_seconds: float = 0.0
+    write_wait_seconds: float = 0.0
 
     @property
     def images_per_s(self) -> float:
@@ -207,7 +212,8 @@ class GenerateSummary:
         record["setup_seconds"] = round(self.setup_seconds, 3)
         record["seconds"] = round(self.seconds, 3)
         for stats, entry in zip(self.ranks, record["ranks"], strict=True):
-            entry["seconds"] = round(stats.seconds, 3)
+            for key in ("seconds", "queue_seconds", "write_wait_seconds"):
+                entry[key] = round(getattr(stats, key), 3)
             entry["images_per_s"] = round(stats.images_per_s, 3)
         return record
 
@@ -1065,6 +1071,7 @@ def run_units(config: GenerateConfig, pipe, ranks: Ranks, plan: Plan, job: Promp
         disable=not config.progress or ranks.rank != 0,
     )
     written = 0
+    queue_s = write_wait_s = 0.0
     start = time.perf_counter()
     with UnitWriter(config.out_dir, writer_threads(), processes=writer_processes()) as writer:
         writing: Writes | None = None
@@ -1075,14 +1082,18 @@ def run_units(config: GenerateConfig, pipe, ranks: Ranks, plan: Plan, job: Promp
             current = unit
             try:
                 queued = None
+                t0 = time.perf_counter()
                 if unit is not None:
                     chunks = sample_unit(pipe, unit, config.batch, job)
                     parameters = unit_parameters(config, pipe, unit, job)  # now: the kernel plan of this unit
                     queued = writer.start(unit, chunks, config.image_format, parameters)
+                t1 = time.perf_counter()
                 if writing is not None:
                     current = writing.unit
                     new = writing.wait()
                 writing = queued
+                queue_s += t1 - t0
+                write_wait_s += time.perf_counter() - t1
             except Exception as exc:
                 log.exception("rank %d failed on %s", ranks.rank, current.label)
                 failure = f"failed on {current.label}: {one_line(exc)}"
@@ -1099,7 +1110,7 @@ def run_units(config: GenerateConfig, pipe, ranks: Ranks, plan: Plan, job: Promp
                 )
     bar.close()
     seconds = time.perf_counter() - start
-    return ranks.gather(RankStats(ranks.rank, device_name(pipe.device), written, seconds))
+    return ranks.gather(RankStats(ranks.rank, device_name(pipe.device), written, seconds, queue_s, write_wait_s))
 
 
 def device_name(device: torch.device) -> str:
