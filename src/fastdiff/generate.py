@@ -453,13 +453,17 @@ class Ranks:
             if message is not None:
                 raise JobError(message if self.world_size == 1 else f"rank {rank}: {message}")
 
-    def close(self) -> None:
+    def close(self, together: bool = False) -> None:
+        """Leave torch.distributed (the groups this process made). ``together`` (a job that ended well on every
+        rank): a barrier first, so that no rank tears its gloo connections down while another still uses them."""
         if self.world_size == 1 and not self.owns_group:
             return
         import torch.distributed as dist
 
         if not dist.is_initialized():
             return
+        if together and self.world_size > 1:
+            dist.barrier(group=self.objects_group)
         if self.owns_group:
             dist.destroy_process_group()  # the objects group too
         elif self.objects_group is not None:
@@ -1128,9 +1132,12 @@ def generate(config: GenerateConfig) -> GenerateSummary:
         config = replace(config, num_images=job.num_images)
     ranks = Ranks.start(config.device, config.timeout_s)
     try:
-        return generate_on(config, ranks, job)
-    finally:
+        summary = generate_on(config, ranks, job)
+    except BaseException:
         ranks.close()
+        raise
+    ranks.close(together=True)
+    return summary
 
 
 def validate(config: GenerateConfig) -> PromptJob | None:
