@@ -33,6 +33,7 @@ from fastdiff.models.stable_diffusion import load_stable_diffusion  # noqa: E402
 from fastdiff.pipelines.text_to_image import TextToImagePipeline  # noqa: E402
 from fastdiff.quality.classifier import classifier_accuracy, fd_fmnist, load_classifier  # noqa: E402
 from fastdiff.train.text_to_image import canonical_prompts  # noqa: E402
+from fastdiff.train.text_to_image.vae_stage import reconstruction_fd  # noqa: E402
 
 log = logging.getLogger("t2i_quality")
 SEED = 10**6
@@ -61,15 +62,11 @@ def floors(model: str, images: int, data_dir: Path | None, device: str, classifi
     train, _ = load_fashion_mnist("train", data_dir)
     train = train[:images]
     vae = load_stable_diffusion(model, device=device).vae.eval()
-    recon = torch.cat([
-        vae.decode(vae.encode(train[i : i + 1000].to(device)).mean).clamp(-1, 1).float().cpu()
-        for i in range(0, train.shape[0], 1000)
-    ])  # fmt: skip
     test, test_labels = load_fashion_mnist("test", data_dir)
     return {
         "images": train.shape[0],
         "fd_fmnist_real_train": fd_fmnist(train, "test", data_dir=data_dir, device=device),
-        "fd_fmnist_vae_reconstructions": fd_fmnist(recon, "test", data_dir=data_dir, device=device),
+        "fd_fmnist_vae_reconstructions": reconstruction_fd(vae, train, torch.device(device), data_dir),
         "classifier_accuracy_real_test": classifier_accuracy(classifier, test, test_labels),
     }
 
