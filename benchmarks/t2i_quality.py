@@ -9,11 +9,14 @@ FD-FMNIST compares all of them with the 10,000 test images (at least 500 images 
     python benchmarks/t2i_quality.py --out benchmarks/results/t2i-quality-fashion-mnist-t2i-h100.json \\
         --per-class 1000 --guidance 1,2,3,5 --samplers dpmsolver++,euler,unipc,ddim --steps 10,20 \\
         --systems engine-fp16,engine-bf16 --device cuda
+
+``--intervals 0:1,0.2:0.8`` adds guidance intervals (``guidance_interval``) as another axis of the grid.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import sys
@@ -32,6 +35,7 @@ from fastdiff.errors import FastdiffError  # noqa: E402
 from fastdiff.models.stable_diffusion import load_stable_diffusion  # noqa: E402
 from fastdiff.pipelines.text_to_image import TextToImagePipeline  # noqa: E402
 from fastdiff.quality.classifier import classifier_accuracy, fd_fmnist, load_classifier  # noqa: E402
+from fastdiff.samplers import FULL_GUIDANCE, check_guidance_interval  # noqa: E402
 from fastdiff.train.text_to_image import canonical_prompts  # noqa: E402
 from fastdiff.train.text_to_image.vae_stage import reconstruction_fd  # noqa: E402
 
@@ -44,12 +48,22 @@ def csv(kind):
     return lambda text: [kind(v) for v in text.split(",") if v]
 
 
-def sample_class_images(pipe: TextToImagePipeline, per_class: int, guidance: float, sampler: str, steps: int):
+def interval(text: str) -> tuple[float, float]:
+    """ "START:STOP" (fractions of the steps; see ``guidance_interval``) as a pair of floats."""
+    start, _, stop = text.partition(":")
+    return check_guidance_interval((start, stop))
+
+
+def sample_class_images(
+    pipe: TextToImagePipeline, per_class: int, guidance: float, sampler: str, steps: int,
+    guidance_interval: tuple[float, float] = FULL_GUIDANCE,
+):  # fmt: skip
     """[10 * per_class, C, H, W] images in [-1, 1] (class-major) and their labels."""
     prompts = canonical_prompts()
     images = [
         pipe(prompt, num_images_per_prompt=per_class, seeds=SEED + c * per_class, guidance_scale=guidance,
-             sampler=sampler, steps=steps, output_type="tensor", progress=False).float().cpu()
+             sampler=sampler, steps=steps, output_type="tensor", progress=False,
+             guidance_interval=guidance_interval).float().cpu()
         for c, prompt in enumerate(prompts)
     ]  # fmt: skip
     return torch.cat(images), torch.arange(len(prompts)).repeat_interleave(per_class)
@@ -79,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--guidance", type=csv(float), default=[1.0, 2.0, 3.0, 5.0])
     parser.add_argument("--samplers", type=csv(str), default=["dpmsolver++", "euler", "unipc", "ddim"])
     parser.add_argument("--steps", type=csv(int), default=[10, 20])
+    parser.add_argument(
+        "--intervals",
+        type=csv(interval),
+        default=[FULL_GUIDANCE],
+        help="guidance intervals START:STOP in fractions of the steps, comma-separated (default 0:1: every step)",
+    )
     parser.add_argument("--systems", type=csv(str), default=["engine-fp16"], help="<eager|engine>-<dtype>")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--data-dir", type=Path, default=None, help="Fashion-MNIST folder (default: Debian's)")
@@ -109,13 +129,17 @@ def main(argv: list[str] | None = None) -> int:
         pipe = TextToImagePipeline.from_pretrained(args.model, device=args.device, dtype=dtype, backend=backend)
         for sampler in args.samplers:
             for steps in args.steps:
-                for guidance in args.guidance:
+                for guidance, span in itertools.product(args.guidance, args.intervals):
+                    if span != FULL_GUIDANCE and guidance <= 1:
+                        continue  # no guidance: the interval changes nothing
                     start = time.perf_counter()
-                    images, labels = sample_class_images(pipe, args.per_class, guidance, sampler, steps)
+                    images, labels = sample_class_images(pipe, args.per_class, guidance, sampler, steps, span)
                     seconds = time.perf_counter() - start
                     row = dict(system=system, sampler=sampler, steps=steps, guidance=guidance,
                                images=images.shape[0], seconds=seconds,
                                accuracy=classifier_accuracy(classifier, images, labels))  # fmt: skip
+                    if span != FULL_GUIDANCE:
+                        row["guidance_interval"] = list(span)
                     if images.shape[0] >= FD_MIN_IMAGES:
                         row["fd_fmnist"] = fd_fmnist(images, "test", data_dir=args.data_dir, device=args.device)
                     log.info("%s", row)

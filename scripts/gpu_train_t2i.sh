@@ -20,6 +20,9 @@
 # run, the learning rate's cosine follows it), BATCH (256 vae, 512 unet), PRESET
 # (fashion-mnist), DATA (.data/fashion-mnist, else /usr/share/datasets/fashion-mnist), VAE (.data/t2i-vae),
 # RUN_DIR (/tmp/t2i), DEVICE (cuda), EXTRA_ARGS (more flags, e.g. "--compile" or "--lr 1e-3").
+# PAUSE_AFTER=S: a stage longer than one call: it pauses S seconds after its start (checkpoint next to RUN_DIR/NAME)
+# and the same command in the next call resumes it (keep RUN_DIR in a git-ignored folder of the repository, e.g.
+# .data/t2i-run, so that it stays on the warm machine; MAX_SECONDS is then the whole stage's budget).
 # A CPU dry run: DEVICE=cpu PRESET=tiny MAX_SECONDS=20 BATCH=32 EXTRA_ARGS="--limit-images 2000 --eval-images 500"
 #   OUT=/tmp/t2i-dry bash scripts/gpu_train_t2i.sh vae   (and for unet: EXTRA_ARGS="--limit-images 2000
 #   --eval-per-class 5" VAE=/tmp/t2i/t2i-vae)
@@ -53,9 +56,14 @@ cmd=(python3 -m fastdiff.cli train text-to-image --stage "$STAGE" --out "$stage_
      --device "$DEVICE" --steps "$STEPS" --max-seconds "$MAX_SECONDS" --batch "$BATCH" --no-progress)
 [ "$STAGE" = unet ] && cmd+=(--vae "$VAE")
 cmd+=("${EXTRA[@]}")
+limit=$((${MAX_SECONDS%.*} + POST_SECONDS))
+if [ -n "${PAUSE_AFTER:-}" ]; then
+    cmd+=(--pause-after "$PAUSE_AFTER")
+    limit=$((${PAUSE_AFTER%.*} + POST_SECONDS))
+fi
 echo "== ${cmd[*]}"
 start=$(date +%s.%N)
-timeout -s INT -k 15 "$((${MAX_SECONDS%.*} + POST_SECONDS))" "${cmd[@]}" 2>&1 | tee "$OUT/t2i-$STAGE.txt"
+timeout -s INT -k 15 "$limit" "${cmd[@]}" 2>&1 | tee "$OUT/t2i-$STAGE.txt"
 rc=${PIPESTATUS[0]}
 wall=$(python3 -c "import time; print(round(time.time() - $start, 1))")
 

@@ -129,6 +129,15 @@ def add_sample_arguments(p: argparse.ArgumentParser) -> None:
         help="classifier-free guidance scale, >= 0; <= 1 turns guidance off, as in diffusers (default: 7.5)",
     )
     p.add_argument(
+        "--guidance-interval",
+        nargs=2,
+        type=float,
+        metavar=("START", "STOP"),
+        default=None,
+        help="guide only steps int(START x STEPS) .. int(STOP x STEPS) - 1, the others on the prompt alone "
+        "(diffusers' ClassifierFreeGuidance start/stop; default 0 1: every step)",
+    )
+    p.add_argument(
         "--guidance-parallel",
         action="store_true",
         default=None,
@@ -195,8 +204,8 @@ def check_batch_fits(batch: int, sample_shape: tuple[int, ...], device: torch.de
 
 
 TEXT_FLAGS = (
-    "negative_prompt", "guidance", "height", "width", "init_image", "strength", "guidance_parallel", "patch_parallel",
-    "patch_warmup",
+    "negative_prompt", "guidance", "guidance_interval", "height", "width", "init_image", "strength",
+    "guidance_parallel", "patch_parallel", "patch_warmup",
 )  # fmt: skip
 """``fastdiff sample`` flags that only apply with --prompt."""
 DEFAULT_STRENGTH = 0.6
@@ -222,6 +231,10 @@ def check_text_flags(args: argparse.Namespace) -> Any:
             f"{args.model} is unconditional"
         )
     check_size(args.height, args.width)
+    if args.guidance_interval is not None:
+        from fastdiff.samplers import check_guidance_interval
+
+        args.guidance_interval = check_guidance_interval(args.guidance_interval)
     if args.init_image is None:
         if args.strength is not None:
             raise FastdiffError("--strength needs --init-image")
@@ -276,6 +289,7 @@ def sample_and_write(args: argparse.Namespace, init_image: Any, device: str, bac
     from fastdiff.atomic import AtomicOutputs
     from fastdiff.images import make_grid, png_writer
     from fastdiff.pipelines import Pipeline
+    from fastdiff.samplers import FULL_GUIDANCE
 
     pipe = Pipeline.from_pretrained(
         args.model, device=device, dtype=args.dtype, sampler=args.sampler, steps=args.steps, karras=args.karras,
@@ -310,6 +324,9 @@ def sample_and_write(args: argparse.Namespace, init_image: Any, device: str, bac
         strength = DEFAULT_STRENGTH if args.strength is None else args.strength
         prompt = args.prompt[0] if len(args.prompt) == 1 else args.prompt
         params.update(prompt=prompt, negative_prompt=args.negative_prompt or "", guidance=guidance)
+        interval = args.guidance_interval or FULL_GUIDANCE
+        if interval != FULL_GUIDANCE:
+            params["guidance_interval"] = list(interval)
         if init_image is not None:
             params.update(init_image=str(args.init_image), strength=strength)
         images = pipe(
@@ -325,6 +342,7 @@ def sample_and_write(args: argparse.Namespace, init_image: Any, device: str, bac
             eta=args.eta,
             progress=not args.no_progress and rank == 0,
             cache_interval=args.cache_interval,
+            guidance_interval=interval,
         )
         params.update(width=images[0].width, height=images[0].height)
     if args.guidance_parallel:

@@ -84,8 +84,9 @@ def test_quality_script_on_cpu(tmp_path):
     spec.loader.exec_module(module)
     out = tmp_path / "quality.json"
     args = ["--out", str(out), "--per-class", "2", "--guidance", "1,3", "--samplers", "dpmsolver++", "--steps", "2",
-            "--systems", "eager-fp32", "--device", "cpu"]  # fmt: skip
+            "--systems", "eager-fp32", "--device", "cpu", "--intervals", "0:1,0.5:1"]  # fmt: skip
     assert module.main(args) == 0
     rows = json.loads(out.read_text())["results"]
-    assert [(r["guidance"], r["images"]) for r in rows] == [(1.0, 20), (3.0, 20)]
+    got = [(r["guidance"], r.get("guidance_interval"), r["images"]) for r in rows]
+    assert got == [(1.0, None, 20), (3.0, None, 20), (3.0, [0.5, 1.0], 20)]  # no interval rows without guidance
     assert all(0.0 <= r["accuracy"] <= 1.0 and "fd_fmnist" not in r for r in rows)  # 20 images: too few for an FD

@@ -10,12 +10,14 @@ import torch
 
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.philox_noise import gaussian_noise_ref
-from fastdiff.kernels.sampler_step import COLUMNS, OP, block_size, sampler_step, sampler_step_ref
+from fastdiff.kernels.sampler_step import COL, COLUMNS, OP, block_size, sampler_step, sampler_step_ref
 
 from .conftest import DEVICE, DTYPES, float64, needs_cuda, rel_err
 
 sampler_step_module = importlib.import_module("fastdiff.kernels.sampler_step")
 
+UNGUIDED_STEPS = (2, 5)
+"""Table rows whose guidance switch W is 0: the conditional output alone (cases cfg_sde_b3, sd15_latents)."""
 TOLERANCE = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
@@ -28,7 +30,9 @@ def make_inputs(shape, dtype, seed, channels_last, guided):
 
     tensors = {"x": draw(1.5), "model_output": draw(1.0, 2 if guided else 1), "h1": draw(0.8), "h2": draw(0.7),
                "aux": draw(1.2), "noise": draw(1.0)}  # fmt: skip
-    coefs = (torch.rand((7, len(COLUMNS)), generator=gen) * 2 - 1).to(DEVICE)
+    coefs = torch.rand((7, len(COLUMNS)), generator=gen) * 2 - 1
+    coefs[list(UNGUIDED_STEPS), COL["W"]] = 0.0  # steps outside a guidance interval
+    coefs = coefs.to(DEVICE)
     guidance = (torch.rand(shape[0], generator=gen) * 8).to(DEVICE) if guided else None
     return tensors, coefs, guidance
 
@@ -172,3 +176,18 @@ def test_model_input_must_be_dense_like_x_and_x_nonempty() -> None:
         sampler_step(t["x"], t["model_output"], coefs, 0, model_input=strided)
     with pytest.raises(FastdiffError, match="empty"):
         sampler_step(t["x"][:0], t["model_output"][:0], coefs, 0)
+
+
+def test_guidance_switch_off_takes_the_conditional_output() -> None:
+    """A step whose W is 0 combines nothing: the step equals an unguided step on the conditional half."""
+    t, coefs, _ = make_inputs((2, 3, 5, 6), torch.float32, 11, True, True)
+    guidance = torch.tensor([3.0, 7.5], device=DEVICE)
+    cond = t["model_output"][2:]
+    for step in UNGUIDED_STEPS:
+        got = sampler_step(t["x"], t["model_output"], coefs, step, t["h1"], guidance=guidance)
+        alone = sampler_step(t["x"], cond, coefs, step, t["h1"])
+        for g, a in zip(got, alone, strict=True):
+            torch.testing.assert_close(g, a, rtol=1e-6, atol=1e-6)
+    guided = sampler_step(t["x"], t["model_output"], coefs, 3, t["h1"], guidance=guidance)
+    alone = sampler_step(t["x"], cond, coefs, 3, t["h1"])
+    assert (guided[0] - alone[0]).abs().max() > 1e-2  # W = 1: the scales apply

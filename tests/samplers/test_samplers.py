@@ -291,7 +291,7 @@ def test_scheduler_options_fastdiff_cannot_follow_are_errors(key, value, sampler
 @pytest.mark.parametrize("name", SAMPLERS)
 def test_tables_shapes_and_flags(name):
     sampler = make_sampler(name, ScheduleConfig(), 13)
-    assert sampler.coefs.shape == (13, 12) and sampler.coefs.dtype == torch.float32
+    assert sampler.coefs.shape == (13, 13) and sampler.coefs.dtype == torch.float32
     assert sampler.timesteps.shape == (13,) and sampler.timesteps.dtype == torch.float32
     assert torch.isfinite(sampler.coefs).all()
     assert sampler.needs_noise == (name in ("ddpm", "euler_a", "dpmsolver++_sde"))

@@ -1,10 +1,11 @@
 """One fused elementwise kernel for every sampler's update (DDPM, DDIM, Euler, Euler ancestral, DPM-Solver++
 2M and 2M SDE, UniPC), with classifier-free guidance and the step noise drawn inside.
 
-With the row ``coefs[i]`` of a per-step table (float32 [N, 12], columns ``COLUMNS``; see
+With the row ``coefs[i]`` of a per-step table (float32 [N, 13], columns ``COLUMNS``; see
 ``fastdiff.samplers.tables`` for each sampler's values) and ``out`` the model output::
 
-    out    = out_u + g·(out_c - out_u)                  guidance only: model_output holds [uncond; cond], 2B rows
+    out    = out_u + g·(out_c - out_u)                  guidance only: model_output holds [uncond; cond], 2B rows;
+                                                        g = 1 (the conditional output) at steps whose W is 0
     x0     = A·x + B·out                                then clamped to [-clip_range, clip_range] if given
     xc     = Kx·x + Ka·aux + K0·x0 + K1·h1 + K2·h2      corrector (UniPC) only, else xc = x
     x_next = C·xc + D·x0 + E·h1 + G·out + F·z           z ~ N(0, 1)
@@ -38,8 +39,10 @@ from fastdiff.kernels.registry import KernelOp
 
 log = logging.getLogger(__name__)
 
-COLUMNS = ("A", "B", "Kx", "Ka", "K0", "K1", "K2", "C", "D", "E", "G", "F")
-"""The per-step coefficient columns, in table order (see the module docstring)."""
+COLUMNS = ("A", "B", "Kx", "Ka", "K0", "K1", "K2", "C", "D", "E", "G", "F", "W")
+"""The per-step coefficient columns, in table order (see the module docstring). W is the step's guidance switch: 1
+where the image's guidance scale applies, 0 where the step takes the conditional output alone (a guidance interval,
+``fastdiff.samplers.make_sampler``'s ``guidance_interval``)."""
 COL = {name: k for k, name in enumerate(COLUMNS)}
 
 MAX_BLOCK = 1024
@@ -85,6 +88,7 @@ def sampler_step_ref(
     if guidance is not None:  # 1. classifier-free guidance (Ho & Salimans 2022, eq. 6)
         uncond, cond = model.chunk(2)
         g = guidance.to(compute).view(-1, *([1] * (x.dim() - 1)))
+        g = torch.where(k["W"] != 0, g, torch.ones_like(g))
         model = uncond + g * (cond - uncond)
     x0 = k["A"] * xf + k["B"] * model  # 2. data prediction
     if clip_range is not None:
@@ -138,6 +142,7 @@ def _sampler_step_kernel(
     if HAS_GUIDANCE:  # 1. guidance: rows [0, B) unconditional, [B, 2B) conditional
         cond = tl.load(model_ptr + numel + offs, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(guidance_ptr + image, mask=mask, other=0.0)
+        g = tl.where(tl.load(coef + 12 * stride_coef_col) != 0, g, 1.0)
         out = out + g * (cond - out)
     # 2. data prediction
     x0 = tl.load(coef).to(tl.float32) * x + tl.load(coef + stride_coef_col).to(tl.float32) * out

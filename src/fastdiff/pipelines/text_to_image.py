@@ -40,7 +40,17 @@ from fastdiff.models.stable_diffusion import (
 from fastdiff.pipelines.base import EnginePipeline, check_output_type, expand_seeds, load_plan, resolve_backend
 from fastdiff.pipelines.guidance_parallel import GuidanceSplit
 from fastdiff.pipelines.patch_parallel import DEFAULT_WARMUP, PatchSplit
-from fastdiff.samplers import SAMPLERS, Sampler, ScheduleConfig, initial_noise, make_sampler, run_sampler, seed_tensor
+from fastdiff.samplers import (
+    FULL_GUIDANCE,
+    SAMPLERS,
+    Sampler,
+    ScheduleConfig,
+    check_guidance_interval,
+    initial_noise,
+    make_sampler,
+    run_sampler,
+    seed_tensor,
+)
 from fastdiff.samplers.noise import draw
 
 log = logging.getLogger(__name__)
@@ -235,13 +245,18 @@ class TextToImagePipeline(EnginePipeline):
             raise FastdiffError(f"height and width must be multiples of the VAE's {scale}, got {height}x{width}")
         return (self.unet.config.in_channels, height // scale, width // scale)
 
-    def sampler_for(self, name: str, steps: int, start: int = 0, eta: float = 0.0) -> Sampler:
-        """Sampler ``name`` over ``steps`` steps, beginning at step ``start`` (built once, then cached)."""
-        key = (name, steps, start, eta)
+    def sampler_for(
+        self, name: str, steps: int, start: int = 0, eta: float = 0.0,
+        guidance_interval: tuple[float, float] = FULL_GUIDANCE,
+    ) -> Sampler:  # fmt: skip
+        """Sampler ``name`` over ``steps`` steps, beginning at step ``start``, guided at the steps of
+        ``guidance_interval`` (built once, then cached)."""
+        key = (name, steps, start, eta, guidance_interval)
         if key not in self._samplers:
             self._samplers[key] = make_sampler(
-                name, self.schedule, steps, eta=eta, device=self.device, karras=self.karras, start=start
-            )
+                name, self.schedule, steps, eta=eta, device=self.device, karras=self.karras, start=start,
+                guidance_interval=guidance_interval,
+            )  # fmt: skip
         return self._samplers[key]
 
     def clear_prepared(self) -> None:
@@ -296,6 +311,7 @@ class TextToImagePipeline(EnginePipeline):
         output_type: str = "pil",
         progress: bool = True,
         cache_interval: int = 1,
+        guidance_interval: tuple[float, float] = FULL_GUIDANCE,
     ) -> list[Image.Image] | np.ndarray | torch.Tensor:
         """Sample ``num_images_per_prompt`` images for each prompt (image order: prompt-major, as diffusers).
 
@@ -320,10 +336,15 @@ class TextToImagePipeline(EnginePipeline):
         cache_interval: step caching (``fastdiff.models.step_cache``, DeepCache): a full U-Net forward every N-th
         step of the run, the shallow path on its deep feature in between (1: off).
 
+        guidance_interval: (start, stop) fractions of the steps run; guidance applies at steps ``int(start·N) <= i
+        < int(stop·N)`` and the others take the conditional output alone (diffusers' ``ClassifierFreeGuidance``
+        guider's ``start``/``stop``; see ``make_sampler``). Default (0, 1): every step, as ``StableDiffusionPipeline``.
+
         Prompt problems (words out of the model's vocabulary, prompts longer than its tokens) are logged, one
         warning line each, and kept in ``last_prompt_warnings`` until the next call.
         """
         self.last_prompt_warnings = []
+        guidance_interval = check_guidance_interval(guidance_interval)
         step_cache.check(self.unet, cache_interval)
         if self.guidance_split is not None and cache_interval > 1:
             raise FastdiffError("guidance-parallel runs every step in full: use cache_interval=1")
@@ -365,9 +386,9 @@ class TextToImagePipeline(EnginePipeline):
             raise FastdiffError(f"latents have shape {tuple(latents.shape)}, expected {(count, *shape)}")
         steps = self.steps if steps is None else steps
         name = self.sampler_name if sampler is None else sampler
-        run = self.sampler_for(name, steps, eta=eta)  # checks the name, steps and eta
+        run = self.sampler_for(name, steps, eta=eta, guidance_interval=guidance_interval)  # checks them
         if pixels is not None:
-            run = self.sampler_for(name, steps, start_step(steps, strength), eta)
+            run = self.sampler_for(name, steps, start_step(steps, strength), eta, guidance_interval)
 
         seed_ids = seed_tensor(seed_list, self.device)
         noise = initial_noise(seed_ids, shape, self.device) if latents is None else latents.to(self.device)

@@ -7,11 +7,20 @@ counter-based noise); see ``sampler.Sampler.step``, ``tables`` for how each samp
 
 from fastdiff.samplers.loop import check_cache_interval, is_full_step, run_sampler
 from fastdiff.samplers.noise import initial_noise, seed_tensor, step_noise
-from fastdiff.samplers.sampler import KARRAS_SAMPLERS, SAMPLERS, Sampler, SamplerState, make_sampler
+from fastdiff.samplers.sampler import (
+    FULL_GUIDANCE,
+    KARRAS_SAMPLERS,
+    SAMPLERS,
+    Sampler,
+    SamplerState,
+    check_guidance_interval,
+    make_sampler,
+)
 from fastdiff.samplers.schedule import SAMPLER_SCHEDULERS, ScheduleConfig, alphas_cumprod
 from fastdiff.samplers.tables import discrete_timesteps
 
 __all__ = [
+    "FULL_GUIDANCE",
     "KARRAS_SAMPLERS",
     "SAMPLERS",
     "SAMPLER_SCHEDULERS",
@@ -20,6 +29,7 @@ __all__ = [
     "ScheduleConfig",
     "alphas_cumprod",
     "check_cache_interval",
+    "check_guidance_interval",
     "discrete_timesteps",
     "initial_noise",
     "is_full_step",

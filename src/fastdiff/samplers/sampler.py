@@ -42,7 +42,7 @@ class SamplerState:
 
 class Sampler:
     """A sampler as tables on one device: ``timesteps`` [N] float32 (the model's time input at step i) and
-    ``coefs`` [N, 12] float32 (``fastdiff.kernels.sampler_step.COLUMNS``).
+    ``coefs`` [N, 13] float32 (``fastdiff.kernels.sampler_step.COLUMNS``).
 
     ``step`` is pure tensor maths on the device: the step index only selects a table row and nothing reads a
     tensor back to the host, so a whole loop can be captured in one CUDA graph (``fastdiff.engine``). The state
@@ -133,6 +133,28 @@ class Sampler:
         return x_next
 
 
+FULL_GUIDANCE = (0.0, 1.0)
+"""The default guidance interval: every step guided (diffusers' ``StableDiffusionPipeline``)."""
+
+
+def check_guidance_interval(interval: object) -> tuple[float, float]:
+    """``interval`` as a (start, stop) pair of floats with 0 <= start < 1 and start <= stop <= 1 (diffusers'
+    guider checks), else a one-line error."""
+    try:
+        start, stop = (float(v) for v in interval)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise FastdiffError(f"guidance interval must be two numbers (start, stop), got {interval!r}") from None
+    if not (0.0 <= start < 1.0 and start <= stop <= 1.0):
+        raise FastdiffError(f"guidance interval needs 0 <= start < 1 and start <= stop <= 1, got ({start}, {stop})")
+    return start, stop
+
+
+def guidance_steps(interval: tuple[float, float], num_steps: int) -> tuple[int, int]:
+    """The guided steps ``first..stop-1`` of ``num_steps`` for a (start, stop) interval in fractions of the steps."""
+    start, stop = check_guidance_interval(interval)
+    return int(start * num_steps), int(stop * num_steps)
+
+
 def make_sampler(
     name: str,
     config: ScheduleConfig,
@@ -142,6 +164,7 @@ def make_sampler(
     karras: bool | None = None,
     clipped_model_output: bool = False,
     start: int = 0,
+    guidance_interval: tuple[float, float] = FULL_GUIDANCE,
 ) -> Sampler:
     """Build sampler ``name`` (one of ``SAMPLERS``) for ``steps`` steps of ``config``'s schedule.
 
@@ -159,6 +182,12 @@ def make_sampler(
     - euler, euler_a, dpmsolver++, dpmsolver++_sde, unipc: never clip (their schedulers have no ``clip_sample``).
       ``karras`` (default: the config's ``use_karras_sigmas``) uses Karras et al.'s sigma spacing; euler_a
       has no Karras option in diffusers. The multistep solvers need strictly decreasing noise levels.
+
+    ``guidance_interval`` (start, stop): classifier-free guidance applies at steps ``int(start·N) <= i <
+    int(stop·N)`` of the N steps this sampler runs and the other steps take the conditional output alone (table
+    column W; without guidance it changes nothing). This is diffusers' ``ClassifierFreeGuidance(start=, stop=)``
+    guider. Kynkäänniemi et al. 2024 ("Applying guidance in a limited interval") state the interval in noise
+    levels instead; fastdiff follows diffusers' fractions of steps.
     """
     if name not in SAMPLERS:
         raise FastdiffError(f"unknown sampler {name!r}; choose one of {', '.join(SAMPLERS)}")
@@ -186,6 +215,9 @@ def make_sampler(
 
     abar = alphas_cumprod(config)
     table = _table(name, config, abar, steps, float(eta), clipped_model_output, start)
+    first, stop = guidance_steps(guidance_interval, len(table.timesteps))
+    table.coefs[:first, COL["W"]] = 0.0
+    table.coefs[stop:, COL["W"]] = 0.0
     coefs = torch.from_numpy(table.coefs)
     if not torch.isfinite(coefs).all():
         raise FastdiffError(f"{name} coefficients are not finite for {steps} steps of this schedule")

@@ -1,6 +1,7 @@
 """Per-step coefficient tables for every sampler, computed in float64 from diffusers' own grids.
 
-Every step is one ``fastdiff.kernels.sampler_step`` update with the row's 12 coefficients::
+Every step is one ``fastdiff.kernels.sampler_step`` update with the row's 12 coefficients (and its
+guidance switch W, 1 here: ``make_sampler`` clears it outside a guidance interval)::
 
     x0     = A·x + B·out                                (then clamped to [-r, r] where the scheduler clips)
     xc     = Kx·x + Ka·aux + K0·x0 + K1·h1 + K2·h2      (UniPC's corrector; xc = x otherwise)
@@ -44,7 +45,7 @@ class Table:
     timesteps: np.ndarray
     """[N] the model's time input at each step (integers for the discrete samplers, fractions for Euler)."""
     coefs: np.ndarray
-    """[N, 12] in ``COLUMNS`` order."""
+    """[N, 13] in ``COLUMNS`` order."""
     levels: np.ndarray
     """[N, 2] (alpha, sigma) of the state x at step i: x = alpha·x0 + sigma·eps (the scheduler's ``add_noise``
     in the table's state, i.e. divided by sqrt(sigma^2 + 1) for Euler's variance-exploding sigma)."""
@@ -55,6 +56,7 @@ class Table:
     def empty(cls, timesteps: np.ndarray) -> Table:
         coefs = np.zeros((len(timesteps), len(COLUMNS)))
         coefs[:, COL["Kx"]] = 1.0  # no corrector: xc = x
+        coefs[:, COL["W"]] = 1.0  # guidance at every step
         return cls(np.asarray(timesteps, dtype=np.float64), coefs, np.zeros((len(timesteps), 2)))
 
     def set(self, i: int, **values: float) -> None:
