@@ -196,12 +196,12 @@ def main() -> None:
     from fastdiff.bench.env import environment
 
     loaded_from = None
-    if not args.random_init:
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("child", "out")}
+    if not args.random_init:  # the runs load the written folder; the result names the preset
         args.model, loaded_from = saved_preset(args.model, args.weights_dir)
 
     result = {"what": "time to ready and first image in fresh processes; image bytes compared across them",
-              "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-                         if k not in ("child", "out")},
+              "config": config,
               "weights": loaded_from or "as the model name gives them (a file, a bundled model, or random init)",
               "env": environment(), "modes": {},
               "compile": {k: os.environ.get(f"FASTDIFF_COMPILE_{k.upper()}", "default")

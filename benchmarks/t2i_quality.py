@@ -32,7 +32,8 @@ from fastdiff.atomic import check_output_location, write_text_atomic  # noqa: E4
 from fastdiff.bench.env import environment  # noqa: E402
 from fastdiff.data import load_fashion_mnist  # noqa: E402
 from fastdiff.errors import FastdiffError  # noqa: E402
-from fastdiff.models.stable_diffusion import load_stable_diffusion  # noqa: E402
+from fastdiff.generate import hash_model_files  # noqa: E402
+from fastdiff.models.stable_diffusion import load_stable_diffusion, resolve_pipeline_dir  # noqa: E402
 from fastdiff.pipelines.text_to_image import TextToImagePipeline  # noqa: E402
 from fastdiff.quality.classifier import classifier_accuracy, fd_fmnist, load_classifier  # noqa: E402
 from fastdiff.samplers import FULL_GUIDANCE, check_guidance_interval  # noqa: E402
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     check_output_location(args.out, "--out")
     classifier = load_classifier(device=args.device)
     result = {"env": environment(), "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "weights_sha256": hash_model_files(resolve_pipeline_dir(args.model), (".safetensors",)),
               "results": []}  # fmt: skip
     if args.floor:
         result["floor"] = floors(args.model, args.floor, args.data_dir, args.device, classifier)

@@ -133,6 +133,34 @@ def test_prompts_file_writes_one_png_per_image_with_its_parameters(reference, pr
     )
 
 
+def test_guidance_interval_reaches_every_image_its_png_and_the_manifest(tmp_path, one_thread):
+    """--guidance-interval: each image is the pipeline's with that guidance_interval; PNGs and manifest record it."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("ankle boot\nbag\n")
+    out = tmp_path / "out"
+    assert main(prompts_argv(prompts, out, "--guidance", "4", "--guidance-interval", "0.5", "1")) == 0
+    assert parameters(out / "000001.png")["guidance_interval"] == [0.5, 1.0]
+    assert json.loads((out / "manifest.json").read_text())["guidance_interval"] == [0.5, 1.0]
+    pipe = Pipeline.from_pretrained(MODEL, device="cpu", steps=2)
+    kwargs = dict(guidance_scale=4.0, seeds=[FIRST_SEED, FIRST_SEED + 1], output_type="tensor", progress=False)
+    images = {span: pipe(["ankle boot", "bag"], guidance_interval=span, **kwargs) for span in ((0.5, 1), (0, 1))}
+    expected = ((images[(0.5, 1)].clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)[:, 0].numpy()
+    for index, pixels in enumerate(expected):
+        np.testing.assert_array_equal(np.asarray(Image.open(out / f"{index:06d}.png")), pixels)
+    assert (images[(0.5, 1)] - images[(0, 1)]).abs().max() > 0.01  # the first step unguided: other images
+
+
+def test_guidance_interval_needs_prompts(tmp_path, capsys):
+    argv = ["generate", "--model", "ddpm-cifar10", "--num-images", "1", "--out-dir", str(tmp_path / "o"),
+            "--guidance-interval", "0.2", "1", "--device", "cpu"]  # fmt: skip
+    assert main(argv) == 2
+    assert error_lines(capsys) == ["fastdiff: error: --guidance-interval needs --prompts"]
+    argv = prompts_argv(tmp_path / "p.txt", tmp_path / "o", "--guidance-interval", "0.9", "0.1")
+    (tmp_path / "p.txt").write_text("bag\n")
+    assert main(argv) == 2
+    assert "--guidance-interval needs 0 <= start < 1" in error_lines(capsys)[0]
+
+
 def test_plain_text_prompts_one_image_a_line(tmp_path, one_thread):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("ankle boot\n\n   \n  bag  \r\nsneaker")
@@ -190,6 +218,7 @@ def test_a_failed_run_then_rerun_gives_the_same_bytes(reference, prompts_file, t
         ("--guidance", "guidance 7.5 != 8.0"),
         ("--negative-prompt", "negative_prompt '' != 'x'"),
         ("--steps", "steps 2 != 3"),
+        ("--guidance-interval", "guidance_interval None != [0.5, 1.0]"),
     ],
 )
 def test_a_rerun_with_other_prompts_or_settings_is_refused(reference, prompts_file, tmp_path, capsys, change, message):
@@ -199,8 +228,9 @@ def test_a_rerun_with_other_prompts_or_settings_is_refused(reference, prompts_fi
         prompts = tmp_path / "other.jsonl"
         prompts.write_text(PROMPTS_JSONL.replace("bag", "shirt"))
     else:
-        value = {"--first-seed": "6", "--guidance": "8", "--negative-prompt": "x", "--steps": "3"}[change]
-        extra = [change, value]
+        value = {"--first-seed": "6", "--guidance": "8", "--negative-prompt": "x", "--steps": "3",
+                 "--guidance-interval": "0.5 1"}[change]  # fmt: skip
+        extra = [change, *value.split()]
     argv = prompts_argv(prompts, out, *extra)  # the last --first-seed counts
     before = mtimes(out)
     assert main(argv) == 2

@@ -234,7 +234,7 @@ def check_text_flags(args: argparse.Namespace) -> Any:
     if args.guidance_interval is not None:
         from fastdiff.samplers import check_guidance_interval
 
-        args.guidance_interval = check_guidance_interval(args.guidance_interval)
+        args.guidance_interval = check_guidance_interval(args.guidance_interval, "--guidance-interval")
     if args.init_image is None:
         if args.strength is not None:
             raise FastdiffError("--strength needs --init-image")

@@ -249,3 +249,19 @@ def add_plan_argument(p: argparse.ArgumentParser) -> None:
         help="kernel plan (JSON, from fastdiff tune): the engine runs the kernels it names and times nothing "
         "(default: a plan shipped for this GPU, or the one the engine made earlier on this machine, else it tunes)",
     )
+
+
+FULL_GUIDANCE = (0.0, 1.0)
+"""The default guidance interval: every step guided (diffusers' ``StableDiffusionPipeline``)."""
+
+
+def check_guidance_interval(interval: object, name: str = "guidance interval") -> tuple[float, float]:
+    """``interval`` as a (start, stop) pair of floats with 0 <= start < 1 and start <= stop <= 1 (diffusers'
+    guider checks), else a one-line error naming ``name``."""
+    try:
+        start, stop = (float(v) for v in interval)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise FastdiffError(f"{name} must be two numbers (start, stop), got {interval!r}") from None
+    if not (0.0 <= start < 1.0 and start <= stop <= 1.0):
+        raise FastdiffError(f"{name} needs 0 <= start < 1 and start <= stop <= 1, got ({start}, {stop})")
+    return start, stop

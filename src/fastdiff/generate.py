@@ -85,7 +85,7 @@ from fastdiff.atomic import (
     write_temporary,
     write_text_atomic,
 )
-from fastdiff.cli_args import DEFAULT_GUIDANCE, DTYPES, MAX_SEED, SAMPLERS
+from fastdiff.cli_args import DEFAULT_GUIDANCE, DTYPES, FULL_GUIDANCE, MAX_SEED, SAMPLERS, check_guidance_interval
 from fastdiff.errors import FastdiffError
 from fastdiff.images import pil_image, png_bytes, uint8_pixels
 from fastdiff.prompts_file import PromptLine, read_prompts
@@ -115,9 +115,10 @@ IDENTITY_KEYS = (
     "torch_version",
 )
 """Manifest fields that must match before a rerun adds images to a folder."""
-PROMPT_IDENTITY_KEYS = ("prompts_sha256", "first_seed", "guidance", "negative_prompt")
+PROMPT_IDENTITY_KEYS = ("prompts_sha256", "first_seed", "guidance", "negative_prompt", "guidance_interval")
 """The same for a ``--prompts`` job (absent from an unconditional job's manifest): image i's prompt, seed and
-guidance follow from these, whatever ``--num-images``."""
+guidance follow from these, whatever ``--num-images``. ``guidance_interval`` is recorded only when it is not every
+step (so folders made before it existed still match)."""
 PNG_NAME = re.compile(r"(\d+)\.png")
 SHARD_NAME = re.compile(r"(\d+)-(\d+)\.npz")
 WRITER_THREADS = 8
@@ -166,6 +167,7 @@ class GenerateConfig:
     prompts: Path | None = None
     guidance: float = DEFAULT_GUIDANCE
     negative_prompt: str = ""
+    guidance_interval: tuple[float, float] = FULL_GUIDANCE
 
 
 @dataclass
@@ -288,6 +290,8 @@ class PromptJob:
     lines: list[PromptLine]
     num_images: int
     first_seed: int
+    guidance_interval: tuple[float, float] = FULL_GUIDANCE
+    """The guided steps of every image (``TextToImagePipeline``'s ``guidance_interval``)."""
     starts: list[int] = field(init=False)
     """Where each line's images begin in the list of L."""
 
@@ -357,7 +361,7 @@ def load_prompt_job(config: GenerateConfig) -> PromptJob | None:
     lines, digest = read_prompts(config.prompts, config.guidance, config.negative_prompt)
     listed = sum(entry.n for entry in lines)
     num_images = listed if config.num_images is None else config.num_images
-    job = PromptJob(config.prompts, digest, lines, num_images, config.first_seed)
+    job = PromptJob(config.prompts, digest, lines, num_images, config.first_seed, config.guidance_interval)
     job.check()
     return job
 
@@ -581,10 +585,11 @@ def remove_empty_folders(out_dir: Path, created: Path | None) -> None:
             return
 
 
-def hash_model_files(root: Path) -> str:
-    """sha256 over the names and bytes of the config and weight files under ``root``."""
+def hash_model_files(root: Path, suffixes: tuple[str, ...] = MODEL_FILE_SUFFIXES) -> str:
+    """sha256 over the names and bytes of the config and weight files under ``root`` (the files with ``suffixes``:
+    ``(".safetensors",)`` for the weights alone)."""
     digest = hashlib.sha256()
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in MODEL_FILE_SUFFIXES)
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in suffixes)
     for file in files:
         digest.update(f"{file.relative_to(root).as_posix()}\0{file.stat().st_size}\0".encode())
         with file.open("rb") as f:
@@ -814,7 +819,7 @@ def warm_up(pipe, batch: int, job: PromptJob | None) -> None:
         first = job.image(0)
         pipe(
             [first.prompt] * batch, negative_prompt=first.negative_prompt, guidance_scale=first.guidance,
-            seeds=0, output_type="tensor", progress=False,
+            seeds=0, output_type="tensor", progress=False, guidance_interval=job.guidance_interval,
         )  # fmt: skip
 
 
@@ -832,6 +837,7 @@ def sample_chunk(pipe, numbers: list[int], job: PromptJob | None) -> torch.Tenso
         num_images_per_prompt=1,
         output_type="tensor",
         progress=False,
+        guidance_interval=job.guidance_interval,
     )
 
 
@@ -1161,6 +1167,9 @@ def validate(config: GenerateConfig) -> PromptJob | None:
         raise FastdiffError(f"--guidance must be a finite number >= 0, got {guidance!r}")
     if guidance < 0:
         raise FastdiffError(f"--guidance must be a finite number >= 0, got {guidance!r}")
+    if tuple(config.guidance_interval) != FULL_GUIDANCE and config.prompts is None:
+        raise FastdiffError("--guidance-interval needs --prompts")
+    check_guidance_interval(config.guidance_interval, "--guidance-interval")
     job = load_prompt_job(config)
     num_images = job.num_images if job is not None else config.num_images
     last = config.first_seed + num_images - 1
@@ -1256,6 +1265,7 @@ def job_identity(
             "first_seed": config.first_seed,
             "guidance": config.guidance,
             "negative_prompt": config.negative_prompt,
+            **interval_record(config.guidance_interval),
             "prompts": job.manifest_record(),
         }
     return {
@@ -1272,6 +1282,11 @@ def job_identity(
         "torch_version": torch.__version__,
         **prompts,
     }
+
+
+def interval_record(interval: tuple[float, float]) -> dict[str, list[float]]:
+    """``{"guidance_interval": [start, stop]}`` for the manifest and the PNGs, or nothing for every step guided."""
+    return {} if tuple(interval) == FULL_GUIDANCE else {"guidance_interval": list(interval)}
 
 
 def image_parameters(config: GenerateConfig) -> dict[str, Any]:
@@ -1296,6 +1311,7 @@ def unit_parameters(config: GenerateConfig, pipe, unit: Unit, job: PromptJob | N
             "prompt": spec.prompt,
             "negative_prompt": spec.negative_prompt,
             "guidance": spec.guidance,
+            **interval_record(job.guidance_interval),
             "seed": spec.seed,
             **common,
             "height": height,
@@ -1378,6 +1394,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="negative prompt of the --prompts lines without one (default: none)",
     )
+    p.add_argument(
+        "--guidance-interval",
+        nargs=2,
+        type=float,
+        metavar=("START", "STOP"),
+        default=defaults.guidance_interval,
+        help="guide only steps int(START x STEPS) .. int(STOP x STEPS) - 1 of every image (diffusers' "
+        "ClassifierFreeGuidance start/stop; default 0 1: every step)",
+    )
     p.add_argument("--out-dir", type=Path, required=True, help="output folder (created; shared by all nodes)")
     p.add_argument("--first-seed", type=seed_int, default=defaults.first_seed, help="seed of the first image (image 0)")
     p.add_argument("--sampler", default=defaults.sampler, choices=SAMPLERS, help="sampling algorithm")
@@ -1422,6 +1447,7 @@ def run_generate(args: argparse.Namespace) -> int:
         prompts=args.prompts,
         guidance=args.guidance,
         negative_prompt=args.negative_prompt or "",
+        guidance_interval=tuple(args.guidance_interval),
     )
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -5,6 +5,8 @@ images); the CLI's one-line errors; and both stages through the CLI on Fashion-M
 from __future__ import annotations
 
 import json
+import logging
+import math
 import random
 import stat
 
@@ -345,6 +347,27 @@ def test_learning_rate_follows_the_step_or_time_budget(monkeypatch):
     assert by_time.out_of_time() and by_time.progress(11) == 1.0
 
 
+def test_a_resumed_stage_may_change_its_time_budget(monkeypatch):
+    """A resumed run with another max_seconds: the span moves by the difference and the cosine follows it from
+    where it stands; without one the budget is steps only."""
+    clock = [1000.0]
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: clock[0])
+    settings = dict(max_steps=10**6, warmup_steps=0, lr=1.0, min_lr_ratio=0.0)
+    saved = {"span": 95.0, "used": 40.0, "max_seconds": 100.0}  # 5 s of set-up in the first run
+    same = loop.Budget(VAEStageConfig(**settings, max_seconds=100.0), start=990.0, resumed=saved)
+    assert same.span == 95.0 and same.left() == pytest.approx(55.0)
+    shorter = loop.Budget(VAEStageConfig(**settings, max_seconds=65.0), start=990.0, resumed=saved)
+    assert shorter.span == 60.0 and shorter.progress(0) == pytest.approx(40 / 60)
+    clock[0] = 1019.9
+    assert not shorter.out_of_time()
+    clock[0] = 1020.0  # 40 + 20 s trained: the new total is spent
+    assert shorter.out_of_time() and shorter.state() == {"span": 60.0, "used": 60.0, "max_seconds": 65.0}
+    steps_only = loop.Budget(VAEStageConfig(**settings), start=990.0, resumed=saved)
+    assert steps_only.span is None and not steps_only.out_of_time() and steps_only.left() == math.inf
+    older = loop.Budget(VAEStageConfig(**settings, max_seconds=30.0), start=990.0, resumed={"span": None, "used": 5.0})
+    assert older.span == 30.0  # a checkpoint without a time budget: the new one counts training seconds
+
+
 def test_max_seconds_stops_a_stage_and_it_still_writes(tmp_path, monkeypatch):
     """... and the reconstruction FD (the floor) gets the first fd_images training images' reconstructions."""
     import fastdiff.quality.classifier as classifier
@@ -409,6 +432,8 @@ def test_cli_errors_come_before_any_work(trained, tmp_path, capsys, monkeypatch)
                        "--stage vae only", capsys)  # fmt: skip
     one_line_cli_error([*base, "--stage", "unet", "--out", str(vae_dir), "--vae", str(vae_dir)], "another folder",
                        capsys)  # fmt: skip
+    one_line_cli_error([*base, "--stage", "all", "--out", out, "--ema-decay", "1.5"], "ema_decay must be", capsys)
+    one_line_cli_error([*base, "--stage", "all", "--out", out, "--vae", out], "another folder", capsys)
     fashion = ["train", "text-to-image", "--device", "cpu", "--stage", "unet", "--out", out, "--vae", str(vae_dir)]
     one_line_cli_error(fashion, "use the same --preset", capsys)
     one_line_cli_error([*base, "--stage", "unet", "--out", out, "--vae", str(pipeline_dir), "--prompt-dropout", "1"],
@@ -447,6 +472,34 @@ def test_cli_runs_both_stages_on_fashion_mnist(tmp_path):
     assert summary["step"] == 3 and summary["num_images"] == 64 and "guidance" not in summary["eval"]
     assert (pipe_out / "samples.png").is_file()
     load_stable_diffusion(pipe_out)
+
+
+@needs_data
+def test_cli_stage_all_runs_both_stages_in_one_command_and_resumes(tmp_path, caplog):
+    """--stage all: the vae stage into OUT-vae, then the unet stage on it into OUT; paused in the vae stage, the
+    same command goes on from the checkpoint and then trains the unet stage; a finished vae stage is reused."""
+    pytest.importorskip("transformers")
+    pipe_out = tmp_path / "pipe"
+    argv = ["train", "text-to-image", "--stage", "all", "--out", str(pipe_out), "--device", "cpu", "--preset", "tiny",
+            "--limit-images", "64", "--batch", "16", "--steps", "3", "--log-every", "1", "--no-progress", "--data",
+            str(DEFAULT_DATA_DIR), "--eval-images", "50", "--fd-images", "0", "--eval-per-class", "0",
+            "--grid-per-prompt", "0"]  # fmt: skip
+    vae_out = tmp_path / "pipe-vae"
+    assert main([*argv, "--pause-after", "1e-9"]) == 0
+    assert loop.checkpoint_path(vae_out).is_file() and not vae_out.exists() and not pipe_out.exists()
+    with caplog.at_level(logging.INFO, logger="fastdiff.train.cli"):
+        assert main(argv) == 0
+    assert not loop.checkpoint_path(vae_out).exists()
+    assert json.loads((vae_out / "summary.json").read_text())["step"] == 3
+    summary = json.loads((pipe_out / "summary.json").read_text())
+    assert summary["step"] == 3 and summary["vae"] == str(vae_out / "vae")
+    load_stable_diffusion(pipe_out)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fastdiff.train.cli"):
+        assert main([*argv, "--steps", "1"]) == 0  # a new unet stage on the finished vae stage
+    assert "holds a finished one" in caplog.text
+    assert json.loads((pipe_out / "summary.json").read_text())["step"] == 1
+    assert json.loads((vae_out / "summary.json").read_text())["step"] == 3
 
 
 # ---------------------------------------------------------------- pause and resume

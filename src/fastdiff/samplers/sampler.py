@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastdiff.cli_args import FULL_GUIDANCE, check_guidance_interval
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.sampler_step import COL, sampler_step_ref
 from fastdiff.samplers.schedule import SAMPLER_SCHEDULERS, ScheduleConfig, alphas_cumprod
@@ -131,22 +132,6 @@ class Sampler:
             noise=noise if self.noise_steps[i] else None, guidance=guidance, clip_range=self.clip_range, out=out,
         )  # fmt: skip
         return x_next
-
-
-FULL_GUIDANCE = (0.0, 1.0)
-"""The default guidance interval: every step guided (diffusers' ``StableDiffusionPipeline``)."""
-
-
-def check_guidance_interval(interval: object) -> tuple[float, float]:
-    """``interval`` as a (start, stop) pair of floats with 0 <= start < 1 and start <= stop <= 1 (diffusers'
-    guider checks), else a one-line error."""
-    try:
-        start, stop = (float(v) for v in interval)  # type: ignore[union-attr]
-    except (TypeError, ValueError):
-        raise FastdiffError(f"guidance interval must be two numbers (start, stop), got {interval!r}") from None
-    if not (0.0 <= start < 1.0 and start <= stop <= 1.0):
-        raise FastdiffError(f"guidance interval needs 0 <= start < 1 and start <= stop <= 1, got ({start}, {stop})")
-    return start, stop
 
 
 def guidance_steps(interval: tuple[float, float], num_steps: int) -> tuple[int, int]:

@@ -142,7 +142,7 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-TEXT_TO_IMAGE_STAGES = ("vae", "unet")
+TEXT_TO_IMAGE_STAGES = ("vae", "unet", "all")
 COMMON_FLAGS = {
     "steps": "max_steps",
     "max_seconds": "max_seconds",
@@ -195,9 +195,11 @@ def add_text_to_image_arguments(p: argparse.ArgumentParser) -> None:
 
     p.description = (
         "Train a text-to-image model of Fashion-MNIST in Stable Diffusion's own directory format, in "
-        "two runs. '--stage vae' trains the AutoencoderKL (32x32x1 <-> the preset's latents, 8x8x4 by "
-        "default), sets its scaling_factor from the latent std and writes OUT/vae/ with summary.json (test PSNR, "
-        "reconstruction FD-FMNIST), loss.jsonl and reconstructions.png. "
+        "two stages. '--stage all' runs both in one command: the vae stage into --vae (default: OUT-vae; skipped "
+        "when that folder holds a finished one), then the unet stage into OUT; --steps, --max-seconds, --batch "
+        "and the other shared flags apply to each stage. '--stage vae' trains the AutoencoderKL (32x32x1 <-> the "
+        "preset's latents, 16x16x4 by default), sets its scaling_factor from the latent std and writes OUT/vae/ "
+        "with summary.json (test PSNR, reconstruction FD-FMNIST), loss.jsonl and reconstructions.png. "
         "'--stage unet --vae VAE_OUT' trains a CLIP text encoder and the UNet2DConditionModel on the latents "
         "(epsilon, SD's scaled-linear schedule, 10% empty prompts for guidance, EMA) and writes OUT as a "
         "StableDiffusionPipeline directory (fp16 safetensors) for 'fastdiff sample --model OUT --prompt ...' "
@@ -206,9 +208,16 @@ def add_text_to_image_arguments(p: argparse.ArgumentParser) -> None:
         "that budget); OUT is written all or nothing. --pause-after stops a run early with a checkpoint that the same "
         "command resumes from."
     )
-    p.add_argument("--stage", required=True, choices=TEXT_TO_IMAGE_STAGES, help="which networks to train")
+    p.add_argument(
+        "--stage", required=True, choices=TEXT_TO_IMAGE_STAGES, help="which networks to train (all: both stages)"
+    )
     p.add_argument("--out", type=Path, required=True, help="output folder (replaced all or nothing)")
-    p.add_argument("--vae", type=Path, default=None, help="unet stage: the vae stage's --out folder (required)")
+    p.add_argument(
+        "--vae",
+        type=Path,
+        default=None,
+        help="unet stage: the vae stage's --out folder (required); all: where the vae stage writes (default: OUT-vae)",
+    )
     p.add_argument("--preset", default=vae.preset, choices=tuple(PRESETS), help="architecture (tiny: smoke tests)")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA_DIR, help="folder with the Fashion-MNIST idx .gz files")
     p.add_argument("--steps", type=int, default=None, help=f"most optimizer steps {both('max_steps')}")
@@ -217,7 +226,7 @@ def add_text_to_image_arguments(p: argparse.ArgumentParser) -> None:
         type=positive_float,
         default=None,
         help="stop training this many seconds after the stage starts (data loading included; saving and "
-        "sampling come after)",
+        "sampling come after); resuming a paused stage with another value sets a new total for the stage",
     )
     p.add_argument("--batch", type=int, default=None, help=f"images per step {both('batch_size')}")
     p.add_argument("--lr", type=positive_float, default=None, help=f"AdamW peak learning rate {both('lr')}")
@@ -284,18 +293,8 @@ def add_text_to_image_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run_text_to_image)
 
 
-def run_text_to_image(args: argparse.Namespace) -> int:
-    """Run one stage of the text-to-image recipe from parsed arguments; returns the exit code."""
-    from fastdiff.train.text_to_image import UNetStageConfig, VAEStageConfig, train_text_to_image, train_vae
-
-    check_output_location(args.out, "--out", folder=True)
-    stage = args.stage
-    for other, flags in STAGE_FLAGS.items():
-        if other == stage:
-            continue
-        for dest in flags:
-            if getattr(args, dest) is not None:
-                raise FastdiffError(f"--{dest.replace('_', '-')} applies to --stage {other} only")
+def stage_settings(args: argparse.Namespace, stage: str) -> dict:
+    """The config fields of ``stage`` ("vae" or "unet") that the flags set (the others keep the stage's defaults)."""
     fields = {**COMMON_FLAGS, **STAGE_FLAGS[stage]}
     kwargs = {field: getattr(args, dest) for dest, field in fields.items() if getattr(args, dest) is not None}
     kwargs.update(
@@ -310,21 +309,77 @@ def run_text_to_image(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         pause_after_s=args.pause_after,
     )
-    if stage == "vae":
-        summary = train_vae(VAEStageConfig(**kwargs))
-        keys = (
-            "step",
-            "stopped",
-            "train_seconds",
-            "final_loss",
-            "psnr_db",
-            "psnr_db_28",
-            "fd_fmnist_reconstructions",
-            "scaling_factor",
-        )
+    return kwargs
+
+
+def run_both_stages(args: argparse.Namespace) -> int:
+    """``--stage all``: the vae stage into ``--vae`` (default OUT-vae) unless a finished one is there, then the unet
+    stage on it into OUT. Both stages' settings are checked before either starts; ``--pause-after`` counts from the
+    command's start, so a paused run of either stage resumes when the same command runs again."""
+    import dataclasses
+    import time
+
+    from fastdiff.models.stable_diffusion import import_transformers
+    from fastdiff.train.text_to_image import UNetStageConfig, VAEStageConfig, train_text_to_image, train_vae
+    from fastdiff.train.text_to_image.config import validate_stage
+
+    start = time.perf_counter()
+    vae_out = args.vae if args.vae is not None else args.out.with_name(args.out.name + "-vae")
+    check_output_location(vae_out, "--vae", folder=True)
+    if vae_out.resolve() == args.out.resolve():
+        raise FastdiffError(f"--out must be another folder than --vae ({vae_out})")
+    vae_config = VAEStageConfig(**{**stage_settings(args, "vae"), "out_dir": vae_out})
+    unet_config = UNetStageConfig(**{**stage_settings(args, "unet"), "vae_dir": vae_out})
+    for config in (vae_config, unet_config):
+        validate_stage(config)
+    import_transformers()
+    if (vae_out / "summary.json").is_file() and (vae_out / "vae").is_dir():
+        log.info("vae stage: %s holds a finished one, used as it is (delete it to train it again)", vae_out)
     else:
-        summary = train_text_to_image(UNetStageConfig(**kwargs))
-        keys = ("step", "stopped", "train_seconds", "final_loss", "model_bytes", "eval")
+        summary = train_vae(vae_config)
+        if summary["stopped"] == "paused":
+            log.info("paused in the vae stage at step %d: run the same command again to go on", summary["step"])
+            return 0
+        log.info("vae stage: %s", json.dumps({k: summary.get(k) for k in VAE_SUMMARY_KEYS}))
+    pause = None if args.pause_after is None else args.pause_after - (time.perf_counter() - start)
+    if pause is not None and pause <= 0:
+        log.info("paused after the vae stage: run the same command again for the unet stage")
+        return 0
+    summary = train_text_to_image(dataclasses.replace(unet_config, pause_after_s=pause))
+    if summary["stopped"] == "paused":
+        log.info("paused in the unet stage at step %d: run the same command again to go on", summary["step"])
+        return 0
+    log.info("summary: %s", json.dumps({k: summary.get(k) for k in UNET_SUMMARY_KEYS}))
+    return 0
+
+
+VAE_SUMMARY_KEYS = (
+    "step", "stopped", "train_seconds", "final_loss", "psnr_db", "psnr_db_28", "fd_fmnist_reconstructions",
+    "scaling_factor",
+)  # fmt: skip
+UNET_SUMMARY_KEYS = ("step", "stopped", "train_seconds", "final_loss", "model_bytes", "eval")
+
+
+def run_text_to_image(args: argparse.Namespace) -> int:
+    """Run one stage of the text-to-image recipe, or both (``--stage all``), from parsed arguments; returns the exit
+    code."""
+    from fastdiff.train.text_to_image import UNetStageConfig, VAEStageConfig, train_text_to_image, train_vae
+
+    check_output_location(args.out, "--out", folder=True)
+    stage = args.stage
+    for other, flags in STAGE_FLAGS.items():
+        if other == stage or stage == "all":
+            continue
+        for dest in flags:
+            if getattr(args, dest) is not None:
+                raise FastdiffError(f"--{dest.replace('_', '-')} applies to --stage {other} only")
+    if stage == "all":
+        return run_both_stages(args)
+    kwargs = stage_settings(args, stage)
+    if stage == "vae":
+        summary, keys = train_vae(VAEStageConfig(**kwargs)), VAE_SUMMARY_KEYS
+    else:
+        summary, keys = train_text_to_image(UNetStageConfig(**kwargs)), UNET_SUMMARY_KEYS
     if summary["stopped"] == "paused":
         log.info("paused at step %d: run the same command again to go on from %s", summary["step"],
                  summary["checkpoint"])  # fmt: skip

@@ -32,13 +32,24 @@ class Budget:
     of the budget used, by steps or by time, whichever is further along.
 
     A resumed stage passes its checkpoint's ``state()``: the training seconds of the budget (``span``, fixed by the
-    first run: ``max_seconds`` less its set-up) and those already used, so that the cosine goes on where it paused."""
+    first run: ``max_seconds`` less its set-up), those already used and the ``max_seconds`` it was given, so that the
+    cosine goes on where it paused. A resumed run may give another ``max_seconds``, a new total for the stage: the
+    span moves by the difference (the first run's set-up still counted once) and the cosine follows the new span from
+    where it stands."""
 
     def __init__(self, config: StageConfig, start: float, resumed: dict | None = None) -> None:
         self.config = config
         self.loop_start = time.perf_counter()
         if resumed is not None:
             self.span, self.used_before = resumed["span"], resumed["used"]
+            before, now = resumed.get("max_seconds"), config.max_seconds
+            if now is None:
+                self.span = None
+            elif self.span is None or before is None:
+                self.span = now  # no time budget before: the new one counts training seconds only
+            elif now != before:
+                self.span += now - before
+                log.info("time budget %.0f s -> %.0f s: %.0f s of training left", before, now, self.left())
         else:
             self.span = None if config.max_seconds is None else start + config.max_seconds - self.loop_start
             self.used_before = 0.0
@@ -49,7 +60,11 @@ class Budget:
         return self.used_before + time.perf_counter() - self.loop_start
 
     def state(self) -> dict:
-        return {"span": self.span, "used": self.trained_s()}
+        return {"span": self.span, "used": self.trained_s(), "max_seconds": self.config.max_seconds}
+
+    def left(self) -> float:
+        """Training seconds left in the time budget (inf without one)."""
+        return math.inf if self.span is None else self.span - self.trained_s()
 
     def progress(self, step: int) -> float:
         done = step / self.config.max_steps
@@ -221,11 +236,12 @@ def run_budgeted_loop(
 
 
 RESUME_KEYS = (
-    "preset", "max_steps", "max_seconds", "batch_size", "lr", "warmup_steps", "min_lr_ratio", "weight_decay",
+    "preset", "max_steps", "batch_size", "lr", "warmup_steps", "min_lr_ratio", "weight_decay",
     "grad_clip", "limit_images", "seed", "bf16", "kl_weight", "vae_dir", "ema_decay", "prompt_dropout",
     "min_snr_gamma",
 )  # fmt: skip
-"""Settings a resumed stage must share with its checkpoint (those of the stage's config that shape training)."""
+"""Settings a resumed stage must share with its checkpoint (those of the stage's config that shape training).
+``max_seconds`` is not one: a resumed run may extend or shorten the stage's time budget (``Budget``)."""
 
 
 def checkpoint_path(out_dir: Path) -> Path:
