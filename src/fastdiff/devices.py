@@ -83,6 +83,16 @@ def normalize_device(device: torch.device | str) -> torch.device:
     return dev
 
 
+def host_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A small CPU tensor (seeds, guidance scales) on ``device`` without waiting for the GPU: ``.to("cuda")`` of
+    pageable memory synchronizes the stream, i.e. waits for every kernel queued before it, so the host could not
+    prepare the next batch while the GPU runs this one. Here it goes through pinned memory, copied asynchronously
+    (the caching host allocator keeps the pinned block until the copy is done)."""
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for ``device``'s queued work (nothing to wait for on the CPU)."""
     if device.type == "cuda":

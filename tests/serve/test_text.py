@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient  # noqa: E402  (after the importorskip
 
 from fastdiff.cli import main  # noqa: E402
 from fastdiff.errors import FastdiffError  # noqa: E402
-from fastdiff.serve.app import create_app  # noqa: E402
+from fastdiff.serve.app import batch_key, create_app  # noqa: E402
 from fastdiff.serve.loadtest import run_loadtest  # noqa: E402
 from fastdiff.serve.schema import (  # noqa: E402
     DEFAULT_STRENGTH,
@@ -81,6 +81,17 @@ def test_text_request_schema():
     data_url = resolve({"prompt": "a", "init_image": "data:image/png;base64," + png_base64(32, 32), "strength": 1})
     assert data_url.strength == 1.0 and data_url.size == (32, 32)
 
+    late = resolve({"prompt": "a", "guidance_interval": [0.2, 1]})
+    assert late.guidance_interval == (0.2, 1.0) and late.image_parameters("sd")[0]["guidance_interval"] == [0.2, 1.0]
+    assert batch_key(late) != batch_key(resolve({"prompt": "a"}))  # one sampler table per batch
+    every = resolve({"prompt": "a", "guidance_interval": [0, 1]})
+    assert every.guidance_interval is None and "guidance_interval" not in every.image_parameters("sd")[0]
+    assert batch_key(every) == batch_key(resolve({"prompt": "a"}))
+    unguided = resolve({"prompt": "a", "guidance": 1, "guidance_interval": [0.5, 1]})
+    assert unguided.guidance_interval is None and unguided.warnings == [
+        "guidance_interval is unused: guidance 1 <= 1 guides no step"
+    ]
+
 
 TEXT_BAD_REQUESTS = [
     ("", 'the request is empty: send a JSON object such as {"prompt": "a red dress", "n": 2}'),
@@ -105,6 +116,8 @@ TEXT_BAD_REQUESTS = [
     (f'{{"prompt": "a", "init_image": "{png_base64(32, 32)}", "strength": 0}}', "strength: Input should be greater"),
     (f'{{"prompt": "a", "init_image": "{png_base64(32, 32)}", "strength": 1.5}}', "strength: Input should be less"),
     ('{"prompt": "a", "strength": 0.5}', "strength is for img2img: it needs init_image"),
+    ('{"prompt": "a", "guidance_interval": [0.9, 0.1]}', "guidance_interval needs 0 <= start < 1 and start <= stop"),
+    ('{"prompt": "a", "guidance_interval": [0.5]}', "guidance_interval"),
     (f'{{"prompt": "a", "init_image": "{png_base64(32, 32)}", "strength": 0.1, "steps": 5}}', "leaves none of the 5"),
 ]
 
@@ -301,15 +314,19 @@ def test_served_images_equal_fastdiff_sample(t2i_app, serve_app, tmp_path):
     from fastdiff.cli import main
 
     body = {"prompt": "a photo of a sneaker", "negative_prompt": "a sandal", "seed": 11, "n": 4, "guidance": 3.0}
-    with serve_app(t2i_app) as url, httpx.Client(base_url=url, timeout=120) as client:
-        served = client.post("/v1/images", json=body).json()
-    assert served["timing"]["run_batch_size"] == 4
-    flags = ["sample", "--model", "fashion-mnist-t2i", "--prompt", body["prompt"], "--negative-prompt", "a sandal",
-             "--guidance", "3", "--seed", "11", "--batch", "4", "--steps", "2", "--sampler", "ddim", "--device", "cpu",
-             "--no-progress", "--out", str(tmp_path / "grid.png"), "--save-dir", str(tmp_path / "sampled")]  # fmt: skip
-    assert main(flags) == 0
-    for image in served["images"]:
-        with Image.open(io.BytesIO(base64.b64decode(image["png_base64"]))) as png:
-            ours = np.asarray(png)
-        with Image.open(tmp_path / "sampled" / f"{image['seed']:06d}.png") as png:
-            assert np.array_equal(ours, np.asarray(png)), image["seed"]
+    for interval in (None, [0.5, 1.0]):  # and with the first of the two steps unguided
+        request = body if interval is None else {**body, "guidance_interval": interval}
+        with serve_app(t2i_app) as url, httpx.Client(base_url=url, timeout=120) as client:
+            served = client.post("/v1/images", json=request).json()
+        assert served["timing"]["run_batch_size"] == 4
+        folder = tmp_path / f"sampled-{interval}"
+        flags = ["sample", "--model", "fashion-mnist-t2i", "--prompt", body["prompt"], "--negative-prompt",
+                 "a sandal", "--guidance", "3", "--seed", "11", "--batch", "4", "--steps", "2", "--sampler", "ddim",
+                 "--device", "cpu", "--no-progress", "--out", str(folder / "grid.png"), "--save-dir", str(folder),
+                 *([] if interval is None else ["--guidance-interval", "0.5", "1"])]  # fmt: skip
+        assert main(flags) == 0
+        for image in served["images"]:
+            with Image.open(io.BytesIO(base64.b64decode(image["png_base64"]))) as png:
+                ours = np.asarray(png)
+            with Image.open(folder / f"{image['seed']:06d}.png") as png:
+                assert np.array_equal(ours, np.asarray(png)), (interval, image["seed"])

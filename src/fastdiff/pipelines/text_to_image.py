@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 
 from fastdiff.cli_args import DEFAULT_GUIDANCE
-from fastdiff.devices import resolve_device, resolve_dtype, warn_slow_dtype
+from fastdiff.devices import host_to_device, resolve_device, resolve_dtype, warn_slow_dtype
 from fastdiff.engine.kernel_plan import KernelPlan
 from fastdiff.errors import FastdiffError
 from fastdiff.images import to_pil
@@ -401,7 +401,8 @@ class TextToImagePipeline(EnginePipeline):
             x = run.noised_state(self._encode(pixels, len(prompts), per_prompt, seed_ids), noise)
         guidance = None
         if guided:
-            guidance = torch.tensor(scales, dtype=torch.float32).repeat_interleave(per_prompt).to(self.device)
+            scale_rows = torch.tensor(scales, dtype=torch.float32).repeat_interleave(per_prompt)
+            guidance = host_to_device(scale_rows, self.device)  # no wait for the GPU's queue
         if self.uses_engine(shape):
             engine = self.engine
             engine.prepare(

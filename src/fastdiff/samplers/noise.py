@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from fastdiff.devices import host_to_device
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.philox_noise import gaussian_noise, gaussian_noise_ref
 
@@ -38,10 +39,7 @@ def seed_tensor(seeds: Sequence[int] | torch.Tensor, device: torch.device | str)
     for seed in values:
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
             raise FastdiffError(f"seeds must be integers in 0..{MAX_SEED}, got {seed!r}")
-    host = torch.tensor(values, dtype=torch.int64)
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)  # the caching host allocator keeps it until copied
+    return host_to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
 def draw(seeds: torch.Tensor, counter: int, shape: tuple[int, ...]) -> torch.Tensor:

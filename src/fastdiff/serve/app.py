@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from PIL import Image
 
-from fastdiff.cli_args import DEFAULT_GUIDANCE, DEFAULT_MODEL, PAD_WAIT
+from fastdiff.cli_args import DEFAULT_GUIDANCE, DEFAULT_MODEL, FULL_GUIDANCE, PAD_WAIT
 from fastdiff.engine.kernel_plan import KernelPlan
 from fastdiff.errors import FastdiffError
 from fastdiff.images import png_bytes
@@ -118,7 +118,8 @@ def batch_key(request: ResolvedRequest) -> BatchKey:
     """Which requests ``request`` may share a batch with."""
     if request.guidance is None:  # unconditional
         return BatchKey(request.sampler, request.steps)
-    return BatchKey(request.sampler, request.steps, request.size, request.guidance > 1, request.strength)
+    interval = request.guidance_interval or FULL_GUIDANCE
+    return BatchKey(request.sampler, request.steps, request.size, request.guidance > 1, request.strength, interval)
 
 
 def text_inputs(request: ResolvedRequest) -> TextInputs | None:

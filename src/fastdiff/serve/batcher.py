@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 from PIL import Image
 
-from fastdiff.cli_args import DEFAULT_GUIDANCE, PAD_WAIT
+from fastdiff.cli_args import DEFAULT_GUIDANCE, FULL_GUIDANCE, PAD_WAIT
 from fastdiff.errors import FastdiffError
 from fastdiff.pipelines import Pipeline, TextToImagePipeline
 from fastdiff.serve.metrics import ServiceMetrics
@@ -52,14 +52,16 @@ the kinds of batch (``BatchKey``) its one pipeline keeps prepared."""
 
 
 class BatchKey(NamedTuple):
-    """Requests with equal keys can share a batch. ``size`` (height, width), ``guided`` (guidance > 1) and
-    ``strength`` (img2img; None: text-to-image) are for text-to-image models."""
+    """Requests with equal keys can share a batch. ``size`` (height, width), ``guided`` (guidance > 1),
+    ``strength`` (img2img; None: text-to-image) and ``guidance_interval`` (the guided steps: one sampler table for
+    the whole batch) are for text-to-image models."""
 
     sampler: str
     steps: int
     size: tuple[int, int] | None = None
     guided: bool = False
     strength: float | None = None
+    guidance_interval: tuple[float, float] = FULL_GUIDANCE
 
 
 @dataclass(frozen=True)
@@ -397,4 +399,5 @@ class Batcher:
             **({"strength": key.strength} if img2img else {}),
             output_type=output_type,
             progress=False,
+            guidance_interval=key.guidance_interval,
         )

@@ -20,6 +20,9 @@ from typing import Annotated
 from PIL import Image, UnidentifiedImageError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fastdiff.cli_args import FULL_GUIDANCE, check_guidance_interval
+from fastdiff.errors import FastdiffError
+
 MAX_SEED = 2**53 - 1
 """Largest seed: every seed survives a round trip through JavaScript numbers (the browser page)."""
 
@@ -56,6 +59,9 @@ class ImageRequest(BaseModel):
     sampler: str | None = Field(None, description="sampler name, see GET /v1/model")
     guidance: float | None = Field(
         None, ge=0, le=MAX_GUIDANCE, allow_inf_nan=False, description="text models: <= 1 turns guidance off"
+    )
+    guidance_interval: tuple[float, float] | None = Field(
+        None, description="text models: [start, stop], the fractions of the steps guided (default [0, 1]: all)"
     )
     size: int | tuple[int, int] | None = Field(None, description="S or [H, W]; see GET /v1/model for the sizes")
     width: int | None = Field(None, ge=1, description="text models: image width (or use size)")
@@ -138,6 +144,8 @@ class ResolvedRequest:
     guidance: float | None
     size: tuple[int, int]
     prompts: list[str] | None = None
+    guidance_interval: tuple[float, float] | None = None
+    """Guided steps other than all of them (None: every step, or no guidance)."""
     strength: float | None = None
     init_image: Image.Image | None = field(default=None, repr=False, compare=False)
     warnings: list[str] = field(default_factory=list)
@@ -159,6 +167,7 @@ class ResolvedRequest:
             "prompts": None if self.prompts is None else list(self.prompts),
             "negative_prompt": self.negative_prompt,
             "guidance": self.guidance,
+            "guidance_interval": None if self.guidance_interval is None else list(self.guidance_interval),
             "size": list(self.size),
             "strength": self.strength,
         }
@@ -208,7 +217,10 @@ def resolve_request(
     """
     if not request.model_fields_set:
         raise RequestError(f"the request is empty: send a JSON object such as {example_request(info)}")
-    text_fields = ("prompt", "prompts", "negative_prompt", "guidance", "init_image", "strength", "width", "height")
+    text_fields = (
+        "prompt", "prompts", "negative_prompt", "guidance", "guidance_interval", "init_image", "strength", "width",
+        "height",
+    )  # fmt: skip
     if info.conditional:
         if not request.prompt and not request.prompts:
             raise RequestError(f"model {info.name!r} is a text-to-image model: 'prompt' (or 'prompts') is required")
@@ -245,6 +257,7 @@ def resolve_request(
             raise RequestError(f"seeds {first}..{first + n - 1} go past {MAX_SEED}")
         seeds = list(range(first, first + n))
     guidance = None
+    guidance_interval = None
     warnings: list[str] = []
     if info.conditional:
         guidance = info.default_guidance if request.guidance is None else request.guidance
@@ -256,6 +269,15 @@ def resolve_request(
         warnings = prompt_warnings(texts) if prompt_warnings is not None else []
         if request.negative_prompt and guidance <= 1:
             warnings.append(f"negative_prompt is unused: guidance {guidance:g} <= 1 runs the model without it")
+        if request.guidance_interval is not None:
+            try:
+                interval = check_guidance_interval(request.guidance_interval, "guidance_interval")
+            except FastdiffError as exc:
+                raise RequestError(str(exc)) from None
+            if guidance <= 1:
+                warnings.append(f"guidance_interval is unused: guidance {guidance:g} <= 1 guides no step")
+            elif interval != FULL_GUIDANCE:
+                guidance_interval = interval
     return ResolvedRequest(
         seeds=seeds,
         steps=steps,
@@ -265,6 +287,7 @@ def resolve_request(
         guidance=guidance,
         size=size,
         prompts=None if request.prompts is None else list(request.prompts),
+        guidance_interval=guidance_interval,
         strength=strength,
         init_image=init_image,
         warnings=warnings,
