@@ -411,6 +411,11 @@ def test_engine_backend_matches_diffusers(sd15, img2img, monkeypatch):
     ours = engine(PROMPTS, steps=steps, latents=added, progress=False, **kwargs)
     assert engine.uses_engine(shape[1:]) and engine.engine.decoders  # the fused decode ran
     assert max_abs(ours, expected.images) <= TOL
+    if not img2img:  # a guidance interval: the engine's loop reads the table's switch column as the eager step does
+        late = dict(steps=steps, latents=added, progress=False, guidance_interval=(0.5, 1.0), **kwargs)
+        eager = TextToImagePipeline.from_pretrained(root, device="cpu", sampler="dpmsolver++", backend="eager")
+        mine, reference = engine(PROMPTS, **late), eager(PROMPTS, **late)
+        assert max_abs(mine, reference) <= TOL and max_abs(mine, ours) > 5 * TOL
 
 
 def test_step_cache_reaches_both_backends(fast, monkeypatch):
