@@ -87,11 +87,13 @@ def test_page_prompt_flow_on_the_bundled_text_model(browser, serve_app, t2i_app)
         page.wait_for_selector("#generate:enabled")
         assert page.locator("#prompt").is_visible() and page.locator("#negative_prompt").is_visible()
         assert page.input_value("#guidance") == "3" and page.input_value("#steps") == "2"
+        assert page.input_value("#guided_from") == "0"
         assert page.locator("#init_image-row").is_visible()
 
         page.fill("#prompt", "ankle boot zzyzx")
         page.fill("#negative_prompt", "sandal")
         page.fill("#guidance", "4")
+        page.fill("#guided_from", "0.5")
         page.fill("#seed", "7")
         page.fill("#n", "2")
         page.click("#generate")
@@ -104,7 +106,7 @@ def test_page_prompt_flow_on_the_bundled_text_model(browser, serve_app, t2i_app)
             assert figure.get_attribute("data-prompt") == "ankle boot zzyzx"
             assert figure.locator("figcaption .prompt").inner_text() == "ankle boot zzyzx"
             caption = figure.locator("figcaption").inner_text()
-            assert "not: sandal" in caption and "guidance 4" in caption and "2 steps" in caption
+            assert "not: sandal" in caption and "guidance 4 from 0.5 of the steps" in caption and "2 steps" in caption
             assert figure.locator("img").evaluate("img => img.complete ? img.naturalWidth : 0") == 32
         warnings = page.locator("#warnings li").all_inner_texts()
         assert len(warnings) == 1 and "zzyzx" in warnings[0]  # the same warning of both requests, listed once
