@@ -88,6 +88,7 @@ def child(args: argparse.Namespace) -> None:
             {
                 "import_s": t_import - START,
                 "load_s": t_load - t_import,
+                "load_phases": getattr(pipe, "load_timings", None),
                 "first_forward_s": timings.get("step_first_forward_s"),
                 "plan_or_tune_s": timings.get("step_autotune_s"),
                 "capture_s": timings.get("loop_s"),

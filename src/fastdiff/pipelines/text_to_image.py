@@ -14,6 +14,7 @@ import logging
 import math
 import numbers
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,7 +24,7 @@ import torch
 from PIL import Image
 
 from fastdiff.cli_args import DEFAULT_GUIDANCE
-from fastdiff.devices import host_to_device, resolve_device, resolve_dtype, warn_slow_dtype
+from fastdiff.devices import host_to_device, resolve_device, resolve_dtype, synchronize, warn_slow_dtype
 from fastdiff.engine.kernel_plan import KernelPlan
 from fastdiff.errors import FastdiffError
 from fastdiff.images import to_pil
@@ -182,6 +183,9 @@ class TextToImagePipeline(EnginePipeline):
         """Set by ``split_patches``: every U-Net call runs on this process's band of the latent."""
         self.last_prompt_warnings: list[str] = []
         """The last call's prompt warnings (``encode_prompts``: unknown words, truncation), one line each."""
+        self.load_timings: dict[str, float] = {}
+        """``from_pretrained``'s phases in seconds: reading the files (``read_s``), moving the text encoder and VAE
+        to the device (``to_device_s``, the first CUDA call included) and the pipeline's own set-up (``setup_s``)."""
         self.sampler_for(sampler, steps)  # validates the name and step count now, not at the first call
 
     @classmethod
@@ -210,14 +214,21 @@ class TextToImagePipeline(EnginePipeline):
         backend = resolve_backend(backend, dev)
         warn_slow_dtype(dev, torch_dtype)
         # the engine streams its own packed U-Net weights from host memory: the module stays on the CPU
+        t0 = time.perf_counter()
         components = load_stable_diffusion(path, device="cpu" if backend == "engine" else dev, dtype=torch_dtype)
+        t1 = time.perf_counter()
         if backend == "engine":
             components.text_encoder.to(dev)
             components.vae.to(dev)
-        return cls(
+        synchronize(dev)
+        t2 = time.perf_counter()
+        pipe = cls(
             components, sampler=sampler, steps=steps, device=dev, dtype=torch_dtype, karras=karras, backend=backend,
             plan=plan, tune=tune,
         )  # fmt: skip
+        synchronize(dev)
+        pipe.load_timings = {"read_s": t1 - t0, "to_device_s": t2 - t1, "setup_s": time.perf_counter() - t2}
+        return pipe
 
     def uses_engine(self, latent_shape: tuple[int, int, int]) -> bool:
         """Whether a call at ``latent_shape`` runs on the engine: backend "engine" and latent sides that every
