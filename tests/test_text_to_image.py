@@ -354,6 +354,8 @@ CLI_ERRORS = [
     (["--model", "{sd}", "--prompt", "a", "--height", "30"], "height must be a positive multiple of 8"),
     (["--model", "{sd}", "--prompt", "a", "--init-image", "{missing}"], "cannot read --init-image"),
     (["--model", "{sd}", "--prompt", "a", "--init-image", "{init}", "--strength", "2"], "strength must be in"),
+    (["--model", "{sd}", "--prompt", "a", "--guidance-interval", "0.5", "0.4"], "--guidance-interval needs 0 <="),
+    (["--model", "{sd}", "--guidance-interval", "0.2", "1"], "--guidance-interval needs --prompt"),
 ]
 
 

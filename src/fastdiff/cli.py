@@ -21,12 +21,14 @@ from fastdiff.cli_args import (
     DEFAULT_GUIDANCE,
     DEFAULT_MODEL,
     DTYPES,
+    FULL_GUIDANCE,
     KARRAS_SAMPLERS,
     SAMPLER_SCHEDULERS,
     SAMPLERS,
     CommandParser,
     add_command,
     add_plan_argument,
+    check_guidance_interval,
     check_seed_range,
     finite_nonnegative_float,
     positive_int,
@@ -232,8 +234,6 @@ def check_text_flags(args: argparse.Namespace) -> Any:
         )
     check_size(args.height, args.width)
     if args.guidance_interval is not None:
-        from fastdiff.samplers import check_guidance_interval
-
         args.guidance_interval = check_guidance_interval(args.guidance_interval, "--guidance-interval")
     if args.init_image is None:
         if args.strength is not None:
@@ -289,7 +289,6 @@ def sample_and_write(args: argparse.Namespace, init_image: Any, device: str, bac
     from fastdiff.atomic import AtomicOutputs
     from fastdiff.images import make_grid, png_writer
     from fastdiff.pipelines import Pipeline
-    from fastdiff.samplers import FULL_GUIDANCE
 
     pipe = Pipeline.from_pretrained(
         args.model, device=device, dtype=args.dtype, sampler=args.sampler, steps=args.steps, karras=args.karras,
