@@ -366,6 +366,10 @@ def test_a_resumed_stage_may_change_its_time_budget(monkeypatch):
     assert steps_only.span is None and not steps_only.out_of_time() and steps_only.left() == math.inf
     older = loop.Budget(VAEStageConfig(**settings, max_seconds=30.0), start=990.0, resumed={"span": None, "used": 5.0})
     assert older.span == 30.0  # a checkpoint without a time budget: the new one counts training seconds
+    unrecorded = loop.Budget(
+        VAEStageConfig(**settings, max_seconds=100.0), start=990.0, resumed={"span": 95.0, "used": 1}
+    )
+    assert unrecorded.span == 95.0  # a checkpoint that did not record its max_seconds keeps its span
 
 
 def test_max_seconds_stops_a_stage_and_it_still_writes(tmp_path, monkeypatch):

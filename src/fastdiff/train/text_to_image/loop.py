@@ -45,9 +45,9 @@ class Budget:
             before, now = resumed.get("max_seconds"), config.max_seconds
             if now is None:
                 self.span = None
-            elif self.span is None or before is None:
+            elif self.span is None:
                 self.span = now  # no time budget before: the new one counts training seconds only
-            elif now != before:
+            elif before is not None and now != before:
                 self.span += now - before
                 log.info("time budget %.0f s -> %.0f s: %.0f s of training left", before, now, self.left())
         else:
