@@ -1,6 +1,6 @@
 """``dtype="fp8"`` in ``Pipeline`` / ``Pipeline.from_pretrained`` and ``fastdiff sample --dtype fp8``: the engine's fp8
-mode, checked (device, dtype, backend, model kind) before any loading, and a tiny U-Net sampled with it (Triton's
-interpreter on the CPU, the TMA kernel on a Hopper GPU)."""
+mode, checked (device, dtype, backend) before any loading, for pixel and text-to-image models, and a tiny U-Net
+sampled with it (Triton's interpreter on the CPU, the TMA kernel on a Hopper GPU)."""
 
 from __future__ import annotations
 
@@ -70,9 +70,13 @@ def test_fp8_without_support_fails_before_loading(monkeypatch, no_loading):
         assert str(exc.value) == reason
 
 
-def test_fp8_is_refused_for_text_to_image(monkeypatch, no_loading):
+def test_fp8_text_to_image_is_checked_before_loading(monkeypatch, no_loading):
+    """A text-to-image model takes fp8 too (its U-Net's convs after each GroupNorm), with the same checks first."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(FastdiffError, match="^fp8 is for pixel U-Nets for now: fashion-mnist-t2i is a text-to-image"):
+    with pytest.raises(FastdiffError, match="^fp8 runs only in the engine backend"):
+        Pipeline.from_pretrained("fashion-mnist-t2i", device="cpu", dtype="fp8", backend="eager")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(FastdiffError, match=f"^{re.escape(fp8_supported(torch.device('cpu')))}$"):
         Pipeline.from_pretrained("fashion-mnist-t2i", device="cpu", dtype="fp8")
 
 
@@ -122,13 +126,12 @@ def one_error_line(capsys) -> str:
     return err[0]
 
 
-def test_cli_refuses_fp8_for_text_to_image(tmp_path, capsys, monkeypatch, no_loading):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_cli_fp8_text_to_image_without_support_is_one_line(tmp_path, capsys, monkeypatch, no_loading):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     out = tmp_path / "g.png"
     rc = main(["sample", "--model", "fashion-mnist-t2i", "--prompt", "ankle boot", "--dtype", "fp8",
                "--device", "cpu", "--out", str(out)])  # fmt: skip
-    assert rc == 2
-    assert one_error_line(capsys).startswith("fastdiff: error: fp8 is for pixel U-Nets for now: fashion-mnist-t2i")
+    assert rc == 2 and one_error_line(capsys) == f"fastdiff: error: {fp8_supported(torch.device('cpu'))}"
     assert not out.exists()
 
 

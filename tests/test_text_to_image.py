@@ -420,6 +420,22 @@ def test_engine_backend_matches_diffusers(sd15, img2img, monkeypatch):
         assert max_abs(mine, reference) <= TOL and max_abs(mine, ours) > 5 * TOL
 
 
+@pytest.mark.slow
+def test_fp8_engine_stays_near_the_eager_image(sd15):
+    """``dtype="fp8"``: the U-Net's ResNet convs in e4m3 on the engine (the Triton interpreter on the CPU), the rest
+    fp16; two guided DPM-Solver++ steps keep the image at >= 30 dB PSNR of the eager fp32 pipeline's (the fp8
+    quality guard on SD configs)."""
+    root, _ = sd15
+    fp8 = TextToImagePipeline.from_pretrained(root, device="cpu", dtype="fp8", sampler="dpmsolver++")
+    eager = TextToImagePipeline.from_pretrained(root, device="cpu", sampler="dpmsolver++", backend="eager")
+    kwargs = dict(steps=2, seeds=[5], negative_prompt=NEGATIVES[0], output_type="np", progress=False)
+    ours, reference = fp8(PROMPTS[0], **kwargs), eager(PROMPTS[0], **kwargs)
+    assert fp8.backend == "engine" and fp8.dtype == torch.float16
+    assert fp8.engine.current_step_model.fp8_convs > 0
+    mse = float(np.mean((ours.astype(np.float64) - reference) ** 2))
+    assert np.isfinite(ours).all() and 0 < mse and 10 * np.log10(1 / mse) >= 30
+
+
 def test_step_cache_reaches_both_backends(fast, monkeypatch):
     """cache_interval reaches the eager loop (``denoise``) and Engine.prepare (the cached loops themselves are
     tested in tests/engine/test_step_cache.py, ``denoise`` being the reference there)."""

@@ -37,12 +37,14 @@ from fastdiff.cli_args import DEFAULT_GUIDANCE
 from fastdiff.devices import DTYPES, synchronize, time_ms
 from fastdiff.engine.kernel_plan import KernelPlan
 from fastdiff.errors import FastdiffError
+from fastdiff.kernels.fp8 import fp8_supported
 from fastdiff.models.stable_diffusion import (
     SD_PRESETS,
     StableDiffusionComponents,
     load_stable_diffusion,
     random_components,
 )
+from fastdiff.pipelines.base import FP8
 from fastdiff.pipelines.text_to_image import is_text_to_image_dir, vae_scale_factor
 from fastdiff.quality.psnr import psnr
 from fastdiff.samplers import check_cache_interval, initial_noise, seed_tensor
@@ -51,7 +53,7 @@ log = logging.getLogger(__name__)
 
 SCHEMA = "fastdiff.bench.text_to_image/1"
 T2I_SYSTEMS = ("engine-fp16", "eager-fp16", "diffusers-fp16", "diffusers-fp32", "diffusers+compile-fp16",
-               "engine-bf16")  # fmt: skip
+               "engine-bf16", "engine-fp8")  # fmt: skip
 T2I_KINDS = ("diffusers", "diffusers+compile", "eager", "engine")
 PROMPT = "a photograph of an astronaut riding a horse"
 
@@ -149,12 +151,15 @@ class FastdiffT2I:
 
     def __init__(
         self, comps: StableDiffusionComponents, dtype: torch.dtype, device: torch.device, backend: str,
-        plan: KernelPlan | None = None,
+        plan: KernelPlan | None = None, fp8: bool = False,
     ) -> None:  # fmt: skip
         self.comps, self.dtype, self.device, self.backend, self.plan = comps, dtype, device, backend, plan
+        self.fp8 = fp8
         self.notes = "DDIM (equal to DDIMScheduler), one U-Net call on [x; x] per step, fused guidance"
         if backend == "engine":
             self.notes += "; engine: U-Net loop in CUDA graphs, VAE decode in a second graph"
+        if fp8:
+            self.notes += "; U-Net convs after each GroupNorm in e4m3, fp16 elsewhere (fp8=True)"
 
     def prepare(self) -> None:
         from fastdiff.pipelines.text_to_image import TextToImagePipeline
@@ -165,8 +170,9 @@ class FastdiffT2I:
         # the engine streams its own packed U-Net weights from the host copy; eager needs the module on the GPU
         comps.unet = copy.deepcopy(comps.unet).to(self.device if self.backend == "eager" else "cpu", self.dtype)
         self.pipe = TextToImagePipeline(
-            comps, sampler="ddim", steps=20, device=self.device, dtype=self.dtype, backend=self.backend, plan=self.plan
-        )
+            comps, sampler="ddim", steps=20, device=self.device, dtype=self.dtype, backend=self.backend, plan=self.plan,
+            fp8=self.fp8,
+        )  # fmt: skip
 
     def generate(self, prompts: list[str], latents: torch.Tensor, cfg: TextToImageBenchConfig) -> torch.Tensor:
         return self.pipe(
@@ -199,8 +205,10 @@ def run_text_to_image_bench(cfg: TextToImageBenchConfig, on_row: Callable[[dict]
         )
     for name in cfg.systems:
         kind, _, dtype_name = name.rpartition("-")
-        if kind not in T2I_KINDS or dtype_name not in DTYPES:
+        if kind not in T2I_KINDS or dtype_name not in (*DTYPES, FP8):
             raise FastdiffError(f"unknown system {name!r}: <kind>-<dtype> with kind one of {', '.join(T2I_KINDS)}")
+        if dtype_name == FP8 and kind != "engine":
+            raise FastdiffError(f"unknown system {name!r}: fp8 runs on the engine only (engine-fp8)")
     check_cache_interval(cfg.cache_interval)
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -228,14 +236,16 @@ def run_text_to_image_bench(cfg: TextToImageBenchConfig, on_row: Callable[[dict]
     }
     for name in cfg.systems:
         kind, _, dtype_name = name.rpartition("-")
-        dtype = DTYPES[dtype_name]
+        dtype = torch.float16 if dtype_name == FP8 else DTYPES[dtype_name]
         row = T2IRow(system=kind, dtype=dtype_name)
         row.extra["cache_interval"] = 1 if kind.startswith("diffusers") else cfg.cache_interval
         try:
             if kind.startswith("diffusers"):
                 system: DiffusersT2I | FastdiffT2I = DiffusersT2I(comps, dtype, device, compiled="compile" in kind)
             else:
-                system = FastdiffT2I(comps, dtype, device, backend=kind, plan=cfg.plan)
+                if dtype_name == FP8 and (reason := fp8_supported(device)) is not None:
+                    raise FastdiffError(reason)
+                system = FastdiffT2I(comps, dtype, device, backend=kind, plan=cfg.plan, fp8=dtype_name == FP8)
             images[name] = measure_calls(row, system, cfg, prompts, latents, device).cpu()
             row.unet_step_ms = unet_step_ms(system, cfg, unet_rows, latent_shape, text_dim, tokens, gen, device)
             if kind == "engine" and device.type == "cuda":

@@ -38,7 +38,15 @@ from fastdiff.models.stable_diffusion import (
     log_prompt_warnings,
     resolve_pipeline_dir,
 )
-from fastdiff.pipelines.base import EnginePipeline, check_output_type, expand_seeds, load_plan, resolve_backend
+from fastdiff.pipelines.base import (
+    FP8,
+    EnginePipeline,
+    check_fp8,
+    check_output_type,
+    expand_seeds,
+    load_plan,
+    resolve_backend,
+)
 from fastdiff.pipelines.guidance_parallel import GuidanceSplit
 from fastdiff.pipelines.patch_parallel import DEFAULT_WARMUP, PatchSplit
 from fastdiff.samplers import (
@@ -165,8 +173,11 @@ class TextToImagePipeline(EnginePipeline):
         backend: str | None = None,
         plan: KernelPlan | str | os.PathLike[str] | None = None,
         tune: str = "auto",
+        fp8: bool = False,
     ) -> None:
-        super().__init__(device, backend, plan=plan, tune=tune)
+        if fp8:
+            backend = check_fp8(torch.device(device), dtype, backend)
+        super().__init__(device, backend, fp8, plan=plan, tune=tune)
         self.components = components
         self.unet, self.vae = components.unet, components.vae
         self.vae_scale = vae_scale_factor(self.vae.config)
@@ -204,14 +215,19 @@ class TextToImagePipeline(EnginePipeline):
         """Load a local diffusers ``StableDiffusionPipeline`` directory or a bundled text-to-image preset name
         (e.g. "fashion-mnist-t2i"; ``load_stable_diffusion``).
 
+        ``dtype``: "fp32", "fp16", "bf16" or "fp8": the engine's fp8 mode for the U-Net (fp16 activations, e4m3
+        convs after each GroupNorm: ``fastdiff.engine.Engine(fp8=True)``; a Hopper GPU); the text encoder and the
+        VAE run in fp16 then.
+
         ``karras``: Karras sigma spacing for the samplers that offer it (default: as the scheduler config says).
         """
         if sampler not in SAMPLERS:
             raise FastdiffError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
         plan = load_plan(plan)  # a bad plan file fails before the weights load
         dev = resolve_device(device)
-        torch_dtype = resolve_dtype(dtype)
-        backend = resolve_backend(backend, dev)
+        fp8 = dtype == FP8
+        torch_dtype = torch.float16 if fp8 else resolve_dtype(dtype)
+        backend = check_fp8(dev, torch_dtype, backend) if fp8 else resolve_backend(backend, dev)
         warn_slow_dtype(dev, torch_dtype)
         # the engine streams its own packed U-Net weights from host memory: the module stays on the CPU
         t0 = time.perf_counter()
@@ -224,7 +240,7 @@ class TextToImagePipeline(EnginePipeline):
         t2 = time.perf_counter()
         pipe = cls(
             components, sampler=sampler, steps=steps, device=dev, dtype=torch_dtype, karras=karras, backend=backend,
-            plan=plan, tune=tune,
+            plan=plan, tune=tune, fp8=fp8,
         )  # fmt: skip
         synchronize(dev)
         pipe.load_timings = {"read_s": t1 - t0, "to_device_s": t2 - t1, "setup_s": time.perf_counter() - t2}

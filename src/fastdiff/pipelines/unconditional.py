@@ -95,7 +95,7 @@ class Pipeline(EnginePipeline):
         ``dtype``: "fp32", "fp16", "bf16" (or a torch dtype among those) or "fp8", the engine's fp8 mode (the
         U-Net loaded in fp16, ``fp8=True``; see ``Pipeline``), whose device and backend are checked before any
         loading. A diffusers pipeline directory (model_index.json: Stable Diffusion) gives a
-        ``fastdiff.TextToImagePipeline`` instead (default 50 steps, as diffusers; no fp8).
+        ``fastdiff.TextToImagePipeline`` instead (default 50 steps, as diffusers; fp8 there is its U-Net's).
         """
         from fastdiff.pipelines.text_to_image import TextToImagePipeline, is_text_to_image_dir
 
@@ -103,10 +103,6 @@ class Pipeline(EnginePipeline):
             raise FastdiffError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_NAMES)}")
         fp8 = dtype == FP8
         if is_text_to_image_dir(path_or_preset):
-            if fp8:
-                raise FastdiffError(
-                    f"fp8 is for pixel U-Nets for now: {path_or_preset} is a text-to-image model (use fp16 or bf16)"
-                )
             steps = 50 if steps is None else steps
             return TextToImagePipeline.from_pretrained(
                 path_or_preset,
