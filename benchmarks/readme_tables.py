@@ -189,23 +189,11 @@ def fd_table() -> str:
     return "\n\n".join(parts)
 
 
-def roofline_floor_ms(op_table: dict) -> dict[str, float]:
-    """Per op class, the ms per step its ops would take each at the ceiling that bounds it on the roofline (the op
-    table's own ``us * pct_of_ceiling / 100``): the floor of the op graph, launch gaps and all other overheads
-    aside. An op already past its ceiling (an Upsample2D conv: counted as the conv of the upsampled image, run as
-    4/9 of it) counts its own time; ops without a time (fused into another) count 0."""
-    floor: dict[str, float] = {}
-    for op in op_table["ops"]:
-        us, pct = op.get("us"), op.get("pct_of_ceiling")
-        ms = us * min(pct, 100.0) / 100 / 1e3 if us and pct is not None else 0.0
-        floor[op["class"]] = floor.get(op["class"], 0.0) + ms
-    return floor
-
-
 def roofline_floor_lines(result: dict) -> list[str]:
     """One line per engine row of a bench result with an op table and no fp8 ops (their % of ceiling is of the
     bf16 matmul ceiling, so a floor from it would be wrong): its step, the floor of its op graph by class, and
     half of the fastest torch.compile step of the run."""
+    from fastdiff.bench.ops import roofline_floor_ms
     from fastdiff.bench.report import fastest_compile_ms
 
     fastest = fastest_compile_ms(result)
@@ -214,7 +202,7 @@ def roofline_floor_lines(result: dict) -> list[str]:
         table = (r.get("extra") or {}).get("op_table")
         if r["system"] != "engine" or not table or any(op.get("fp8") for op in table["ops"]):
             continue
-        floor = roofline_floor_ms(table)
+        floor = roofline_floor_ms(table["ops"])
         by_class = ", ".join(f"{name} {ms:.3f}" for name, ms in floor.items())
         half = f"; half of the fastest torch.compile step in this run: {fastest / 2:.3f} ms" if fastest else ""
         lines.append(
@@ -447,14 +435,16 @@ def t2i_tables() -> str:
                 f"| {_num(r['psnr_vs_diffusers_fp32_db'], '.1f')} |"
             )
         engine = rows.get("engine-fp16", {}).get("extra", {})
-        if engine.get("unet_ops"):
+        table = engine.get("op_table")
+        ops = table["ops"] if table else engine.get("unet_ops")  # results before the op table: the U-Net's ops only
+        if ops:
             by_kind: dict[tuple[str, str], list[float]] = {}
-            for op in engine["unet_ops"]:
+            for op in ops:
                 by_kind.setdefault((op["kind"], op["impl"]), []).append(op["us"])
             total = sum(sum(v) for v in by_kind.values())
             lines += [
                 "",
-                f"Engine fp16 U-Net step, op by op ({engine['unet_ops_per_step']} kernels per step, each timed in a "
+                f"Engine fp16 step, op by op ({engine['unet_ops_per_step']} U-Net ops per step, each timed in a "
                 f"CUDA graph of repeated launches; sum {total / 1e3:.2f} ms); activations "
                 f"{engine['unet_arena_mib']:.0f} MiB (U-Net arena) and {engine['vae_decoder_arena_mib']:.0f} MiB "
                 f"(VAE decode arena) next to {engine['unet_weights_mib']:.0f} + "
@@ -467,6 +457,17 @@ def t2i_tables() -> str:
                 lines.append(
                     f"| {kind} | {impl} | {len(times)} | {sum(times) / 1e3:.3f} | {100 * sum(times) / total:.1f}% |"
                 )
+        if table:
+            step = rows["engine-fp16"]["unet_step_ms"]
+            floor = table["floor_ms_per_step"]
+            by_class = ", ".join(f"{name} {c['floor_ms']:.3f}" for name, c in table["classes"].items())
+            lines += [
+                "",
+                f"Every op at the ceiling that bounds it on the roofline (the floor of this op graph; ceilings "
+                f"{d['ceilings']['tflops']:.0f} TFLOP/s and {d['ceilings']['gbps']:.0f} GB/s measured in the run): "
+                f"{floor:.3f} ms ({by_class}); the engine fp16 step ({step:.3f} ms) is at {100 * floor / step:.0f} % "
+                "of that floor's speed.",
+            ]
         lines += ["", freshness(env["git_sha"], "t2i")]
         parts.append("\n".join(lines))
     return "\n\n".join(parts) or "_No text-to-image bench committed yet._"

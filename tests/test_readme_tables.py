@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from fastdiff.bench.ops import roofline_floor_ms
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -54,7 +56,7 @@ def test_roofline_floor_counts_each_op_at_its_bounding_ceiling():
     upsampled conv: its own 30 us), a memory-bound norm at 25 % (40 us -> 10) and a fused op (no time: 0)."""
     ops = [_op("convolution", 100.0, 50.0), _op("convolution", 30.0, 146.0), _op("normalisation", 40.0, 25.0),
            _op("normalisation", 0.0, None)]  # fmt: skip
-    floor = _readme_tables().roofline_floor_ms({"ops": ops})
+    floor = roofline_floor_ms(ops)
     assert floor == pytest.approx({"convolution": 0.080, "normalisation": 0.010})
 
 

@@ -122,18 +122,33 @@ def achieved(row: dict, ceilings: dict | None = None) -> dict:
     return out
 
 
+def roofline_floor_ms(ops: list[dict]) -> dict[str, float]:
+    """Per op class, the ms per step its ``ops`` (rows of :func:`achieved` with ceilings) would take each at the
+    ceiling that bounds it on the roofline (``us * pct_of_ceiling / 100``): the floor of the op graph, launch gaps
+    and all other overheads aside. An op already past its ceiling (an Upsample2D conv: counted as the conv of the
+    upsampled image, run as 4/9 of it) counts its own time; ops without a time (fused into another) count 0."""
+    floor: dict[str, float] = {}
+    for op in ops:
+        us, pct = op.get("us"), op.get("pct_of_ceiling")
+        ms = us * min(pct, 100.0) / 100 / 1e3 if us and pct is not None else 0.0
+        floor[op["class"]] = floor.get(op["class"], 0.0) + ms
+    return floor
+
+
 def op_table(rows: list[dict], ceilings: dict, kernels_per_step: int | None = None) -> dict:
     """The per-op table of one step from its op rows (:func:`step_op_rows` + :func:`sampler_step_row`, or any rows
     with ``name``, ``kind``, ``class``, ``impl``, ``us``, ``flops``, ``bytes``) under ``ceilings``.
 
     Returns ``ops_per_step``, ``kernels_per_step`` (as given), ``ops_ms_per_step`` (the ops' times summed: the step
-    without launch gaps), ``classes`` (per op class, in order of first appearance: ``ops``, ``ms``, ``pct_of_ops_ms``,
-    ``tflops`` and ``gbps`` of the class as a whole (its FLOPs and bytes over its time), their ``pct_of_matmul`` and
-    ``pct_of_copy``, and ``mean_pct_of_ceiling``: the mean over its ops of each op's ``pct_of_ceiling``) and
-    ``ops`` (every row through :func:`achieved`).
+    without launch gaps), ``floor_ms_per_step`` (:func:`roofline_floor_ms` summed), ``classes`` (per op class, in
+    order of first appearance: ``ops``, ``ms``, ``pct_of_ops_ms``, ``tflops`` and ``gbps`` of the class as a whole
+    (its FLOPs and bytes over its time), their ``pct_of_matmul`` and ``pct_of_copy``, ``mean_pct_of_ceiling``: the
+    mean over its ops of each op's ``pct_of_ceiling``, and ``floor_ms``) and ``ops`` (every row through
+    :func:`achieved`).
     """
     ops = [achieved(r, ceilings) for r in rows]
     total_us = sum(o["us"] for o in ops)
+    floor = roofline_floor_ms(ops)
     classes: dict[str, dict] = {}
     for cls in dict.fromkeys(o["class"] for o in ops):
         members = [o for o in ops if o["class"] == cls]
@@ -145,9 +160,10 @@ def op_table(rows: list[dict], ceilings: dict, kernels_per_step: int | None = No
             "ops": len(members), "ms": us / 1e3, "pct_of_ops_ms": 100 * us / total_us if total_us > 0 else None,
             "tflops": whole["tflops"], "gbps": whole["gbps"], "pct_of_matmul": whole["pct_of_matmul"],
             "pct_of_copy": whole["pct_of_copy"], "mean_pct_of_ceiling": statistics.fmean(pcts) if pcts else None,
+            "floor_ms": floor[cls],
         }  # fmt: skip
     return {"ops_per_step": len(ops), "kernels_per_step": kernels_per_step, "ops_ms_per_step": total_us / 1e3,
-            "classes": classes, "ops": ops}  # fmt: skip
+            "floor_ms_per_step": sum(floor.values()), "classes": classes, "ops": ops}  # fmt: skip
 
 
 def count_step_kernels(loop: SamplingLoop, x_t: torch.Tensor, seeds: torch.Tensor) -> int | None:

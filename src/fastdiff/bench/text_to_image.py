@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from fastdiff.bench.env import environment
-from fastdiff.bench.ops import achieved, step_op_rows
+from fastdiff.bench.ops import op_table, sampler_step_row, step_op_rows
+from fastdiff.bench.roofline import measure_ceilings
 from fastdiff.bench.runner import error_line
 from fastdiff.cli_args import DEFAULT_GUIDANCE
 from fastdiff.devices import DTYPES, synchronize, time_ms
@@ -228,10 +229,13 @@ def run_text_to_image_bench(cfg: TextToImageBenchConfig, on_row: Callable[[dict]
     text_dim, tokens = comps.unet.config.cross_attention_dim, comps.tokenizer.model_max_length
     rows: list[T2IRow] = []
     images: dict[str, torch.Tensor] = {}
+    engines = any(name.startswith("engine-") for name in cfg.systems)
+    ceilings = measure_ceilings(device) if device.type == "cuda" and engines else None  # for the op tables
     result = {
         "schema": SCHEMA,
         "env": environment(),
         "config": {**asdict(cfg), "random_weights": random_weights, "sampler": "ddim", "prompt": PROMPT},
+        "ceilings": ceilings,
         "results": [],
     }
     for name in cfg.systems:
@@ -248,8 +252,8 @@ def run_text_to_image_bench(cfg: TextToImageBenchConfig, on_row: Callable[[dict]
                 system = FastdiffT2I(comps, dtype, device, backend=kind, plan=cfg.plan, fp8=dtype_name == FP8)
             images[name] = measure_calls(row, system, cfg, prompts, latents, device).cpu()
             row.unet_step_ms = unet_step_ms(system, cfg, unet_rows, latent_shape, text_dim, tokens, gen, device)
-            if kind == "engine" and device.type == "cuda":
-                row.extra.update(engine_facts(system))
+            if kind == "engine" and ceilings is not None:
+                row.extra.update(engine_facts(system, ceilings))
         except Exception as exc:  # a system that fails is reported, not fatal
             log.exception("%s failed", name)
             row.error = error_line(exc)
@@ -334,8 +338,10 @@ def unet_step_ms(system, cfg, rows, latent_shape, text_dim, tokens, gen, device)
     return statistics.median(times)
 
 
-def engine_facts(system: FastdiffT2I) -> dict:
-    """Build timings, kernel counts per step and the activation arenas of the engine system."""
+def engine_facts(system: FastdiffT2I, ceilings: dict) -> dict:
+    """Build timings, kernel counts per step and the activation arenas of the engine system, and the op table of
+    one step (``fastdiff.bench.ops.op_table`` under the run's ``ceilings``: the U-Net's ops, then the fused sampler
+    step; each op's % of the ceiling that bounds it, and the step's roofline floor)."""
     engine = system.pipe.engine
     facts: dict = {f"engine_{k}": v for k, v in engine.timings.items()}
     unet = engine.current_step_model
@@ -352,5 +358,12 @@ def engine_facts(system: FastdiffT2I) -> dict:
         impls.setdefault(op.kind, {}).setdefault(name, 0)
         impls[op.kind][name] += 1
     facts["unet_impls"] = impls
-    facts["unet_ops"] = [achieved(row) for row in step_op_rows(unet)]  # TFLOP/s and GB/s, no ceilings here
+    rows = [*step_op_rows(unet), sampler_step_row(unet, engine.current)]
+    facts["op_table"] = {
+        "step": "one guided step: the U-Net's ops on [x; x] in model order, then the fused sampler step",
+        "method": "us per call: a CUDA graph of repeated launches of the op (launch overhead excluded); FLOPs and "
+        "bytes: ideal counts (fastdiff.bench.counts); pct_of_ceiling: of the run's measured ceiling (top-level "
+        "'ceilings') that bounds the op on the roofline; floor_ms_per_step: every op at that ceiling",
+        **op_table(rows, ceilings),
+    }
     return facts
