@@ -64,7 +64,8 @@ def test_op_table_against_hand_numbers():
     norm_cls = classes["normalisation"]  # 7e6 B in 10 us (the untimed one adds no time); its mean skips it
     assert norm_cls["ops"] == 2 and norm_cls["gbps"] == pytest.approx(700)
     assert norm_cls["mean_pct_of_ceiling"] == pytest.approx(60)
-    # the floor: each op at its bounding ceiling: 100 us at 20 % -> 20, 20 at 50 % -> 10, 10 at 60 % -> 6, 4 at 50 % -> 2
+    # the floor, each op at its bounding ceiling: 100 us at 20 % -> 20, 20 at 50 % -> 10, 10 at 60 % -> 6,
+    # 4 at 50 % -> 2
     assert conv["floor_ms"] == pytest.approx(0.030) and norm_cls["floor_ms"] == pytest.approx(0.006)
     assert table["floor_ms_per_step"] == pytest.approx(0.038)
     assert achieved(ROWS[0]).keys() == {*ROWS[0], "tflops", "gbps"}  # no ceilings: no roofline fields

@@ -90,8 +90,9 @@ def test_candidates_are_the_names_offered_before(monkeypatch, model, batch, dtyp
 
 
 def test_token_gemm_candidates_are_its_tiles(monkeypatch):
-    """A token GEMM on CUDA: the Triton kernel on its default tile for its rows, its other tiles, cuBLAS; off CUDA
-    the default tile and cuBLAS (tiles are timed by the engine's autotune and pinned by a kernel plan)."""
+    """A token GEMM on CUDA: the Triton kernel on its default tile for its rows, its other tiles, its TMA form on
+    each tile (Hopper, 16-byte aligned rows: here the GEMMs whose widths are multiples of 8), cuBLAS; off CUDA the
+    default tile and cuBLAS (tiles are timed by the engine's autotune and pinned by a kernel plan)."""
     from sd_fixtures import tiny_unet_config
 
     from fastdiff.kernels.linear import linear_tiles
@@ -107,10 +108,14 @@ def test_token_gemm_candidates_are_its_tiles(monkeypatch):
     for op in linears:
         assert names(fused, op.name) == ["triton", "cublas"]
     fused.device = torch.device("cuda")
+    aligned = {op.name: op.output.shape[1] % 8 == 0 and op.inputs[0].shape[1] % 8 == 0 for op in linears}
+    assert any(aligned.values()) and not all(aligned.values())  # sd21's 30-wide attention: rows of 60 bytes
     for op in linears:
         n, _, h, w = op.inputs[0].shape
         tiles = linear_tiles(n * h * w)
-        expected = ["triton", *(f"triton-t{'x'.join(map(str, tile))}" for tile in tiles[1:]), "cublas"]
+        forms = [f"-t{'x'.join(map(str, tile))}" for tile in tiles[1:]]
+        tma = ["triton-tma", *(f"triton-tma{t}" for t in forms)] if aligned[op.name] else []
+        expected = ["triton", *(f"triton{t}" for t in forms), *tma, "cublas"]
         assert names(fused, op.name) == expected
 
 

@@ -173,3 +173,35 @@ def test_engine_decode_returns_a_fresh_tensor_and_times_each_model():
     assert torch.equal(first, kept) and not torch.equal(first, second)  # the graph's buffer is not handed out
     assert {"decoder_first_forward_s", "decoder_autotune_s"} <= set(engine.timings)
     assert "step_first_forward_s" not in engine.timings
+
+
+def test_token_gemms_on_the_tma_kernel(monkeypatch):
+    """Every token GEMM of the SD 1.5-structured U-Net (fp16) on the TMA form of the linear kernel
+    (``triton-tma``, a candidate on Hopper; forced here, in the interpreter too): the pointer kernel's result."""
+    import fastdiff.kernels.linear as linear_module
+
+    config, _, size, tokens = CASES["sd15"]
+    model = make_unet(config, seed=4).to(DEVICE)
+    context = torch.randn((2, tokens, model.config.cross_attention_dim), device=DEVICE).half()
+    t = torch.tensor([700], device=DEVICE)
+    launches = []
+    tma_kernel = linear_module._linear_tma_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return tma_kernel[grid]
+
+    monkeypatch.setattr(linear_module, "_linear_tma_kernel", Counting())
+    outs = []
+    for tma in (False, True):
+        fused = FusedModel(model, 2, torch.float16, DEVICE, "triton", "triton", size=size, context_tokens=tokens)
+        linears = [op.name for op in fused.ops if op.kind == "linear"]
+        if tma:
+            fused.impls.update({name: Impl("triton-tma") for name in linears})
+        x_in = channels_last_empty(fused.x_in_value.shape, torch.float16, DEVICE)
+        x_in.copy_(torch.randn(x_in.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE))
+        outs.append(fused.forward(x_in, t, context).clone())
+        assert (len(launches) > 0) == tma
+    assert len(linears) > 20 and len(launches) >= len(linears)
+    assert rel_err(outs[1], outs[0]) < 2e-3

@@ -138,10 +138,10 @@ def linear_call(model: BoundModel, op: Op, impl: Impl) -> Call:
     residual = tokens(model.tensor(op.inputs[1])) if len(op.inputs) > 1 else None
     w, geglu, scale = model.device_weights[op.name], op.params["geglu"], op.params["scale"]
     weight_t, bias = w["packed"], w.get("bias")
-    if impl.kernel == "triton":
-        tile = impl.tile or None
+    if impl.kernel in ("triton", "triton-tma"):
+        tile, tma = impl.tile or None, impl.kernel == "triton-tma"
         return lambda: linear(
-            x, weight_t, bias, residual=residual, geglu=geglu, out_scale=scale, out=out, packed=True, tile=tile
+            x, weight_t, bias, residual=residual, geglu=geglu, out_scale=scale, out=out, packed=True, tile=tile, tma=tma
         )
     half = out.shape[1]
 

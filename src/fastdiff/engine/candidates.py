@@ -11,8 +11,9 @@
   idle (``triton-tma-fp8[-k<N>]``; the fp16/bf16 TMA conv runs split too, ``triton-tma-k<N>``, when an op's
   implementation is set to it, but is not offered: on the H100 its split forms lost to the gather kernel's at batch 1
   and to its own unsplit form at batch 256's 4x4 level, docs/engine/fp8.md, "Split-K for the fp8 convs").
-* token GEMM: ``kernels.linear`` (on CUDA on each of its tiles, ``triton-t<BMxBNxBKxWxS>``) or cuBLAS + a torch
-  epilogue; depthwise conv: ``kernels.depthwise_conv2d`` or cuDNN.
+* token GEMM: ``kernels.linear`` (on CUDA on each of its tiles, ``triton-t<BMxBNxBKxWxS>``, and on Hopper its TMA
+  form on each, ``triton-tma[-t...]``) or cuBLAS + a torch epilogue; depthwise conv: ``kernels.depthwise_conv2d``
+  or cuDNN.
 * attention: ``kernels.attention`` (on CUDA also its keys split over 2-8 programs per query block where those leave
   SMs idle, ``triton-kv<N>``, and for at most 512 keys its whole-rows schedule, ``triton-rows``; 16-bit: each on
   its tiles, ``-t<BMxBNxWxS>``) or torch SDPA. Tiles are candidates, not timed by the kernels themselves: a kernel
@@ -39,7 +40,7 @@ from fastdiff.kernels.conv2d_gluon import gluon_conv_unsupported
 from fastdiff.kernels.conv2d_tma import tma_conv_unsupported, tma_split_k_choices
 from fastdiff.kernels.fp8 import FP8_DTYPE
 from fastdiff.kernels.group_norm_act import LANE_CHOICES
-from fastdiff.kernels.linear import linear_tiles
+from fastdiff.kernels.linear import linear_tiles, tma_linear_unsupported
 from fastdiff.kernels.tap_sum_conv2d import tap_sum_unsupported
 
 CONV_IMPLS = ("auto", "triton", "cudnn")
@@ -63,8 +64,11 @@ def candidates(model: BoundModel, op: Op) -> tuple[Impl, ...]:
     if op.kind in ("conv", "depthwise", "linear"):
         library = Impl("cublas" if op.kind == "linear" else "cudnn")
         ours = (TRITON,)  # the fp16/bf16 TMA conv is no candidate: not repeatable on Triton 3.6 (NOT_REPEATABLE)
-        if op.kind == "linear" and cuda:  # + the GEMM's other tiles
-            ours = (TRITON, *(Impl("triton", tile=tile) for tile in linear_tiles(token_rows(op))[1:]))
+        if op.kind == "linear" and cuda:  # + the GEMM's other tiles, and its TMA form on each where it fits
+            tiles = linear_tiles(token_rows(op))
+            ours = (TRITON, *(Impl("triton", tile=tile) for tile in tiles[1:]))
+            if tma_linear_fits(model, op):
+                ours = (*ours, Impl("triton-tma"), *(Impl("triton-tma", tile=tile) for tile in tiles[1:]))
         if op.kind == "conv" and taps_fit(model, op):  # + the tap-sum form of a conv with few output channels
             ours = (*ours, Impl("triton-taps"))
         if op.kind == "conv" and gluon_fits(model, op):  # + the Gluon TMA conv, one tile per program or persistent
@@ -159,6 +163,18 @@ def tma_fits(model: BoundModel, op: Op) -> bool:
         x, op.output.shape[1], p["ksize"], stride=p["stride"], padding=p["padding"], upsample=p["upsample"]
     )
     return why is None
+
+
+def tma_linear_fits(model: BoundModel, op: Op) -> bool:
+    """Whether the TMA form of :func:`fastdiff.kernels.linear.linear` can run the token GEMM ``op`` (Hopper,
+    16-bit, aligned rows: :func:`fastdiff.kernels.linear.tma_linear_unsupported` on its bound input and its packed
+    weight's shape, ``[K, N_w]`` contiguous)."""
+    if model.device.type != "cuda":
+        return False
+    x = model.tensor(op.inputs[0])
+    rows = x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])  # its token matrix, as engine.calls.tokens views it
+    n_w = op.output.shape[1] * (2 if op.params["geglu"] else 1)
+    return tma_linear_unsupported(rows, torch.empty((x.shape[1], n_w), device="meta")) is None
 
 
 def gluon_fits(model: BoundModel, op: Op) -> bool:

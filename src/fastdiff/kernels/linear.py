@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels import cost_model
@@ -271,6 +272,57 @@ def _split_k_epilogue_kernel(
     )  # fmt: skip
 
 
+@triton.jit
+def _linear_tma_kernel(
+    x_desc,
+    w_desc,
+    bias_ptr,
+    res_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_rm,
+    stride_om,
+    out_scale,
+    GEGLU: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """:func:`_linear_kernel` (one split) with its A and B tiles brought in by TMA bulk copies: the copy engine
+    zero-fills rows past M and columns past K, so no masks; a value tile's columns past N read gate columns (or
+    zeros past N_w) that only reach outputs the store masks off."""
+    grid_dependency_sync(PDL)
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pids_per_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // pids_per_group) * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % pids_per_group) % group_size
+    pid_n = (pid % pids_per_group) // group_size
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = x_desc.load([m0, k0])
+        acc = tl.dot(a, w_desc.load([k0, n0]), acc)
+        if GEGLU:
+            acc_g = tl.dot(a, w_desc.load([k0, N + n0]), acc_g)
+    _epilogue_store(
+        acc, acc_g, m0 + tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N), M, N, bias_ptr, res_ptr, out_ptr,
+        stride_rm, stride_om, out_scale, GEGLU, HAS_BIAS, HAS_RES, ACT, HAS_SCALE,
+    )  # fmt: skip
+
+
 _linear_even_k = triton.heuristics(
     {"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0 and args["K_PER_SPLIT"] % args["BLOCK_K"] == 0}
 )(_linear_kernel)
@@ -336,6 +388,19 @@ def _split_k(m: int, n: int, k: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(sms, 2 * tiles), k // SPLIT_DEPTH, MAX_SPLIT))
 
 
+def tma_linear_unsupported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why ``linear(x, weight, packed=True, tma=True)`` cannot run, or None: a Hopper-class GPU (or Triton's
+    interpreter), 16-bit inputs, and 16-byte aligned base pointers and row strides (TMA descriptors)."""
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
+        return "TMA needs a Hopper-class GPU (compute capability 9.0 or newer)"
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {x.dtype} is not fp16 or bf16"
+    size = x.element_size()
+    if any(t.data_ptr() % 16 or t.stride(0) * size % 16 for t in (x, weight)):
+        return "TMA needs 16-byte aligned base pointers and row strides"
+    return None
+
+
 def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, int], device: torch.device) -> None:
     """A FastdiffError unless ``t`` is a 2-D ``shape`` matrix on ``device`` with unit column stride."""
     if tuple(t.shape) != shape or t.device != device:
@@ -357,6 +422,7 @@ def linear(
     packed: bool = False,
     split_k: int | None = None,
     tile: tuple[int, int, int, int, int] | None = None,
+    tma: bool = False,
 ) -> torch.Tensor:
     """Fused ``((act(geglu(x @ W^T + bias)) + residual) * out_scale`` on a token matrix ``x`` [M, K] -> [M, N].
 
@@ -365,7 +431,9 @@ def linear(
     ``residual`` [M, N] and ``out`` [M, N]: unit column stride, any row stride. Accumulation is fp32.
     ``split_k``: K slices summed by a second launch (fp32 partials) for few-tile, deep-K shapes; None picks by
     size (tests force it). ``tile``: one of :func:`linear_tiles` (None: on CUDA its default for ``M``, the small
-    tile for fp32, in the interpreter one small tile); the same tile gives the same bytes.
+    tile for fp32, in the interpreter one small tile); the same tile gives the same bytes. ``tma``: the kernel
+    whose tiles arrive by TMA bulk copies (Hopper; one split: ``split_k`` None or 1; :func:`tma_linear_unsupported`
+    says when it cannot run; the tiles of :func:`linear_tiles`).
     """
     if x.dim() != 2:
         raise FastdiffError(f"linear input must be a 2-D token matrix [M, K], got shape {tuple(x.shape)}")
@@ -404,6 +472,13 @@ def linear(
     if m == 0 or n == 0:
         return out
 
+    if tma:
+        if split_k not in (None, 1):
+            raise FastdiffError(f"the TMA linear kernel does not split K (split_k={split_k})")
+        reason = tma_linear_unsupported(x, weight)
+        if reason is not None:
+            raise FastdiffError(f"linear(tma=True): {reason}")
+        split_k = 1
     split = _split_k(m, n, k, x.device) if split_k is None else split_k
     k_per_split = triton.cdiv(triton.cdiv(k, split), SPLIT_ALIGN) * SPLIT_ALIGN if split > 1 else k
     split = triton.cdiv(k, k_per_split) if split > 1 else 1
@@ -434,6 +509,15 @@ def linear(
             else linear_tiles(m)[0]
         )
     block_m, block_n, block_k, num_warps, num_stages = tile
+    if tma:
+        x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, block_k])
+        w_desc = TensorDescriptor(weight, [k, n_w], [weight.stride(0), 1], [block_k, block_n])
+        _linear_tma_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)](
+            x_desc, w_desc, bias_arg, res, out, m, n, k, res.stride(0), out.stride(0), scale, **flags, GROUP_M=8,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+            **pdl_launch(x.device),
+        )  # fmt: skip
+        return out
     _linear_even_k[(triton.cdiv(m, block_m) * triton.cdiv(n, block_n), split)](
         *args, **flags, PARTIAL=split > 1, GROUP_M=8,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
