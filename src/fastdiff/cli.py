@@ -103,8 +103,8 @@ def add_sample_arguments(p: argparse.ArgumentParser) -> None:
         default="fp32",
         choices=DTYPES,
         help="model precision (on the CPU fp32 is the fast one: fp16/bf16 run many times slower there); fp8: fp16 "
-        "activations with e4m3 convs after each GroupNorm (Hopper GPUs, engine backend; unconditional pixel "
-        "U-Nets only)",
+        "activations with e4m3 convs after each GroupNorm (Hopper GPUs, engine backend; pixel and "
+        "text-to-image U-Nets)",
     )
     p.add_argument("--device", default="auto", help="auto (GPU if present, else CPU), cpu, cuda or cuda:N")
     add_plan_argument(p)
