@@ -67,7 +67,7 @@ def engine_layout(case: dict, device: torch.device) -> tuple[torch.Tensor, torch
     return q, k, v, out
 
 
-def candidates(q, k, v, out) -> dict[str, Callable[[], object]]:  # noqa: ANN001
+def candidates(q, k, v, out) -> dict[str, Callable[[], object]]:
     calls: dict[str, Callable[[], object]] = {"sdpa": lambda: out.copy_(F.scaled_dot_product_attention(q, k, v))}
     for name, backend in BACKENDS.items():
 

@@ -426,8 +426,9 @@ def test_fp8_engine_stays_near_the_eager_image(sd15):
     fp16; two guided DPM-Solver++ steps keep the image at >= 30 dB PSNR of the eager fp32 pipeline's (the fp8
     quality guard on SD configs)."""
     root, _ = sd15
-    fp8 = TextToImagePipeline.from_pretrained(root, device="cpu", dtype="fp8", sampler="dpmsolver++")
-    eager = TextToImagePipeline.from_pretrained(root, device="cpu", sampler="dpmsolver++", backend="eager")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # a Hopper GPU, or Triton's interpreter
+    fp8 = TextToImagePipeline.from_pretrained(root, device=device, dtype="fp8", sampler="dpmsolver++")
+    eager = TextToImagePipeline.from_pretrained(root, device=device, sampler="dpmsolver++", backend="eager")
     kwargs = dict(steps=2, seeds=[5], negative_prompt=NEGATIVES[0], output_type="np", progress=False)
     ours, reference = fp8(PROMPTS[0], **kwargs), eager(PROMPTS[0], **kwargs)
     assert fp8.backend == "engine" and fp8.dtype == torch.float16

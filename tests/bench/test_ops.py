@@ -68,6 +68,8 @@ def test_op_table_against_hand_numbers():
     # 4 at 50 % -> 2
     assert conv["floor_ms"] == pytest.approx(0.030) and norm_cls["floor_ms"] == pytest.approx(0.006)
     assert table["floor_ms_per_step"] == pytest.approx(0.038)
+    with_fp8 = op_table([{**ROWS[0], "fp8": True}, *ROWS[1:]], CEILINGS)  # % of the bf16 ceiling: no floor
+    assert with_fp8["floor_ms_per_step"] is None and with_fp8["classes"]["convolution"]["floor_ms"] is None
     assert achieved(ROWS[0]).keys() == {*ROWS[0], "tflops", "gbps"}  # no ceilings: no roofline fields
 
 

@@ -175,6 +175,9 @@ def test_engine_decode_returns_a_fresh_tensor_and_times_each_model():
     assert "step_first_forward_s" not in engine.timings
 
 
+@pytest.mark.skipif(
+    DEVICE.type == "cuda" and torch.cuda.get_device_capability()[0] < 9, reason="TMA needs a Hopper-class GPU"
+)
 def test_token_gemms_on_the_tma_kernel(monkeypatch):
     """Every token GEMM of the SD 1.5-structured U-Net (fp16) on the TMA form of the linear kernel
     (``triton-tma``, a candidate on Hopper; forced here, in the interpreter too): the pointer kernel's result."""

@@ -261,21 +261,40 @@ TMA_CASES = [
 ]
 
 
+needs_tma = pytest.mark.skipif(
+    CUDA and torch.cuda.get_device_capability()[0] < 9, reason="TMA needs a Hopper-class GPU"
+)
+
+
+@needs_tma
 @pytest.mark.parametrize("case", TMA_CASES)
-def test_tma_linear_matches_ref_on_every_tile(case) -> None:
+def test_tma_linear_matches_ref_on_every_tile(case, monkeypatch) -> None:
     """The TMA form on ragged shapes (rows past M, columns past K and N zero-filled by the copy engine; a GEGLU
     value tile reading gate columns it never stores) with the whole epilogue: the ref's result on each tile
     ``linear_tiles`` offers, and the same bits on a repeat."""
+    launches = []
+    tma_kernel = linear_module._linear_tma_kernel
+
+    class Counting:  # the TMA kernel's launches, so a call that fell back to the pointer kernel shows
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return tma_kernel[grid]
+
+    monkeypatch.setattr(linear_module, "_linear_tma_kernel", Counting())
     args, kwargs = make_inputs(case, torch.float16, seed=zlib.crc32(str(case).encode()))
     ref = reference(args, kwargs)
-    for tile in linear_tiles(case["m"]) if CUDA else [None]:
+    tiles = linear_tiles(case["m"]) if CUDA else [None]
+    for tile in tiles:
         got = linear(*args, **kwargs, tile=tile, tma=True)
         assert rel_err(got, ref) < TOLERANCE[torch.float16], tile
         assert torch.equal(linear(*args, **kwargs, tile=tile, tma=True), got), tile
+    assert len(launches) == 2 * len(tiles)
 
 
+@needs_tma
 def test_tma_linear_says_why_not() -> None:
-    """A column slice at an odd offset (unaligned base), fp32, and a K split: one-line errors before any launch."""
+    """A column slice at an odd offset (unaligned base), a weight with strided columns, fp32, and a K split:
+    one-line errors before any launch."""
     case = dict(m=45, k=40, n=24, strided=True)
     args, kwargs = make_inputs(case, torch.float16, seed=1)
     assert (
@@ -288,5 +307,9 @@ def test_tma_linear_says_why_not() -> None:
     with pytest.raises(FastdiffError, match="is not fp16 or bf16"):
         linear(*args32, **kwargs32, tma=True)
     aligned, kwargs = make_inputs(dict(m=45, k=40, n=24), torch.float16, seed=1)
+    every_other = torch.cat([aligned[1], aligned[1]], dim=1)[:, ::2]  # the packed weight's values, column stride 2
+    assert linear_module.tma_linear_unsupported(aligned[0], every_other) == "TMA needs unit column strides"
+    with pytest.raises(FastdiffError, match="unit column strides"):
+        linear(aligned[0], every_other, aligned[2], **kwargs, tma=True)
     with pytest.raises(FastdiffError, match="does not split K"):
         linear(*aligned, **kwargs, tma=True, split_k=2)

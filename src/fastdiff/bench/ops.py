@@ -140,7 +140,8 @@ def op_table(rows: list[dict], ceilings: dict, kernels_per_step: int | None = No
     with ``name``, ``kind``, ``class``, ``impl``, ``us``, ``flops``, ``bytes``) under ``ceilings``.
 
     Returns ``ops_per_step``, ``kernels_per_step`` (as given), ``ops_ms_per_step`` (the ops' times summed: the step
-    without launch gaps), ``floor_ms_per_step`` (:func:`roofline_floor_ms` summed), ``classes`` (per op class, in
+    without launch gaps), ``floor_ms_per_step`` (:func:`roofline_floor_ms` summed; None when an op is ``fp8``: its
+    % of ceiling is of the bf16 one), ``classes`` (per op class, in
     order of first appearance: ``ops``, ``ms``, ``pct_of_ops_ms``, ``tflops`` and ``gbps`` of the class as a whole
     (its FLOPs and bytes over its time), their ``pct_of_matmul`` and ``pct_of_copy``, ``mean_pct_of_ceiling``: the
     mean over its ops of each op's ``pct_of_ceiling``, and ``floor_ms``) and ``ops`` (every row through
@@ -148,6 +149,7 @@ def op_table(rows: list[dict], ceilings: dict, kernels_per_step: int | None = No
     """
     ops = [achieved(r, ceilings) for r in rows]
     total_us = sum(o["us"] for o in ops)
+    fp8 = any(o.get("fp8") for o in ops)  # timed against the bf16 ceilings: no floor from them
     floor = roofline_floor_ms(ops)
     classes: dict[str, dict] = {}
     for cls in dict.fromkeys(o["class"] for o in ops):
@@ -160,10 +162,10 @@ def op_table(rows: list[dict], ceilings: dict, kernels_per_step: int | None = No
             "ops": len(members), "ms": us / 1e3, "pct_of_ops_ms": 100 * us / total_us if total_us > 0 else None,
             "tflops": whole["tflops"], "gbps": whole["gbps"], "pct_of_matmul": whole["pct_of_matmul"],
             "pct_of_copy": whole["pct_of_copy"], "mean_pct_of_ceiling": statistics.fmean(pcts) if pcts else None,
-            "floor_ms": floor[cls],
+            "floor_ms": None if fp8 else floor[cls],
         }  # fmt: skip
     return {"ops_per_step": len(ops), "kernels_per_step": kernels_per_step, "ops_ms_per_step": total_us / 1e3,
-            "floor_ms_per_step": sum(floor.values()), "classes": classes, "ops": ops}  # fmt: skip
+            "floor_ms_per_step": None if fp8 else sum(floor.values()), "classes": classes, "ops": ops}  # fmt: skip
 
 
 def count_step_kernels(loop: SamplingLoop, x_t: torch.Tensor, seeds: torch.Tensor) -> int | None:

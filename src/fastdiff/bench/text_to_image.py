@@ -3,9 +3,9 @@ and initial latents, in one process and run.
 
 Systems: diffusers' ``StableDiffusionPipeline`` (eager fp32 as the quality reference, eager fp16, and fp16 with
 the U-Net ``torch.compile``d in "reduce-overhead" mode with channels-last memory), fastdiff's
-``TextToImagePipeline`` eager fp16 and on the engine (fp16, bf16). The sampler is DDIM (diffusers'
-``DDIMScheduler.from_config`` of the release's scheduler config, as users switch to it) with classifier-free
-guidance, so one image is a U-Net call on a batch of 2 per step.
+``TextToImagePipeline`` eager fp16 and on the engine (fp16, bf16, and fp8: e4m3 ResNet convs). The sampler is DDIM
+(diffusers' ``DDIMScheduler.from_config`` of the release's scheduler config, as users switch to it) with
+classifier-free guidance, so one image is a U-Net call on a batch of 2 per step.
 
 Per system: time to ready (weights to the GPU, compilation / engine build, first image), the end-to-end time of
 one call (text encoding, all steps, VAE decode, to a [0, 1] tensor) as the median of ``repeats``, the time of one

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from fastdiff.engine.epilogue_norm import norm_partials
 from fastdiff.engine.fusion import BoundModel
 from fastdiff.engine.impl import Impl
-from fastdiff.engine.ir import Op
+from fastdiff.engine.ir import Op, tokens
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.attention import attention
 from fastdiff.kernels.attention_gate import attention_gate
@@ -33,13 +33,6 @@ from fastdiff.kernels.linear import linear
 from fastdiff.kernels.tap_sum_conv2d import tap_columns, tap_sum_conv2d
 
 Call = Callable[[], None]
-
-
-def tokens(t: torch.Tensor) -> torch.Tensor:
-    """A channels-last ``[B, C, H, W]`` tensor (or channel slice of one) as its token matrix ``[B*H*W, C]`` (a
-    view; the row stride is the parent buffer's channel count)."""
-    b, c, h, w = t.shape
-    return t.permute(0, 2, 3, 1).reshape(b * h * w, c)
 
 
 def build_call(model: BoundModel, op: Op, impl: Impl) -> Call:

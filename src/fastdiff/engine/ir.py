@@ -55,6 +55,13 @@ TimeFeatures = Callable[[torch.Tensor], torch.Tensor]
 """timesteps [N] -> fp32 features [N, D] (the time MLP and its activation), on the engine's device."""
 
 
+def tokens(t: torch.Tensor) -> torch.Tensor:
+    """A channels-last ``[B, C, H, W]`` tensor (or channel slice of one) as its token matrix ``[B*H*W, C]`` (a
+    view; the row stride is the parent buffer's channel count)."""
+    b, c, h, w = t.shape
+    return t.permute(0, 2, 3, 1).reshape(b * h * w, c)
+
+
 @dataclass(eq=False)
 class Value:
     """One activation: logical ``[B, C, H, W]``; a channel slice of ``concat`` when that is set.

@@ -199,6 +199,7 @@ WEIGHT_ROLES: dict[tuple[str, str, bool], set[str]] = {
     ("depthwise", "triton", False): {"packed"},
     ("depthwise", "cudnn", False): {"weight"},
     ("linear", "triton", False): {"packed", "bias"},
+    ("linear", "triton-tma", False): {"packed", "bias"},
     ("linear", "cublas", False): {"packed", "bias"},
 }
 """(op kind, kernel, fp8) -> the device weight layouts an implementation reads (the others are dropped after the

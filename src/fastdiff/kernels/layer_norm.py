@@ -26,6 +26,7 @@ import triton.language as tl
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels import cost_model
 from fastdiff.kernels.common import grid_dependency_sync, num_sms, pdl_launch
+from fastdiff.kernels.fp8 import FP8_DTYPE, to_e4m3
 from fastdiff.kernels.registry import KernelOp
 
 MAX_CHANNELS = 8192
@@ -64,13 +65,16 @@ def _layer_norm_kernel(
     stride_xm,
     stride_ym,
     eps,
+    inv_scale,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
+    FP8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program: BLOCK_M rows x all C channels (padded to BLOCK_C), normalised from registers."""
+    """One program: BLOCK_M rows x all C channels (padded to BLOCK_C), normalised from registers; with FP8 the
+    result is stored in e4m3 at ``1 / inv_scale`` units."""
     grid_dependency_sync(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_C)
@@ -86,12 +90,15 @@ def _layer_norm_kernel(
         y = y * tl.load(w_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_B:
         y = y + tl.load(b_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    if FP8:
+        y = to_e4m3(y * inv_scale)
     tl.store(y_ptr + rows64[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_inputs(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, out: torch.Tensor | None
-) -> None:
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, out: torch.Tensor | None,
+    fp8_scale: float | None = None,
+) -> None:  # fmt: skip
     if x.dim() != 2:
         raise FastdiffError(f"layer_norm input must be a 2-D token matrix [M, C], got shape {tuple(x.shape)}")
     m, channels = x.shape
@@ -104,10 +111,13 @@ def _check_inputs(
             raise FastdiffError(
                 f"{name} must have shape ({channels},) on {x.device}, got {tuple(tensor.shape)} on {tensor.device}"
             )
+    if fp8_scale is not None and not (isinstance(fp8_scale, float) and fp8_scale > 0):
+        raise FastdiffError(f"fp8_scale must be a positive float, got {fp8_scale!r}")
     if out is not None:
-        if tuple(out.shape) != (m, channels) or out.dtype != x.dtype or out.device != x.device:
+        dtype = x.dtype if fp8_scale is None else FP8_DTYPE
+        if tuple(out.shape) != (m, channels) or out.dtype != dtype or out.device != x.device:
             raise FastdiffError(
-                f"out must be a {x.dtype} tensor of shape {(m, channels)} on {x.device}, got {out.dtype} "
+                f"out must be a {dtype} tensor of shape {(m, channels)} on {x.device}, got {out.dtype} "
                 f"{tuple(out.shape)} on {out.device}"
             )
         if out.stride(1) != 1 and channels > 1:
@@ -132,24 +142,27 @@ def layer_norm(
     eps: float = 1e-5,
     *,
     out: torch.Tensor | None = None,
+    fp8_scale: float | None = None,
 ) -> torch.Tensor:
     """``(x - mean) * rsqrt(var + eps) * weight + bias`` over the C channels of each row of ``x`` [M, C].
 
     ``x`` and ``out``: 2-D, unit column stride, any row stride (channel slices of wider token matrices are read
-    and written in place). ``weight``/``bias``: [C] or None. Statistics in fp32; the result is in ``x.dtype``.
+    and written in place). ``weight``/``bias``: [C] or None. Statistics in fp32; the result is in ``x.dtype``, or
+    with ``fp8_scale`` in e4m3 (``fastdiff.kernels.fp8``): ``e4m3(y / fp8_scale)``, saturating, for an fp8 GEMM
+    to read (the scale from the affine: ``fastdiff.kernels.fp8.norm_output_scale``).
     """
-    _check_inputs(x, weight, bias, out)
+    _check_inputs(x, weight, bias, out, fp8_scale)
     m, channels = x.shape
     if out is None:
-        out = torch.empty((m, channels), device=x.device, dtype=x.dtype)
+        out = torch.empty((m, channels), device=x.device, dtype=x.dtype if fp8_scale is None else FP8_DTYPE)
     if m == 0:
         return out
     block_m, block_c, num_warps = _blocks(m, channels, x.device)
     _layer_norm_kernel[(triton.cdiv(m, block_m),)](
         x, weight if weight is not None else x, bias if bias is not None else x, out,
-        m, channels, x.stride(0), out.stride(0), eps,
-        HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=num_warps,
-        **pdl_launch(x.device),
+        m, channels, x.stride(0), out.stride(0), eps, 1.0 if fp8_scale is None else 1.0 / fp8_scale,
+        HAS_W=weight is not None, HAS_B=bias is not None, FP8=fp8_scale is not None, BLOCK_M=block_m,
+        BLOCK_C=block_c, num_warps=num_warps, **pdl_launch(x.device),
     )  # fmt: skip
     return out
 

@@ -57,6 +57,7 @@ from fastdiff.kernels.common import (
     pdl_launch,
 )
 from fastdiff.kernels.conv2d import fused_epilogue
+from fastdiff.kernels.fp8 import E4M3_MAX, FP8_DTYPE, quantize_e4m3_ref
 from fastdiff.kernels.registry import KernelOp
 
 
@@ -68,6 +69,18 @@ def pack_linear_weight(weight: torch.Tensor, geglu: bool = False) -> torch.Tenso
     if geglu and weight.shape[0] % 2:
         raise FastdiffError(f"a GEGLU weight needs an even number of rows (value, gate), got {weight.shape[0]}")
     return weight.t().contiguous()
+
+
+def pack_linear_weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """nn.Linear weight ``[N_w, K]`` -> (e4m3 ``[N_w, K]`` contiguous, K-contiguous rows as fp8 wgmma reads them;
+    fp32 per-row scales ``[N_w]``: ``max|W[n]| / 448``, 1 for an all-zero row). GEGLU's value and gate rows keep
+    their order, as in :func:`pack_linear_weight`."""
+    if weight.dim() != 2:
+        raise FastdiffError(f"linear weight must be 2-D [N_out, K], got shape {tuple(weight.shape)}")
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return quantize_e4m3_ref(w, scale[:, None]).contiguous(), scale
 
 
 def linear_ref(
@@ -276,6 +289,7 @@ def _split_k_epilogue_kernel(
 def _linear_tma_kernel(
     x_desc,
     w_desc,
+    scale_ptr,
     bias_ptr,
     res_ptr,
     out_ptr,
@@ -290,6 +304,7 @@ def _linear_tma_kernel(
     HAS_RES: tl.constexpr,
     ACT: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    FP8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -298,7 +313,8 @@ def _linear_tma_kernel(
 ):
     """:func:`_linear_kernel` (one split) with its A and B tiles brought in by TMA bulk copies: the copy engine
     zero-fills rows past M and columns past K, so no masks; a value tile's columns past N read gate columns (or
-    zeros past N_w) that only reach outputs the store masks off."""
+    zeros past N_w) that only reach outputs the store masks off. FP8: e4m3 operands, the weights ``[N_w, K]``
+    (K-contiguous, what fp8 wgmma reads), each accumulator column times ``scale[n]`` before the epilogue."""
     grid_dependency_sync(PDL)
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -314,9 +330,20 @@ def _linear_tma_kernel(
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = x_desc.load([m0, k0])
-        acc = tl.dot(a, w_desc.load([k0, n0]), acc)
+        if FP8:
+            acc = tl.dot(a, w_desc.load([n0, k0]).T, acc)
+            if GEGLU:
+                acc_g = tl.dot(a, w_desc.load([N + n0, k0]).T, acc_g)
+        else:
+            acc = tl.dot(a, w_desc.load([k0, n0]), acc)
+            if GEGLU:
+                acc_g = tl.dot(a, w_desc.load([k0, N + n0]), acc_g)
+    if FP8:  # back to real units: the activation's scale times each weight column's, folded at load
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        acc = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
         if GEGLU:
-            acc_g = tl.dot(a, w_desc.load([k0, N + n0]), acc_g)
+            acc_g = acc_g * tl.load(scale_ptr + N + offs_n, mask=n_mask, other=0.0)[None, :]
     _epilogue_store(
         acc, acc_g, m0 + tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N), M, N, bias_ptr, res_ptr, out_ptr,
         stride_rm, stride_om, out_scale, GEGLU, HAS_BIAS, HAS_RES, ACT, HAS_SCALE,
@@ -390,11 +417,14 @@ def _split_k(m: int, n: int, k: int, device: torch.device) -> int:
 
 def tma_linear_unsupported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     """Why ``linear(x, weight, packed=True, tma=True)`` cannot run, or None: a Hopper-class GPU (or Triton's
-    interpreter), 16-bit inputs, and 16-byte aligned base pointers and row strides (TMA descriptors)."""
+    interpreter), 16-bit or e4m3 inputs, unit column strides and 16-byte aligned base pointers and row strides (TMA
+    descriptors)."""
     if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
         return "TMA needs a Hopper-class GPU (compute capability 9.0 or newer)"
-    if x.dtype not in (torch.float16, torch.bfloat16):
-        return f"dtype {x.dtype} is not fp16 or bf16"
+    if x.dtype not in (torch.float16, torch.bfloat16, FP8_DTYPE):
+        return f"dtype {x.dtype} is not fp16, bf16 or e4m3"
+    if any(t.stride(1) != 1 for t in (x, weight)):
+        return "TMA needs unit column strides"
     size = x.element_size()
     if any(t.data_ptr() % 16 or t.stride(0) * size % 16 for t in (x, weight)):
         return "TMA needs 16-byte aligned base pointers and row strides"
@@ -423,6 +453,7 @@ def linear(
     split_k: int | None = None,
     tile: tuple[int, int, int, int, int] | None = None,
     tma: bool = False,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fused ``((act(geglu(x @ W^T + bias)) + residual) * out_scale`` on a token matrix ``x`` [M, K] -> [M, N].
 
@@ -434,20 +465,33 @@ def linear(
     tile for fp32, in the interpreter one small tile); the same tile gives the same bytes. ``tma``: the kernel
     whose tiles arrive by TMA bulk copies (Hopper; one split: ``split_k`` None or 1; :func:`tma_linear_unsupported`
     says when it cannot run; the tiles of :func:`linear_tiles`).
+
+    An e4m3 ``x`` (``fastdiff.kernels.fp8``: the output of a LayerNorm or GroupNorm that wrote e4m3) runs on the
+    TMA kernel (``tma=True``) with :func:`pack_linear_weight_fp8`'s ``[N_w, K]`` e4m3 weight (``packed=True``) and
+    ``weight_scale`` [N_w] fp32: the activation's scale times each weight row's, folded at load. The output (and
+    ``residual``) are then fp16 (or ``out``'s dtype, fp16 or bf16).
     """
     if x.dim() != 2:
         raise FastdiffError(f"linear input must be a 2-D token matrix [M, K], got shape {tuple(x.shape)}")
     m, k = x.shape
     if x.stride(1) != 1 and k > 1:
         raise FastdiffError(f"linear input needs unit column stride, got strides {x.stride()}")
-    if weight.dim() != 2 or weight.shape[0 if packed else 1] != k:
-        layout = "packed [K, N_w]" if packed else "[N_w, K]"
+    fp8 = x.dtype == FP8_DTYPE
+    if fp8 and not (tma and packed and weight_scale is not None):
+        raise FastdiffError("an e4m3 input runs on the TMA kernel: tma=True, packed=True and a weight_scale")
+    if weight.dim() != 2 or weight.shape[1 if fp8 or not packed else 0] != k:
+        layout = "[N_w, K]" if fp8 or not packed else "packed [K, N_w]"
         raise FastdiffError(f"linear weight {tuple(weight.shape)} is not a {layout} matrix for K={k}")
     if weight.device != x.device or weight.dtype != x.dtype:
         raise FastdiffError(f"weight ({weight.dtype}, {weight.device}) must match input ({x.dtype}, {x.device})")
     if not packed:
         weight = pack_linear_weight(weight, geglu)
-    n_w = weight.shape[1]
+    n_w = weight.shape[0 if fp8 else 1]
+    if fp8 and (
+        weight_scale is None or tuple(weight_scale.shape) != (n_w,) or weight_scale.dtype != torch.float32
+        or weight_scale.device != x.device or not weight_scale.is_contiguous()
+    ):  # fmt: skip
+        raise FastdiffError(f"weight_scale must be a contiguous float32 tensor of shape ({n_w},) on {x.device}")
     if geglu and n_w % 2:
         raise FastdiffError(f"a GEGLU weight needs an even number of output columns (value, gate), got {n_w}")
     n = n_w // 2 if geglu else n_w
@@ -463,12 +507,13 @@ def linear(
             raise FastdiffError("bias must be contiguous")
     if residual is not None:
         _check_rows("residual", residual, (m, n), x.device)
+    out_dtypes = (torch.float16, torch.bfloat16) if fp8 else (x.dtype,)
     if out is not None:
         _check_rows("out", out, (m, n), x.device)
-        if out.dtype != x.dtype:
-            raise FastdiffError(f"out must be a {x.dtype} tensor, got {out.dtype}")
+        if out.dtype not in out_dtypes:
+            raise FastdiffError(f"out must be a {' or '.join(map(str, out_dtypes))} tensor, got {out.dtype}")
     else:
-        out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+        out = torch.empty((m, n), device=x.device, dtype=out_dtypes[0])
     if m == 0 or n == 0:
         return out
 
@@ -511,11 +556,13 @@ def linear(
     block_m, block_n, block_k, num_warps, num_stages = tile
     if tma:
         x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, block_k])
-        w_desc = TensorDescriptor(weight, [k, n_w], [weight.stride(0), 1], [block_k, block_n])
+        w_shape, w_block = ([n_w, k], [block_n, block_k]) if fp8 else ([k, n_w], [block_k, block_n])
+        w_desc = TensorDescriptor(weight, w_shape, [weight.stride(0), 1], w_block)
+        scales = weight_scale if fp8 else out
         _linear_tma_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)](
-            x_desc, w_desc, bias_arg, res, out, m, n, k, res.stride(0), out.stride(0), scale, **flags, GROUP_M=8,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
-            **pdl_launch(x.device),
+            x_desc, w_desc, scales, bias_arg, res, out, m, n, k, res.stride(0), out.stride(0), scale, **flags,
+            FP8=fp8, GROUP_M=8, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+            num_stages=num_stages, **pdl_launch(x.device),
         )  # fmt: skip
         return out
     _linear_even_k[(triton.cdiv(m, block_m) * triton.cdiv(n, block_n), split)](

@@ -160,6 +160,8 @@ class TextToImagePipeline(EnginePipeline):
     """Stable Diffusion components plus a sampler. ``pipe("a cat", seeds=0)`` returns images; see ``__call__``.
 
     The sampler state stays in fp32 whatever the model dtype; U-Net, VAE and text encoder run in ``dtype``.
+    ``fp8``: the engine's fp8 mode for the U-Net (``dtype`` fp16 or bf16 activations, the convs after each
+    GroupNorm in e4m3: ``fastdiff.engine.Engine(fp8=True)``; a Hopper GPU or Triton's interpreter).
     """
 
     def __init__(
@@ -178,6 +180,10 @@ class TextToImagePipeline(EnginePipeline):
         if fp8:
             backend = check_fp8(torch.device(device), dtype, backend)
         super().__init__(device, backend, fp8, plan=plan, tune=tune)
+        if fp8:
+            from fastdiff.engine.lower import lowering_for
+
+            lowering_for(components.unet)  # a one-line error for a U-Net the fused engine cannot run
         self.components = components
         self.unet, self.vae = components.unet, components.vae
         self.vae_scale = vae_scale_factor(self.vae.config)
