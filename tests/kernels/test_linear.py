@@ -304,7 +304,7 @@ def test_tma_linear_says_why_not() -> None:
     with pytest.raises(FastdiffError, match=r"^linear\(tma=True\): TMA needs 16-byte aligned"):
         linear(*args, **kwargs, tma=True)
     args32, kwargs32 = make_inputs(dict(m=45, k=40, n=24), torch.float32, seed=1)
-    with pytest.raises(FastdiffError, match="is not fp16 or bf16"):
+    with pytest.raises(FastdiffError, match="is not fp16, bf16 or e4m3"):
         linear(*args32, **kwargs32, tma=True)
     aligned, kwargs = make_inputs(dict(m=45, k=40, n=24), torch.float16, seed=1)
     every_other = torch.cat([aligned[1], aligned[1]], dim=1)[:, ::2]  # the packed weight's values, column stride 2
