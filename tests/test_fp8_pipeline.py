@@ -114,7 +114,7 @@ def test_fp8_pipeline_samples_close_to_fp16():
     half = copy.deepcopy(model).half()  # the eager loop runs the model as given
     fp16 = Pipeline(half, schedule, steps=2, device=DEVICE, dtype=torch.float16, backend="eager")
     got, ref = fp8(**kwargs), fp16(**kwargs)
-    assert fp8.engine.fp8 and fp8.engine.current_step_model.fp8_convs > 0
+    assert fp8.engine.fp8 and fp8.engine.current_step_model.fp8_ops > 0
     assert got.shape == ref.shape == (1, 3, 8, 12) and torch.isfinite(got).all()
     err = float((got.double() - ref.double()).norm() / ref.double().norm())
     assert 0 < err < 0.15

@@ -432,7 +432,7 @@ def test_fp8_engine_stays_near_the_eager_image(sd15):
     kwargs = dict(steps=2, seeds=[5], negative_prompt=NEGATIVES[0], output_type="np", progress=False)
     ours, reference = fp8(PROMPTS[0], **kwargs), eager(PROMPTS[0], **kwargs)
     assert fp8.backend == "engine" and fp8.dtype == torch.float16
-    assert fp8.engine.current_step_model.fp8_convs > 0
+    assert fp8.engine.current_step_model.fp8_ops > 0
     mse = float(np.mean((ours.astype(np.float64) - reference) ** 2))
     assert np.isfinite(ours).all() and 0 < mse and 10 * np.log10(1 / mse) >= 30
 

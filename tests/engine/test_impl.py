@@ -11,7 +11,7 @@ import torch
 from fastdiff.engine import tuning
 from fastdiff.engine.candidates import candidates
 from fastdiff.engine.executor import FusedModel
-from fastdiff.engine.fp8 import mark_fp8_convs
+from fastdiff.engine.fp8 import mark_fp8_ops
 from fastdiff.engine.graph import channels_last_empty
 from fastdiff.engine.impl import APPLY, FUSED, Impl, impl_names, impls_from_names
 from fastdiff.errors import FastdiffError
@@ -121,9 +121,28 @@ def test_token_gemm_candidates_are_its_tiles(monkeypatch):
 
 def test_fp8_conv_candidates(monkeypatch):
     fused = engine(monkeypatch, "fp8", 1, torch.float16)
-    assert mark_fp8_convs(fused.ops) > 0  # what fp8=True does (which off the interpreter needs a Hopper GPU)
+    assert mark_fp8_ops(fused.ops) > 0  # what fp8=True does (which off the interpreter needs a Hopper GPU)
     expected = ["triton-tma-fp8", "triton-tma-fp8-k2", "triton-tma-fp8-k4"]
     assert names(fused, "down_blocks.0.resnets.0.conv1") == expected
+
+
+def test_fp8_token_gemm_candidates():
+    """A token GEMM reading an e4m3 norm output: the fp8 TMA GEMM on its tiles (CUDA faked), nothing else."""
+    from sd_fixtures import tiny_unet_config
+
+    from fastdiff.kernels.linear import linear_tiles
+    from fastdiff.models.unet_2d_condition import UNet2DConditionConfig, UNet2DConditionModel
+
+    torch.manual_seed(0)
+    config = {k: v for k, v in tiny_unet_config("sd15").items() if not k.startswith("_")}
+    unet = UNet2DConditionModel(UNet2DConditionConfig.from_dict(config)).eval()
+    fused = FusedModel(unet, 2, torch.float16, "cpu", size=(8, 8), context_tokens=77)
+    assert mark_fp8_ops(fused.ops) > 0
+    name = "down_blocks.0.attentions.0.transformer_blocks.0.ff.net.0.proj"
+    assert names(fused, name) == ["triton-tma-fp8"]  # off CUDA: the default tile only
+    fused.device = torch.device("cuda")
+    tiles = [f"triton-tma-fp8-t{'x'.join(map(str, tile))}" for tile in linear_tiles(2 * 8 * 8)[1:]]
+    assert names(fused, name) == ["triton-tma-fp8", *tiles]
 
 
 ROUND_TRIP_MODELS = [("pow2", 1, torch.float32), ("pow2", 64, torch.float32), ("attn_pad0", 3, torch.float32),

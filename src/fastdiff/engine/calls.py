@@ -130,7 +130,14 @@ def linear_call(model: BoundModel, op: Op, impl: Impl) -> Call:
     x, out = tokens(model.tensor(op.inputs[0])), tokens(model.tensor(op.output))
     residual = tokens(model.tensor(op.inputs[1])) if len(op.inputs) > 1 else None
     w, geglu, scale = model.device_weights[op.name], op.params["geglu"], op.params["scale"]
-    weight_t, bias = w["packed"], w.get("bias")
+    bias = w.get("bias")
+    if impl.fp8:  # e4m3 input from its norm, e4m3 weights [N_w, K]: the TMA kernel
+        packed, weight_scale, tile = w["packed_fp8"], w["weight_scale"], impl.tile or None
+        return lambda: linear(
+            x, packed, bias, residual=residual, geglu=geglu, out_scale=scale, out=out, packed=True, tile=tile,
+            tma=True, weight_scale=weight_scale,
+        )  # fmt: skip
+    weight_t = w["packed"]
     if impl.kernel in ("triton", "triton-tma"):
         tile, tma = impl.tile or None, impl.kernel == "triton-tma"
         return lambda: linear(
@@ -211,8 +218,8 @@ def gate_call(model: BoundModel, op: Op, impl: Impl) -> Call:
 
 def layer_norm_call(model: BoundModel, op: Op, impl: Impl) -> Call:
     x, out = tokens(model.tensor(op.inputs[0])), tokens(model.tensor(op.output))
-    w, eps = model.device_weights[op.name], op.params["eps"]
-    return lambda: layer_norm(x, w["weight"], w["bias"], eps, out=out)
+    w, eps, fp8_scale = model.device_weights[op.name], op.params["eps"], op.params.get("fp8_scale")
+    return lambda: layer_norm(x, w["weight"], w["bias"], eps, out=out, fp8_scale=fp8_scale)
 
 
 def center_call(model: BoundModel, op: Op, impl: Impl) -> Call:

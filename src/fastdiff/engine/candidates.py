@@ -10,7 +10,8 @@
   A conv reading an e4m3 input (``fp8=True``) runs the fp8 TMA conv only, also split-K where its grid leaves SMs
   idle (``triton-tma-fp8[-k<N>]``; the fp16/bf16 TMA conv runs split too, ``triton-tma-k<N>``, when an op's
   implementation is set to it, but is not offered: on the H100 its split forms lost to the gather kernel's at batch 1
-  and to its own unsplit form at batch 256's 4x4 level, docs/engine/fp8.md, "Split-K for the fp8 convs").
+  and to its own unsplit form at batch 256's 4x4 level, docs/engine/fp8.md, "Split-K for the fp8 convs"). A token
+  GEMM reading an e4m3 input runs the TMA GEMM on e4m3 operands only (``triton-tma-fp8[-t...]``).
 * token GEMM: ``kernels.linear`` (on CUDA on each of its tiles, ``triton-t<BMxBNxBKxWxS>``, and on Hopper its TMA
   form on each, ``triton-tma[-t...]``) or cuBLAS + a torch epilogue; depthwise conv: ``kernels.depthwise_conv2d``
   or cuDNN.
@@ -61,6 +62,9 @@ def candidates(model: BoundModel, op: Op) -> tuple[Impl, ...]:
     if op.kind == "conv" and "fp8_scale" in op.params:  # the TMA kernel, also split-K where its grid leaves SMs
         fp8 = Impl("triton-tma", fp8=True)
         return (fp8, *(Impl("triton-tma", fp8=True, split_k=split) for split in tma_split_choices(model, op)))
+    if op.kind == "linear" and "fp8_scale" in op.params:  # the TMA GEMM, on each of its tiles (CUDA)
+        tiles = linear_tiles(token_rows(op))[1:] if cuda else ()
+        return (Impl("triton-tma", fp8=True), *(Impl("triton-tma", fp8=True, tile=tile) for tile in tiles))
     if op.kind in ("conv", "depthwise", "linear"):
         library = Impl("cublas" if op.kind == "linear" else "cudnn")
         ours = (TRITON,)  # the fp16/bf16 TMA conv is no candidate: not repeatable on Triton 3.6 (NOT_REPEATABLE)
@@ -113,7 +117,7 @@ def with_tiles(impl: Impl, op: Op) -> tuple[Impl, ...]:
 
 def default_why(model: BoundModel, op: Op) -> str:
     """Why ``op`` runs its first candidate when the autotune did not choose."""
-    if op.kind == "conv" and "fp8_scale" in op.params:
+    if op.kind in ("conv", "linear") and "fp8_scale" in op.params:
         return "fp8 (e4m3) input: the TMA kernel only"
     if op.kind in ("conv", "depthwise", "linear"):
         return f"conv_impl={model.conv_impl}" + (" (not timed off CUDA)" if model.conv_impl == "auto" else "")

@@ -54,7 +54,7 @@ from fastdiff.engine.calls import build_call
 from fastdiff.engine.candidates import ATTENTION_IMPLS, CONV_IMPLS, candidates, default_why, taps_fit
 from fastdiff.engine.compile_pool import compile_workers, counting_compiles, precompile
 from fastdiff.engine.epilogue_norm import EPILOGUE_NORM, EPILOGUE_STATS
-from fastdiff.engine.fp8 import fp8_unsupported, mark_fp8_convs
+from fastdiff.engine.fp8 import fp8_unsupported, mark_fp8_ops
 from fastdiff.engine.fusion import Fusion
 from fastdiff.engine.graph import channels_last_empty
 from fastdiff.engine.impl import Impl, impl_names
@@ -128,7 +128,7 @@ class FusedModel:
         if graph.output is None:
             raise FastdiffError(f"internal: the {type(model).__name__} lowering set no output")
         self.values, self.ops, self.inputs, self.out_value = graph.values, graph.ops, graph.inputs, graph.output
-        self.fp8_convs = mark_fp8_convs(self.ops) if fp8 else 0  # engine/fp8.py, while the fp32 weights are here
+        self.fp8_ops = mark_fp8_ops(self.ops) if fp8 else 0  # engine/fp8.py, while the fp32 weights are here
         self.split_workspace = SplitWorkspace()  # shared by the split kernels: the ops run one after another
         self.tap_partials: dict[str, torch.Tensor] = {}  # by op name: the triton-taps convs' stage-1 buffers
         self.x_in_value = self.inputs["x_in"]

@@ -1,12 +1,15 @@
-"""The engine's fp8 (``fp8=True``): which GroupNorm -> conv pairs run in e4m3, as a transform of the op list.
+"""The engine's fp8 (``fp8=True``): which norm -> conv / GEMM pairs run in e4m3, as a transform of the op list.
 
-A GroupNorm (+ activation) whose every reader is a conv that the TMA kernel runs in fp8 (stride 1, no Upsample2D,
-input and output channels multiples of 16, the norm's output as its input and never as its
-residual) writes its output in e4m3 at the scale of its affine (:func:`fastdiff.kernels.fp8.norm_output_scale`),
-and those convs multiply it with e4m3 weights (per-output-channel scales) on the fp8 tensor cores. In a U-Net that
-is both 3x3 convs of every ResNet block (most of a step's FLOPs), and in DDPMUNet also each attention's q|k|v conv.
-Everything else (shortcuts, up/down-sampling, conv_in, conv_out, token GEMMs, attention, the norms' inputs, every
-op's output) stays in the engine dtype.
+A GroupNorm (+ activation) or LayerNorm whose every reader runs in fp8 writes its output in e4m3 at the scale of
+its affine (:func:`fastdiff.kernels.fp8.norm_output_scale`), and those readers multiply it with e4m3 weights (per
+output channel scales) on the fp8 tensor cores. A reader runs in fp8 when the norm's output is its input and never
+its residual, and it is a conv the TMA kernel runs in fp8 (stride 1, no Upsample2D, input and output channels
+multiples of 16) or a token GEMM of the step the TMA GEMM runs in fp8 (input channels a multiple of 16: its e4m3
+rows are 16-byte aligned). In a U-Net that is both 3x3 convs of every ResNet block (most of a step's FLOPs), in
+DDPMUNet also each attention's q|k|v conv, and in a Stable Diffusion U-Net each transformer block's q|k|v, cross-
+attention query and GEGLU projections (after its LayerNorms) and proj_in (after the block's GroupNorm). Everything
+else (shortcuts, up/down-sampling, conv_in, conv_out, the other GEMMs, attention, the norms' inputs, every op's
+output) stays in the engine dtype.
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ def fp8_unsupported(
 
 def _fp8_reader(op: Op, value: Value) -> bool:
     p = op.params
+    if op.inputs[0] is not value or any(v is value for v in op.inputs[1:]):
+        return False
+    if op.kind == "linear":
+        return op.stage == "step" and value.shape[1] % 16 == 0
     return (
         op.kind == "conv"
-        and op.inputs[0] is value
-        and all(v is not value for v in op.inputs[1:])
         and p["stride"] == 1
         and p["upsample"] == 1
         and value.shape[1] % 16 == 0
@@ -50,10 +55,10 @@ def _fp8_reader(op: Op, value: Value) -> bool:
     )
 
 
-def mark_fp8_convs(ops: list[Op]) -> int:
-    """Mark the fp8 pairs of ``ops`` in place (the norm's and its convs' ``params["fp8_scale"]``, the norm
-    output's ``Value.fp8``); returns how many convs run in fp8. Needs the ops' fp32 source weights (before the
-    executor streams them)."""
+def mark_fp8_ops(ops: list[Op]) -> int:
+    """Mark the fp8 pairs of ``ops`` in place (the norm's and its readers' ``params["fp8_scale"]``, the norm
+    output's ``Value.fp8``); returns how many convs and GEMMs run in fp8. Needs the ops' fp32 source weights
+    (before the executor streams them)."""
     readers: dict[int, list[Op]] = {}
     for op in ops:
         for value in op.inputs:
@@ -61,15 +66,17 @@ def mark_fp8_convs(ops: list[Op]) -> int:
     marked = 0
     for norm in ops:
         y = norm.output
-        if norm.kind != "group_norm" or norm.stage != "step" or y.persistent or y.concat is not None:
+        if norm.kind not in ("group_norm", "layer_norm") or norm.stage != "step":
             continue
-        convs = readers.get(id(y), [])
-        if not convs or not all(_fp8_reader(conv, y) for conv in convs):
+        if y.persistent or y.concat is not None:
+            continue
+        users = readers.get(id(y), [])
+        if not users or not all(_fp8_reader(user, y) for user in users):
             continue
         scale = norm_output_scale(norm.weights.get("weight"), norm.weights.get("bias"))
         norm.params["fp8_scale"] = scale
         y.fp8 = True
-        for conv in convs:
-            conv.params["fp8_scale"] = scale
-        marked += len(convs)
+        for user in users:
+            user.params["fp8_scale"] = scale
+        marked += len(users)
     return marked

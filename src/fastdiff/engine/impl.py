@@ -14,7 +14,8 @@ one place that reads one. The names (canonical: ``Impl.parse(name).name == name`
                                   ``kernels.attention.attention_tiles`` / ``kernels.linear.linear_tiles`` list
                                   them (without -t: the first, the default)
     triton-tma[-fp8][-k<N>]       the TMA conv (Hopper): e4m3 operands, split-K; a token GEMM's: the TMA form of
-                                  kernels.linear (``tma=True``), also on a tile ``-t<BMxBNxBKxWxS>``
+                                  kernels.linear (``tma=True``; -fp8: e4m3 operands), also on a tile
+                                  ``-t<BMxBNxBKxWxS>``
     triton-taps                   the tap-sum conv (few output channels)
     gluon[-p2][-sc]               the Gluon TMA conv: persistent with two programs per SM, the shortcut summed in
     cudnn | cublas | sdpa | torch the vendor library (conv and depthwise | token GEMM | attention), torch (center)
@@ -104,7 +105,7 @@ class Impl:
             self.tile and not (len(self.tile) in (4, 5) and all(map(_positive, self.tile)))
         ):
             return "tile is () or 4 or 5 positive ints"
-        tma_gemm = self.kernel == "triton-tma" and len(self.tile) == 5 and not self.fp8 and self.split_k == 1
+        tma_gemm = self.kernel == "triton-tma" and len(self.tile) == 5 and self.split_k == 1
         if self.tile and not tma_gemm and (self.kernel != "triton" or schedules[0] or self.lanes is not None):
             return "a tile is the Triton attention or token GEMM kernel's (no fusions, split_k or lanes)"
         if len(self.tile) == 5 and (self.rows or self.split_kv > 1):

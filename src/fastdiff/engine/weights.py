@@ -28,7 +28,7 @@ from fastdiff.engine.ir import Op
 from fastdiff.kernels.conv2d import pack_conv_weight
 from fastdiff.kernels.conv2d_tma import pack_conv_weight_fp8, pack_upsample2_weight
 from fastdiff.kernels.depthwise_conv2d import pack_depthwise_weight
-from fastdiff.kernels.linear import pack_linear_weight
+from fastdiff.kernels.linear import pack_linear_weight, pack_linear_weight_fp8
 from fastdiff.kernels.tap_sum_conv2d import pack_tap_weight
 
 log = logging.getLogger(__name__)
@@ -173,6 +173,11 @@ def host_weights(
             out["weight"] = weight.to(dtype).contiguous(memory_format=torch.channels_last)
         if "bias" in op.weights:
             out["bias"] = op.weights["bias"].to(dtype)
+    elif op.kind == "linear" and "fp8_scale" in op.params:  # e4m3 [N_w, K] and (input scale x row scales)
+        out["packed_fp8"], scale = pack_linear_weight_fp8(op.weights["weight"])
+        out["weight_scale"] = scale * op.params["fp8_scale"]
+        if "bias" in op.weights:
+            out["bias"] = op.weights["bias"].to(dtype)
     elif op.kind == "linear":  # one layout, W^T [K, N], read by both kernels.linear and cuBLAS
         out["packed"] = pack_linear_weight(op.weights["weight"], op.params["geglu"]).to(dtype)
         if "bias" in op.weights:
@@ -200,6 +205,7 @@ WEIGHT_ROLES: dict[tuple[str, str, bool], set[str]] = {
     ("depthwise", "cudnn", False): {"weight"},
     ("linear", "triton", False): {"packed", "bias"},
     ("linear", "triton-tma", False): {"packed", "bias"},
+    ("linear", "triton-tma", True): {"packed_fp8", "weight_scale", "bias"},
     ("linear", "cublas", False): {"packed", "bias"},
 }
 """(op kind, kernel, fp8) -> the device weight layouts an implementation reads (the others are dropped after the
