@@ -74,12 +74,13 @@ def make_inputs(case: dict, device: torch.device) -> tuple[tuple, dict]:
 
 def candidates(args: tuple, kwargs: dict, out: torch.Tensor) -> dict[str, Callable[[], object]]:
     x, weight, bias = args
-    tiles = linear_tiles(x.shape[0])
     calls: dict[str, Callable[[], object]] = {}
-    for tile in tiles:
+    for tile in linear_tiles(x.shape[0]):
         name = "t" + "x".join(map(str, tile))
         calls[f"triton-{name}"] = lambda tile=tile: linear(*args, **kwargs, out=out, tile=tile)
-        if tma_linear_unsupported(x, weight) is None:
+    if tma_linear_unsupported(x, weight) is None:  # the TMA form on its (4-warp) tiles
+        for tile in linear_tiles(x.shape[0], tma=True):
+            name = "t" + "x".join(map(str, tile))
             calls[f"triton-tma-{name}"] = lambda tile=tile: linear(*args, **kwargs, out=out, tile=tile, tma=True)
     half, residual = out.shape[1], kwargs.get("residual")
 

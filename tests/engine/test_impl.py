@@ -112,9 +112,9 @@ def test_token_gemm_candidates_are_its_tiles(monkeypatch):
     assert any(aligned.values()) and not all(aligned.values())  # sd21's 30-wide attention: rows of 60 bytes
     for op in linears:
         n, _, h, w = op.inputs[0].shape
-        tiles = linear_tiles(n * h * w)
-        forms = [f"-t{'x'.join(map(str, tile))}" for tile in tiles[1:]]
-        tma = ["triton-tma", *(f"triton-tma{t}" for t in forms)] if aligned[op.name] else []
+        forms = [f"-t{'x'.join(map(str, tile))}" for tile in linear_tiles(n * h * w)[1:]]
+        tma_forms = [f"-t{'x'.join(map(str, tile))}" for tile in linear_tiles(n * h * w, tma=True)[1:]]
+        tma = ["triton-tma", *(f"triton-tma{t}" for t in tma_forms)] if aligned[op.name] else []
         expected = ["triton", *(f"triton{t}" for t in forms), *tma, "cublas"]
         assert names(fused, op.name) == expected
 
@@ -141,7 +141,7 @@ def test_fp8_token_gemm_candidates():
     name = "down_blocks.0.attentions.0.transformer_blocks.0.ff.net.0.proj"
     assert names(fused, name) == ["triton-tma-fp8"]  # off CUDA: the default tile only
     fused.device = torch.device("cuda")
-    tiles = [f"triton-tma-fp8-t{'x'.join(map(str, tile))}" for tile in linear_tiles(2 * 8 * 8)[1:]]
+    tiles = [f"triton-tma-fp8-t{'x'.join(map(str, tile))}" for tile in linear_tiles(2 * 8 * 8, tma=True)[1:]]
     assert names(fused, name) == ["triton-tma-fp8", *tiles]
 
 

@@ -256,7 +256,7 @@ def test_fp8_linear_matches_its_dequantised_reference(case: dict) -> None:
                      None if bias is None else bias.double(), residual=None if residual is None else residual.double(),
                      **kwargs)  # fmt: skip
     folded = (w_scale * a_scale).to(DEVICE)
-    for tile in linear_tiles(m) if CUDA else [None]:
+    for tile in linear_tiles(m, tma=True) if CUDA else [None]:
         got = linear(x8, w8.to(DEVICE), bias, residual=residual, **kwargs, packed=True, tma=True,
                      weight_scale=folded, tile=tile)  # fmt: skip
         assert got.dtype == torch.float16 and rel_err(got, ref) < 2e-3, tile

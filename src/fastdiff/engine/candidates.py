@@ -63,7 +63,7 @@ def candidates(model: BoundModel, op: Op) -> tuple[Impl, ...]:
         fp8 = Impl("triton-tma", fp8=True)
         return (fp8, *(Impl("triton-tma", fp8=True, split_k=split) for split in tma_split_choices(model, op)))
     if op.kind == "linear" and "fp8_scale" in op.params:  # the TMA GEMM, on each of its tiles (CUDA)
-        tiles = linear_tiles(token_rows(op))[1:] if cuda else ()
+        tiles = linear_tiles(token_rows(op), tma=True)[1:] if cuda else ()
         return (Impl("triton-tma", fp8=True), *(Impl("triton-tma", fp8=True, tile=tile) for tile in tiles))
     if op.kind in ("conv", "depthwise", "linear"):
         library = Impl("cublas" if op.kind == "linear" else "cudnn")
@@ -71,8 +71,9 @@ def candidates(model: BoundModel, op: Op) -> tuple[Impl, ...]:
         if op.kind == "linear" and cuda:  # + the GEMM's other tiles, and its TMA form on each where it fits
             tiles = linear_tiles(token_rows(op))
             ours = (TRITON, *(Impl("triton", tile=tile) for tile in tiles[1:]))
-            if tma_linear_fits(model, op):
-                ours = (*ours, Impl("triton-tma"), *(Impl("triton-tma", tile=tile) for tile in tiles[1:]))
+            if tma_linear_fits(model, op):  # its 4-warp tiles (kernels.linear.linear_tiles)
+                tma_tiles = linear_tiles(token_rows(op), tma=True)[1:]
+                ours = (*ours, Impl("triton-tma"), *(Impl("triton-tma", tile=tile) for tile in tma_tiles))
         if op.kind == "conv" and taps_fit(model, op):  # + the tap-sum form of a conv with few output channels
             ours = (*ours, Impl("triton-taps"))
         if op.kind == "conv" and gluon_fits(model, op):  # + the Gluon TMA conv, one tile per program or persistent

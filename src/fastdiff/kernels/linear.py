@@ -377,11 +377,15 @@ EPILOGUE_BLOCK = 64
 """Tile side of the split-K epilogue kernel."""
 
 
-def linear_tiles(m: int) -> tuple[tuple[int, int, int, int, int], ...]:
+def linear_tiles(m: int, tma: bool = False) -> tuple[tuple[int, int, int, int, int], ...]:
     """The tiles of ``linear`` on CUDA for a GEMM of ``m`` rows, the default first (the small tile for at most
-    :data:`FEW_ROWS` rows, else the first of :data:`TUNING_CONFIGS`). Pass one as ``tile=``."""
-    default = TUNING_CONFIGS[-1] if m <= FEW_ROWS else TUNING_CONFIGS[0]
-    return (default, *(t for t in TUNING_CONFIGS if t != default))
+    :data:`FEW_ROWS` rows, else the first of :data:`TUNING_CONFIGS`). Pass one as ``tile=``. ``tma``: those of the
+    TMA form, the 4-warp ones only: Triton 3.6's TMA pipelines gave wrong, run-to-run varying results with 8 warps
+    (two consumer warpgroups) on short reduction loops (CONTRIBUTING.md; ``conv2d_tma.default_config``), and a
+    token GEMM's loop is 5-80 steps."""
+    configs = [t for t in TUNING_CONFIGS if not tma or t[3] == 4]
+    default = configs[-1] if m <= FEW_ROWS else configs[0]
+    return (default, *(t for t in configs if t != default))
 
 
 def _check_tile(tile: object) -> tuple[int, int, int, int, int]:
@@ -464,7 +468,7 @@ def linear(
     size (tests force it). ``tile``: one of :func:`linear_tiles` (None: on CUDA its default for ``M``, the small
     tile for fp32, in the interpreter one small tile); the same tile gives the same bytes. ``tma``: the kernel
     whose tiles arrive by TMA bulk copies (Hopper; one split: ``split_k`` None or 1; :func:`tma_linear_unsupported`
-    says when it cannot run; the tiles of :func:`linear_tiles`).
+    says when it cannot run; its tiles: :func:`linear_tiles` with ``tma=True``).
 
     An e4m3 ``x`` (``fastdiff.kernels.fp8``: the output of a LayerNorm or GroupNorm that wrote e4m3) runs on the
     TMA kernel (``tma=True``) with :func:`pack_linear_weight_fp8`'s ``[N_w, K]`` e4m3 weight (``packed=True``) and
@@ -551,7 +555,7 @@ def linear(
             if not x.is_cuda
             else TUNING_CONFIGS[-1]
             if x.dtype == torch.float32
-            else linear_tiles(m)[0]
+            else linear_tiles(m, tma)[0]
         )
     block_m, block_n, block_k, num_warps, num_stages = tile
     if tma:
