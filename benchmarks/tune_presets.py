@@ -3,7 +3,8 @@ in a fresh process from empty Triton and fastdiff caches (the cold, no-plan time
 
     python benchmarks/tune_presets.py --plan plans.json --out tune.json ddpm-cifar10:1 fashion-mnist-t2i:80:3
 
-A job is ``MODEL:BATCH[:GUIDANCE]`` (guidance: text-to-image models, default 7.5). Jobs run in the order given
+A job is ``MODEL:BATCH[:GUIDANCE[:DTYPE]]`` (guidance: text-to-image models, default 7.5; dtype: ``fastdiff tune``'s,
+default fp16). Jobs run in the order given
 while ``--budget-s`` leaves room for one (a job that would not finish is skipped and said so). The result records
 each job's wall time, exit status, the compile workers (``FASTDIFF_COMPILE_WORKERS``) and the environment; the
 plan file is what ``src/fastdiff/engine/plans/<gpu>.json`` ships (merged with ``KernelPlan``).
@@ -27,17 +28,19 @@ sys.path.insert(0, str(ROOT / "src"))
 
 def parse_job(text: str) -> dict:
     parts = text.split(":")
-    if len(parts) not in (2, 3):
-        raise SystemExit(f"bad job {text!r}: MODEL:BATCH[:GUIDANCE]")
-    job = {"model": parts[0], "batch": int(parts[1])}
-    if len(parts) == 3:
+    if len(parts) not in (2, 3, 4):
+        raise SystemExit(f"bad job {text!r}: MODEL:BATCH[:GUIDANCE[:DTYPE]]")
+    job: dict = {"model": parts[0], "batch": int(parts[1])}
+    if len(parts) >= 3:
         job["guidance"] = float(parts[2])
+    if len(parts) == 4:
+        job["dtype"] = parts[3]
     return job
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("jobs", nargs="+", help="MODEL:BATCH[:GUIDANCE]")
+    p.add_argument("jobs", nargs="+", help="MODEL:BATCH[:GUIDANCE[:DTYPE]]")
     p.add_argument("--plan", type=Path, required=True, help="plan file the jobs add to")
     p.add_argument("--out", type=Path, required=True, help="result JSON")
     p.add_argument("--budget-s", type=float, default=540.0, help="stop starting jobs after this long")
@@ -63,6 +66,8 @@ def main() -> None:
                 "--out", str(args.plan)]  # fmt: skip
         if "guidance" in job:
             argv += ["--guidance", str(job["guidance"])]
+        if "dtype" in job:
+            argv += ["--dtype", job["dtype"]]
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=min(args.job_timeout_s, left))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call: the cold start with the shipped plan compiled in this process against forked workers (ddpm-cifar10 b1,
 # fresh processes, images compared), then kernel plans for the presets made by `fastdiff tune` from empty caches
-# (benchmarks/tune_presets.py). Results and the plan file under $OUT.   JOBS="model:batch[:guidance] ..." to choose.
+# (benchmarks/tune_presets.py). Results and the plan file under $OUT.   JOBS="model:batch[:guidance[:dtype]] ..."
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ -z "${SKIP_AB:-}" ]; then
