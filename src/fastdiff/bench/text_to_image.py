@@ -3,7 +3,7 @@ and initial latents, in one process and run.
 
 Systems: diffusers' ``StableDiffusionPipeline`` (eager fp32 as the quality reference, eager fp16, and fp16 with
 the U-Net ``torch.compile``d in "reduce-overhead" mode with channels-last memory), fastdiff's
-``TextToImagePipeline`` eager fp16 and on the engine (fp16, bf16, and fp8: e4m3 ResNet convs). The sampler is DDIM
+``TextToImagePipeline`` eager fp16 and on the engine (fp16, bf16, and fp8: e4m3 after each norm). The sampler is DDIM
 (diffusers' ``DDIMScheduler.from_config`` of the release's scheduler config, as users switch to it) with
 classifier-free guidance, so one image is a U-Net call on a batch of 2 per step.
 
@@ -160,7 +160,7 @@ class FastdiffT2I:
         if backend == "engine":
             self.notes += "; engine: U-Net loop in CUDA graphs, VAE decode in a second graph"
         if fp8:
-            self.notes += "; U-Net convs after each GroupNorm in e4m3, fp16 elsewhere (fp8=True)"
+            self.notes += "; U-Net convs and token GEMMs after each norm in e4m3, fp16 elsewhere (fp8=True)"
 
     def prepare(self) -> None:
         from fastdiff.pipelines.text_to_image import TextToImagePipeline
@@ -360,7 +360,7 @@ def engine_facts(system: FastdiffT2I, ceilings: dict) -> dict:
     facts["unet_impls"] = impls
     rows = [*step_op_rows(unet), sampler_step_row(unet, engine.current)]
     facts["op_table"] = {
-        "step": "one guided step: the U-Net's ops on [x; x] in model order, then the fused sampler step",
+        "step": "one step: the U-Net's ops (on [x; x] with guidance) in model order, then the fused sampler step",
         "method": "us per call: a CUDA graph of repeated launches of the op (launch overhead excluded); FLOPs and "
         "bytes: ideal counts (fastdiff.bench.counts); pct_of_ceiling: of the run's measured ceiling (top-level "
         "'ceilings') that bounds the op on the roofline; floor_ms_per_step: every op at that ceiling",
