@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import base64
 import collections
-import copy
 import json
 import logging
 import math
@@ -95,8 +94,9 @@ def import_diffusers() -> Any:
 
 def write_sd_directory(root: Path, comps: Any, dtype: torch.dtype = torch.float16) -> Path:
     """Write fastdiff ``StableDiffusionComponents`` as a diffusers ``StableDiffusionPipeline`` directory at ``root``
-    (model_index.json, unet/ and vae/ as diffusers configs + safetensors, text_encoder/ by transformers, tokenizer/,
-    scheduler/), weights in ``dtype``."""
+    (model_index.json, unet/ and vae/ as diffusers configs + safetensors, text_encoder/ in transformers' layout,
+    tokenizer/, scheduler/), weights in ``dtype``."""
+    from fastdiff.models.clip_text import save_clip_text
     from fastdiff.models.stable_diffusion import clip_tokenizer_files
     from fastdiff.train.text_to_image.files import DIFFUSERS_VERSION, MODEL_INDEX, write_diffusers_model
 
@@ -120,11 +120,7 @@ def write_sd_directory(root: Path, comps: Any, dtype: torch.dtype = torch.float1
         saved = {k: v.encode() for k, v in clip_tokenizer_files([], pad, tokenizer.model_max_length).items()}
     for name, data in saved.items():
         (root / "tokenizer" / name).write_bytes(data)
-    with tempfile.TemporaryDirectory() as tmp:
-        copy.deepcopy(comps.text_encoder).to("cpu", dtype).save_pretrained(tmp)
-        (root / "text_encoder").mkdir(exist_ok=True)
-        for path in Path(tmp).iterdir():
-            (root / "text_encoder" / path.name).write_bytes(path.read_bytes())
+    save_clip_text(comps.text_encoder, root / "text_encoder", dtype)
     write_diffusers_model(root / "unet", comps.unet, "UNet2DConditionModel", dtype)
     write_diffusers_model(root / "vae", comps.vae, "AutoencoderKL", dtype)
     return root

@@ -183,8 +183,11 @@ def test_broken_pieces(sd15, tmp_path):
     (root / "scheduler" / "scheduler_config.json").unlink()
     expect_error(root, "missing", "scheduler_config.json")
     root = linked_copy(sd15, tmp_path / "g")
-    rewrite(root / "text_encoder" / "config.json", "{}")
-    expect_error(root, "cannot load text encoder")
+    config = json.loads((root / "text_encoder" / "config.json").read_text())
+    rewrite(root / "text_encoder" / "config.json", "{}")  # transformers' default architecture: not these weights
+    expect_error(root, "text_encoder: ", "weights missing")
+    rewrite(root / "text_encoder" / "config.json", json.dumps({**config, "hidden_act": "relu"}))
+    expect_error(root, "text_encoder/config.json: unsupported hidden_act='relu'")
 
 
 def test_missing_transformers_is_explained(sd15, monkeypatch):

@@ -39,6 +39,7 @@ from fastdiff.devices import DTYPES, synchronize, time_ms
 from fastdiff.engine.kernel_plan import KernelPlan
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.fp8 import fp8_supported
+from fastdiff.models.clip_text import to_transformers
 from fastdiff.models.stable_diffusion import (
     SD_PRESETS,
     StableDiffusionComponents,
@@ -128,7 +129,7 @@ class DiffusersT2I:
         vae.load_state_dict(comps.vae.state_dict(), assign=True)
         scheduler = diffusers.DDIMScheduler.from_config(comps.scheduler_config)
         self.pipe = diffusers.StableDiffusionPipeline(
-            vae=vae, text_encoder=copy.deepcopy(comps.text_encoder), tokenizer=comps.tokenizer, unet=unet,
+            vae=vae, text_encoder=to_transformers(comps.text_encoder), tokenizer=comps.tokenizer, unet=unet,
             scheduler=scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False,
         ).to(self.device, self.dtype)  # fmt: skip
         self.pipe.set_progress_bar_config(disable=True)

@@ -25,6 +25,7 @@ from fastdiff.models.autoencoder_kl import (
     AutoencoderKLConfig,
     autoencoder_kl_from_dir,
 )
+from fastdiff.models.clip_text import CLIPTextConfig, CLIPTextModel, clip_text_from_dir
 from fastdiff.models.unet_2d_condition import (
     SD15_CONFIG,
     SD21_CONFIG,
@@ -48,12 +49,6 @@ SUPPORTED_COMPONENTS: dict[str, tuple[str, ...]] = {
 }
 """model_index.json entry -> the class names fastdiff loads for it."""
 
-TEXT_ENCODER_WEIGHTS = (
-    "model.safetensors",
-    "pytorch_model.bin",
-    "model.safetensors.index.json",
-    "pytorch_model.bin.index.json",
-)
 TOKENIZER_FILES = (("vocab.json", "merges.txt"), ("tokenizer.json",))
 
 
@@ -136,8 +131,8 @@ class StableDiffusionComponents:
 
     unet: UNet2DConditionModel
     vae: AutoencoderKL
-    text_encoder: nn.Module
-    """transformers' ``CLIPTextModel``."""
+    text_encoder: CLIPTextModel
+    """CLIP's text tower (``fastdiff.models.clip_text``; transformers' ``CLIPTextModel`` in the test oracles)."""
     tokenizer: Any
     """transformers' ``CLIPTokenizer``."""
     scheduler_config: dict
@@ -177,7 +172,7 @@ def load_stable_diffusion(
     transformers = import_transformers()
     unet = unet_2d_condition_from_dir(root / "unet", read_json_object(root / "unet" / "config.json"))
     vae = autoencoder_kl_from_dir(root / "vae", read_json_object(root / "vae" / "config.json"))
-    text_encoder = load_text_encoder(transformers, root / "text_encoder", class_names["text_encoder"])
+    text_encoder = load_text_encoder(root / "text_encoder")
     tokenizer = load_tokenizer(transformers, root / "tokenizer", class_names["tokenizer"])
     scheduler_config = read_json_object(root / "scheduler" / "scheduler_config.json")
     if text_encoder.config.hidden_size != unet.config.cross_attention_dim:
@@ -231,22 +226,12 @@ def first_line(exc: Exception) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
-def load_text_encoder(transformers: Any, folder: Path, class_name: str) -> nn.Module:
-    """transformers' CLIP text model from ``folder`` (config.json + weights), without network access."""
+def load_text_encoder(folder: Path) -> CLIPTextModel:
+    """The CLIP text encoder in ``folder`` (transformers' config.json + weights): fastdiff's ``CLIPTextModel``,
+    which reads transformers' files without importing its modelling code."""
     if not (folder / "config.json").is_file():
         raise FastdiffError(f"missing {folder / 'config.json'}")
-    if not any((folder / name).is_file() for name in TEXT_ENCODER_WEIGHTS):
-        raise FastdiffError(f"no weights in {folder}: expected one of {', '.join(TEXT_ENCODER_WEIGHTS)}")
-    progress_bars = transformers.utils.logging
-    shown = progress_bars.is_progress_bar_enabled()
-    progress_bars.disable_progress_bar()  # no "Loading weights" bar: a load is quick and errors stay one line
-    try:
-        return getattr(transformers, class_name).from_pretrained(str(folder), local_files_only=True)
-    except Exception as exc:  # transformers raises OSError, ValueError, RuntimeError, ... for bad files
-        raise FastdiffError(f"cannot load text encoder {folder}: {first_line(exc)}") from exc
-    finally:
-        if shown:
-            progress_bars.enable_progress_bar()
+    return clip_text_from_dir(folder)
 
 
 def load_tokenizer(transformers: Any, folder: Path, class_name: str) -> Any:
@@ -470,15 +455,14 @@ def random_components(name: str, seed: int = 0) -> StableDiffusionComponents:
         raise FastdiffError(f"unknown Stable Diffusion preset {name!r}; choose one of {', '.join(SD_PRESETS)}")
     preset = SD_PRESETS[name]
     log.warning("%s: random weights (fastdiff ships no Stable Diffusion weights); images will be noise", name)
-    transformers = import_transformers()
     tokenizer = clip_tokenizer(clip_tokenizer_files([], preset.pad_token, preset.text_tokens))
-    text_config = transformers.CLIPTextConfig(
+    text_config = CLIPTextConfig(
         **preset.text, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
     torch.manual_seed(seed)
     unet = UNet2DConditionModel(preset.unet).eval()
     vae = AutoencoderKL(preset.vae).eval()
-    text_encoder = transformers.CLIPTextModel(text_config).eval()
+    text_encoder = CLIPTextModel(text_config).eval()
     index = {"_class_name": "StableDiffusionPipeline"}
     return StableDiffusionComponents(unet, vae, text_encoder, tokenizer, dict(preset.scheduler), index)

@@ -10,11 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torch import nn
-
 from fastdiff.atomic import check_output_location
 from fastdiff.errors import FastdiffError
 from fastdiff.models.autoencoder_kl import AutoencoderKLConfig
+from fastdiff.models.clip_text import CLIPTextConfig, CLIPTextModel
 from fastdiff.models.unet_2d_condition import UNet2DConditionConfig
 from fastdiff.models.weights import find_weights, read_json_object
 
@@ -95,13 +94,11 @@ def resolve_preset(name: str) -> TextToImagePreset:
     return PRESETS[name]
 
 
-def make_text_encoder(preset: TextToImagePreset, tokenizer: Any) -> nn.Module:
-    """A randomly initialised transformers ``CLIPTextModel`` for ``preset`` and ``tokenizer``'s vocabulary."""
-    from fastdiff.models.stable_diffusion import import_transformers
-
-    transformers = import_transformers()
+def make_text_encoder(preset: TextToImagePreset, tokenizer: Any) -> CLIPTextModel:
+    """A randomly initialised CLIP text encoder (``fastdiff.models.clip_text``, transformers' initialisation) for
+    ``preset`` and ``tokenizer``'s vocabulary."""
     width = preset.text_width
-    config = transformers.CLIPTextConfig(
+    config = CLIPTextConfig(
         vocab_size=len(tokenizer.get_vocab()),
         hidden_size=width,
         intermediate_size=4 * width,
@@ -114,7 +111,7 @@ def make_text_encoder(preset: TextToImagePreset, tokenizer: Any) -> nn.Module:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    return transformers.CLIPTextModel(config)
+    return CLIPTextModel(config)
 
 
 SCHEDULER_CONFIG: dict[str, Any] = {

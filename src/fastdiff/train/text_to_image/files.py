@@ -5,10 +5,8 @@ saved precision.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +14,7 @@ import torch
 from torch import nn
 
 from fastdiff.models.autoencoder_kl import AutoencoderKL
+from fastdiff.models.clip_text import CLIPTextModel, save_clip_text
 from fastdiff.models.unet_2d_condition import UNet2DConditionModel
 from fastdiff.train.text_to_image.config import SCHEDULER_CONFIG
 from fastdiff.train.text_to_image.prompts import write_tokenizer
@@ -94,18 +93,16 @@ def copy_files(src: Path, dst: Path) -> None:
 
 
 def write_pipeline(
-    folder: Path, unet: UNet2DConditionModel, vae: AutoencoderKL, text_encoder: nn.Module, dtype: torch.dtype
+    folder: Path, unet: UNet2DConditionModel, vae: AutoencoderKL, text_encoder: CLIPTextModel, dtype: torch.dtype
 ) -> dict[str, int]:
     """A diffusers ``StableDiffusionPipeline`` directory in ``folder``: model_index.json, scheduler/, tokenizer/,
-    text_encoder/ (transformers' own save), unet/ and vae/ (diffusers configs), weights in ``dtype``; returns the
+    text_encoder/ (in transformers' layout), unet/ and vae/ (diffusers configs), weights in ``dtype``; returns the
     bytes of each component."""
     (folder / "model_index.json").write_text(json.dumps(MODEL_INDEX, indent=2) + "\n")
     (folder / "scheduler").mkdir()
     (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER_CONFIG, indent=2) + "\n")
     write_tokenizer(folder / "tokenizer")
-    with tempfile.TemporaryDirectory() as tmp:
-        copy.deepcopy(text_encoder).to("cpu", dtype).save_pretrained(tmp)
-        copy_files(Path(tmp), folder / "text_encoder")
+    save_clip_text(text_encoder, folder / "text_encoder", dtype)
     write_diffusers_model(folder / "unet", unet, "UNet2DConditionModel", dtype)
     write_diffusers_model(folder / "vae", vae, "AutoencoderKL", dtype)
     return {part: folder_bytes(folder / part) for part in ("unet", "vae", "text_encoder", "tokenizer", "scheduler")}
