@@ -116,6 +116,49 @@ def test_engine_takes_a_given_plan(tmp_path, monkeypatch):
     assert not (tmp_path / "cache").exists()  # the CPU never tunes, so it writes no plan
 
 
+def test_a_plan_packs_only_the_layouts_its_kernels_read(tmp_path, monkeypatch):
+    """With a plan, the first forward packs and uploads each op's layouts for its planned kernel (and for the kernel
+    it runs in the first forward) only: the vendor convs get the library layout alone, ours the packed one alone;
+    a conv2 that sums its shortcut in (a CUDA candidate, offered here on the CPU too) reads the shortcut's packed
+    weights, which the shortcut (fused; its own default kernel in the first forward) keeps. The output equals the
+    default engine's."""
+    import fastdiff.engine.executor as executor
+    from fastdiff.engine.impl import Impl
+
+    monkeypatch.setenv("FASTDIFF_CACHE_DIR", str(tmp_path / "cache"))
+    model = make_tiny("attn_pad0", 4)
+    default_engine = Engine(DEVICE)
+    ref = _engine_run(default_engine, model)
+    fused = default_engine.current_step_model
+    assert all({"packed", "weight"} <= set(fused.device_weights[op.name]) for op in fused.ops if op.kind == "conv")
+    ((structure, entry),) = default_engine.used_plan.entries.items()
+    pairs = {name: sc.name for name, sc in fused.pairs["sc"].items()}
+    assert pairs
+    plain = [op.name for op in fused.ops if op.kind == "conv" and op.name not in {*pairs, *pairs.values()}]
+    vendor = plain[::2]
+    choices = {**entry.choices, **dict.fromkeys(vendor, "cudnn"), **dict.fromkeys(pairs, "triton-sc")}
+    choices.update(dict.fromkeys(pairs.values(), "fused"))
+    offered = executor.candidates
+
+    def with_shortcut_sums(model, op):
+        own = offered(model, op)
+        return (*own, Impl.parse("triton-sc")) if op.name in pairs and model is not fused else own
+
+    monkeypatch.setattr(executor, "candidates", with_shortcut_sums)
+    engine = Engine(DEVICE, plan=KernelPlan("cpu", {structure: PlanEntry(choices)}).save(tmp_path / "plan.json"))
+    out = _engine_run(engine, model)
+    assert rel_err(out, ref) < 1e-5
+    planned = engine.current_step_model
+    assert engine.plan_sources[structure] == "given"
+    assert {name: planned.impls[name].name for name in pairs} == dict.fromkeys(pairs, "triton-sc")
+    for op in planned.ops:
+        layouts = set(planned.device_weights[op.name]) - {"bias"}
+        if op.name in vendor:
+            assert layouts == {"weight"}, op.name
+        elif op.kind == "conv":
+            assert layouts == {"packed"}, op.name
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("change", "why"),

@@ -70,7 +70,7 @@ from fastdiff.engine.tuning import (
     save_tuning_cache,
     time_call_us,
 )
-from fastdiff.engine.weights import WeightStreamer, host_weights, weight_roles
+from fastdiff.engine.weights import WeightStreamer, host_weights, roles_of, weight_roles
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.common import SplitWorkspace
 from fastdiff.kernels.fp8 import FP8_DTYPE
@@ -153,6 +153,7 @@ class FusedModel:
         }
         self.fusion_state: dict[str, dict[str, Any]] = {}  # by fusion tag: its buffers (pair biases, statistics)
         self.impls: dict[str, Impl] = {}  # op name -> its implementation: the choice the forward binds
+        self.plan_applied = False  # apply_plan set every op's implementation: the first forward packs only theirs
         self._time_features = graph.time_features
         self._temb_channels = graph.temb_channels
         self.temb_row = torch.zeros((1, self._temb_channels), dtype=dtype, device=self.device)
@@ -343,12 +344,15 @@ class FusedModel:
     def _upload_and_bind(self, op: Op) -> Callable[[], None]:
         """Queue ``op``'s weights' upload; its first-forward call (its implementation: the plan's or the first
         candidate)."""
-        packed = host_weights(op, self.dtype, self.device, self.conv_impl, taps_fit(self, op))
-        self.device_weights[op.name] = self.streamer.submit(op.name, packed)
-        op.weights = {}  # the fp32 source copies are no longer needed
         if op.name not in self.impls:
             self.impls[op.name] = candidates(self, op)[0]
-        return self.call(op, self._first_forward_impl(op))
+        first = self._first_forward_impl(op)
+        # a plan names the implementations: only their layouts are packed and uploaded (the autotune needs all)
+        roles = roles_of(op.kind, [self.impls[op.name], first]) if self.plan_applied else None
+        packed = host_weights(op, self.dtype, self.device, self.conv_impl, taps_fit(self, op), roles)
+        self.device_weights[op.name] = self.streamer.submit(op.name, packed)
+        op.weights = {}  # the fp32 source copies are no longer needed
+        return self.call(op, first)
 
     def _after_upload(self, name: str, call: Callable[[], None]) -> None:
         """``call`` on the current stream once op ``name``'s weights are on the device."""
@@ -473,6 +477,7 @@ class FusedModel:
         if len(entry.choices) != len(chosen):
             return "it names ops this model does not have"
         self.impls.update(chosen)
+        self.plan_applied = True
         for op in self.ops:
             op.why = "kernel plan"
         return None

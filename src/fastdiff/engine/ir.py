@@ -177,7 +177,9 @@ class GraphBuilder:
         weight_scale: float = 1.0,
     ) -> Value:  # fmt: skip
         """``conv`` on ``x``; ``weight_scale`` multiplies the weight (a constant folded into the conv)."""
-        weight = conv.weight.detach().float() * weight_scale
+        weight = conv.weight.detach().float()
+        if weight_scale != 1.0:  # (a multiply by 1 would copy the whole weight once more)
+            weight = weight * weight_scale
         bias = None if conv.bias is None else conv.bias.detach().float()
         stride, padding = conv.stride[0], conv.padding[0]
         pad_end = padding + 1 if downsample_pad0 else padding  # Downsample2D(padding=0): F.pad (0, 1, 0, 1) first

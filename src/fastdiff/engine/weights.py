@@ -147,10 +147,15 @@ class WeightStreamer:
 
 
 def host_weights(
-    op: Op, dtype: torch.dtype, device: torch.device, conv_impl: str, taps: bool
+    op: Op, dtype: torch.dtype, device: torch.device, conv_impl: str, taps: bool, roles: set[str] | None = None
 ) -> dict[str, torch.Tensor]:
     """The device layouts of ``op``'s weights in the engine ``dtype``, packed on the host: those of every
-    implementation ``conv_impl`` allows ("auto": ours and the library's; ``taps``: the op may run the tap-sum conv)."""
+    implementation ``conv_impl`` allows ("auto": ours and the library's; ``taps``: the op may run the tap-sum conv),
+    or only ``roles`` (:data:`WEIGHT_ROLES`' names) where the implementations are known (a kernel plan's)."""
+
+    def want(role: str) -> bool:
+        return roles is None or role in roles
+
     out: dict[str, torch.Tensor] = {}
     triton_too, library_too = conv_impl in ("auto", "triton"), conv_impl in ("auto", "cudnn")
     if op.kind == "conv" and "fp8_scale" in op.params:  # e4m3 [Cout, K] and (input scale x channel scales)
@@ -161,13 +166,14 @@ def host_weights(
     elif op.kind == "conv":
         weight = op.weights["weight"]
         if triton_too:
-            out["packed"] = pack_conv_weight(weight).to(dtype)
-            if op.params["upsample"] == 2 and weight.shape[-1] == 3 and device.type == "cuda":
+            if want("packed"):
+                out["packed"] = pack_conv_weight(weight).to(dtype)
+            if op.params["upsample"] == 2 and weight.shape[-1] == 3 and device.type == "cuda" and want("packed_up2"):
                 out["packed_up2"] = pack_upsample2_weight(weight).to(dtype)  # conv2d_tma's phase form
-            if taps:  # tap_sum_conv2d's [Cin, K*K*Cout] (and the raw weight for its shape)
+            if taps and want("packed_taps"):  # tap_sum_conv2d's [Cin, K*K*Cout] (and the raw weight for its shape)
                 out["packed_taps"] = pack_tap_weight(weight).to(dtype)
                 library_too = True
-        if library_too:
+        if library_too and want("weight"):
             if "pad_end" in op.params:  # padding (p, p + 1) == a zero first tap row and column, padding p + 1
                 weight = F.pad(weight, (1, 0, 1, 0))
             out["weight"] = weight.to(dtype).contiguous(memory_format=torch.channels_last)
@@ -184,9 +190,9 @@ def host_weights(
             out["bias"] = op.weights["bias"].to(dtype)
     elif op.kind == "depthwise":
         weight = op.weights["weight"]
-        if triton_too:
+        if triton_too and want("packed"):
             out["packed"] = pack_depthwise_weight(weight).to(dtype)
-        if library_too:
+        if library_too and want("weight"):
             out["weight"] = weight.to(dtype).contiguous(memory_format=torch.channels_last)
     elif op.kind in ("group_norm", "layer_norm", "gate"):
         out = {k: v.to(dtype) for k, v in op.weights.items() if v is not None}
@@ -215,3 +221,14 @@ autotune); any split or fusion form reads its kernel's."""
 def weight_roles(kind: str, impl: Impl) -> set[str] | None:
     """The weight layouts an op of ``kind`` reads on ``impl``; None: all it has."""
     return WEIGHT_ROLES.get((kind, impl.kernel, impl.fp8))
+
+
+def roles_of(kind: str, impls: list[Impl]) -> set[str] | None:
+    """The weight layouts an op of ``kind`` needs to run each of ``impls``; None: all it has."""
+    roles: set[str] = set()
+    for impl in impls:
+        reads = weight_roles(kind, impl)
+        if reads is None:
+            return None
+        roles |= reads
+    return roles
