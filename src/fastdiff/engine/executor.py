@@ -351,7 +351,7 @@ class FusedModel:
         roles = roles_of(op.kind, [self.impls[op.name], first]) if self.plan_applied else None
         packed = host_weights(op, self.dtype, self.device, self.conv_impl, taps_fit(self, op), roles)
         self.device_weights[op.name] = self.streamer.submit(op.name, packed)
-        op.weights = {}  # the fp32 source copies are no longer needed
+        op.weights = {}  # the source copies are no longer needed
         return self.call(op, first)
 
     def _after_upload(self, name: str, call: Callable[[], None]) -> None:

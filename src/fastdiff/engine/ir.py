@@ -83,7 +83,8 @@ class Value:
 
 @dataclass(eq=False)
 class Op:
-    """One fused launch (or a library call and its epilogue). ``weights`` are fp32 source tensors by role."""
+    """One fused launch (or a library call and its epilogue). ``weights`` are its source tensors by role (conv and
+    GEMM weights in the model's dtype, the rest fp32)."""
 
     name: str
     kind: str
@@ -177,9 +178,9 @@ class GraphBuilder:
         weight_scale: float = 1.0,
     ) -> Value:  # fmt: skip
         """``conv`` on ``x``; ``weight_scale`` multiplies the weight (a constant folded into the conv)."""
-        weight = conv.weight.detach().float()
-        if weight_scale != 1.0:  # (a multiply by 1 would copy the whole weight once more)
-            weight = weight * weight_scale
+        weight = conv.weight.detach()  # in the model's dtype: packing is a layout change (weights.host_weights)
+        if weight_scale != 1.0:
+            weight = weight.float() * weight_scale
         bias = None if conv.bias is None else conv.bias.detach().float()
         stride, padding = conv.stride[0], conv.padding[0]
         pad_end = padding + 1 if downsample_pad0 else padding  # Downsample2D(padding=0): F.pad (0, 1, 0, 1) first
@@ -213,7 +214,7 @@ class GraphBuilder:
     ) -> Value:  # fmt: skip
         """Per-token ``x @ weight^T + bias`` (``weight`` [N, C] as nn.Linear; a 1x1 conv's weight works too),
         with diffusers' GEGLU (``value * gelu(gate)`` of the two halves) when ``geglu``; output [B, N(/2), H, W]."""
-        weight = weight.detach().float().reshape(weight.shape[0], -1)
+        weight = weight.detach().reshape(weight.shape[0], -1)  # the model's dtype, as a conv's
         if weight.shape[1] != x.shape[1]:
             raise FastdiffError(f"internal: {name} weight {tuple(weight.shape)} does not fit {x.shape[1]} channels")
         channels = weight.shape[0] // 2 if geglu else weight.shape[0]

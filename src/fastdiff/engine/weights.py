@@ -149,7 +149,8 @@ class WeightStreamer:
 def host_weights(
     op: Op, dtype: torch.dtype, device: torch.device, conv_impl: str, taps: bool, roles: set[str] | None = None
 ) -> dict[str, torch.Tensor]:
-    """The device layouts of ``op``'s weights in the engine ``dtype``, packed on the host: those of every
+    """The device layouts of ``op``'s weights in the engine ``dtype``, packed on the host from the lowering's (conv
+    and GEMM weights in the model's dtype, the rest fp32; sums and scales in fp32): those of every
     implementation ``conv_impl`` allows ("auto": ours and the library's; ``taps``: the op may run the tap-sum conv),
     or only ``roles`` (:data:`WEIGHT_ROLES`' names) where the implementations are known (a kernel plan's)."""
 
@@ -169,7 +170,7 @@ def host_weights(
             if want("packed"):
                 out["packed"] = pack_conv_weight(weight).to(dtype)
             if op.params["upsample"] == 2 and weight.shape[-1] == 3 and device.type == "cuda" and want("packed_up2"):
-                out["packed_up2"] = pack_upsample2_weight(weight).to(dtype)  # conv2d_tma's phase form
+                out["packed_up2"] = pack_upsample2_weight(weight.float()).to(dtype)  # conv2d_tma's phase form
             if taps and want("packed_taps"):  # tap_sum_conv2d's [Cin, K*K*Cout] (and the raw weight for its shape)
                 out["packed_taps"] = pack_tap_weight(weight).to(dtype)
                 library_too = True
