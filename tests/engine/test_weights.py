@@ -57,3 +57,33 @@ def test_cuda_streamed_weights_arrive(tiny_model):
     with torch.no_grad():
         ref = model(x, torch.tensor([10], device="cuda"))
     assert float((out - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("source", [torch.float16, torch.bfloat16, torch.float32])
+def test_packing_from_the_model_dtype_gives_the_fp32_copys_bytes(source):
+    """The lowering keeps conv and GEMM weights in the model's dtype: every layout (our conv's, the Upsample2D phase
+    form, cuDNN's, the tap-sum form, Downsample2D's padded one, a GEMM's) packed from them has the bytes the
+    packing of an fp32 copy of them gives, in the engine's fp16 and fp32."""
+    import dataclasses
+
+    from fastdiff.engine.ir import GraphBuilder
+    from fastdiff.engine.weights import host_weights
+
+    torch.manual_seed(0)
+    graph = GraphBuilder(2, 8, 8)
+    x = graph.value("x", 6, 8, 8)
+    convs = {"up": dict(upsample=2), "down": dict(downsample_pad0=True), "plain": {}}
+    for name, kw in convs.items():
+        conv = torch.nn.Conv2d(6, 5, 3, stride=2 if name == "down" else 1, padding=0 if name == "down" else 1)
+        graph.conv(name, conv.to(source), x, **kw)
+    linear = torch.nn.Linear(6, 8).to(source)
+    graph.linear("ff", linear.weight, linear.bias, x, geglu=True)
+    cuda = torch.device("cuda")  # the phase form is packed for CUDA engines only
+    for op in graph.ops:
+        fp32 = dataclasses.replace(op, weights={k: v.float() for k, v in op.weights.items()})
+        for dtype in (torch.float16, torch.float32):
+            got = host_weights(op, dtype, cuda, "auto", taps=op.kind == "conv")
+            want = host_weights(fp32, dtype, cuda, "auto", taps=op.kind == "conv")
+            assert set(got) == set(want) and len(got) >= 2, op.name
+            for role in got:
+                assert got[role].dtype == want[role].dtype and torch.equal(got[role], want[role]), (op.name, role)
