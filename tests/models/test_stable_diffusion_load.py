@@ -190,9 +190,12 @@ def test_broken_pieces(sd15, tmp_path):
     expect_error(root, "text_encoder/config.json: unsupported hidden_act='relu'")
 
 
-def test_missing_transformers_is_explained(sd15, monkeypatch):
+def test_loads_without_transformers_and_explains_a_missing_tokenizers(sd15, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` raise ImportError
-    expect_error(sd15[0], "needs the transformers package", "pip install 'fastdiff[sd]'")
+    parts = load_stable_diffusion(sd15[0])  # the text encoder and tokenizer are fastdiff's own
+    assert encode_prompts(parts.text_encoder, parts.tokenizer, ["a cat"], "cpu").shape[:2] == (1, 77)
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    expect_error(sd15[0], "needs the tokenizers package", "pip install 'fastdiff[sd]'")
 
 
 def test_encode_prompts_rejects_a_bare_string(sd15):

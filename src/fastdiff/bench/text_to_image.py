@@ -40,6 +40,7 @@ from fastdiff.engine.kernel_plan import KernelPlan
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.fp8 import fp8_supported
 from fastdiff.models.clip_text import to_transformers
+from fastdiff.models.clip_tokenizer import to_transformers as tokenizer_to_transformers
 from fastdiff.models.stable_diffusion import (
     SD_PRESETS,
     StableDiffusionComponents,
@@ -128,9 +129,10 @@ class DiffusersT2I:
         unet.load_state_dict(comps.unet.state_dict(), assign=True)
         vae.load_state_dict(comps.vae.state_dict(), assign=True)
         scheduler = diffusers.DDIMScheduler.from_config(comps.scheduler_config)
+        text_encoder, tokenizer = to_transformers(comps.text_encoder), tokenizer_to_transformers(comps.tokenizer)
         self.pipe = diffusers.StableDiffusionPipeline(
-            vae=vae, text_encoder=to_transformers(comps.text_encoder), tokenizer=comps.tokenizer, unet=unet,
-            scheduler=scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+            vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
+            safety_checker=None, feature_extractor=None, requires_safety_checker=False,
         ).to(self.device, self.dtype)  # fmt: skip
         self.pipe.set_progress_bar_config(disable=True)
         self.weights_mib = module_mib(self.pipe.unet, self.pipe.vae, self.pipe.text_encoder)

@@ -3,7 +3,7 @@
 The same maths as transformers' class (``tests/models/test_clip_text.py`` holds it to it on SD 1.5's and SD 2.1's
 configs), read from and written to the same files, without importing transformers' modelling code: that import
 costs more than the rest of a pipeline's load together (``docs/engine/kernel-plans.md``, "Loading Stable
-Diffusion"). The tokenizer stays transformers'.
+Diffusion"). The tokenizer is ``fastdiff.models.clip_tokenizer``.
 
 One pre-LayerNorm transformer over the token and position embeddings, with a causal mask; each layer is::
 

@@ -1,14 +1,14 @@
 """Stable Diffusion 1.x / 2.x components from a local diffusers ``StableDiffusionPipeline`` directory.
 
-The U-Net and the VAE are fastdiff's own modules; the CLIP text encoder and tokenizer come from ``transformers``
-(imported only here, when a pipeline is loaded; install with ``pip install 'fastdiff[sd]'``).
+The U-Net, the VAE and the CLIP text encoder are fastdiff's own modules; the CLIP tokenizer runs on the
+``tokenizers`` package (install with ``pip install 'fastdiff[sd]'``). transformers reads and writes the same files
+and is the test oracle, never imported here.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import tempfile
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +26,7 @@ from fastdiff.models.autoencoder_kl import (
     autoencoder_kl_from_dir,
 )
 from fastdiff.models.clip_text import CLIPTextConfig, CLIPTextModel, clip_text_from_dir
+from fastdiff.models.clip_tokenizer import CLIPTokenizer
 from fastdiff.models.unet_2d_condition import (
     SD15_CONFIG,
     SD21_CONFIG,
@@ -48,8 +49,6 @@ SUPPORTED_COMPONENTS: dict[str, tuple[str, ...]] = {
     "tokenizer": ("CLIPTokenizer", "CLIPTokenizerFast"),
 }
 """model_index.json entry -> the class names fastdiff loads for it."""
-
-TOKENIZER_FILES = (("vocab.json", "merges.txt"), ("tokenizer.json",))
 
 
 SD15_TEXT_CONFIG: dict = {
@@ -83,7 +82,7 @@ class StableDiffusionPreset:
     unet: UNet2DConditionConfig
     vae: AutoencoderKLConfig
     text: dict = field(default_factory=dict)
-    """transformers ``CLIPTextConfig`` keys of the text encoder."""
+    """``CLIPTextConfig`` keys of the text encoder (transformers' names)."""
     scheduler: dict = field(default_factory=dict)
     """The release's scheduler/scheduler_config.json."""
     pad_token: str = "<|endoftext|>"
@@ -133,8 +132,8 @@ class StableDiffusionComponents:
     vae: AutoencoderKL
     text_encoder: CLIPTextModel
     """CLIP's text tower (``fastdiff.models.clip_text``; transformers' ``CLIPTextModel`` in the test oracles)."""
-    tokenizer: Any
-    """transformers' ``CLIPTokenizer``."""
+    tokenizer: CLIPTokenizer
+    """CLIP's tokenizer (``fastdiff.models.clip_tokenizer``, on the tokenizers package)."""
     scheduler_config: dict
     """scheduler/scheduler_config.json as written by diffusers (``_class_name`` names the scheduler)."""
     model_index: dict
@@ -168,12 +167,11 @@ def load_stable_diffusion(
         if not present:
             raise FastdiffError(f"{root}: missing {part} ({PARTS_HINT})")
     model_index = read_json_object(root / "model_index.json")
-    class_names = check_model_index(model_index, root / "model_index.json")
-    transformers = import_transformers()
+    check_model_index(model_index, root / "model_index.json")
     unet = unet_2d_condition_from_dir(root / "unet", read_json_object(root / "unet" / "config.json"))
     vae = autoencoder_kl_from_dir(root / "vae", read_json_object(root / "vae" / "config.json"))
     text_encoder = load_text_encoder(root / "text_encoder")
-    tokenizer = load_tokenizer(transformers, root / "tokenizer", class_names["tokenizer"])
+    tokenizer = CLIPTokenizer.from_pretrained(root / "tokenizer")
     scheduler_config = read_json_object(root / "scheduler" / "scheduler_config.json")
     if text_encoder.config.hidden_size != unet.config.cross_attention_dim:
         raise FastdiffError(
@@ -192,38 +190,18 @@ def load_stable_diffusion(
     )
 
 
-def check_model_index(model_index: dict, source: Path) -> dict[str, str]:
-    """The class name of each loaded component; an unsupported pipeline or component class raises."""
+def check_model_index(model_index: dict, source: Path) -> None:
+    """An unsupported pipeline or component class raises a one-line FastdiffError."""
     pipeline = model_index.get("_class_name")
     if pipeline not in SUPPORTED_PIPELINES:
         supported = ", ".join(SUPPORTED_PIPELINES)
         raise FastdiffError(f"{source}: pipeline class {pipeline!r} is not supported ({supported})")
-    class_names = {}
     for component, supported in SUPPORTED_COMPONENTS.items():
         entry = model_index.get(component)
         if not isinstance(entry, list) or len(entry) != 2:
             raise FastdiffError(f"{source}: {component!r} must be a [library, class] pair, got {entry!r}")
         if entry[1] not in supported:
             raise FastdiffError(f"{source}: {component} class {entry[1]!r} is not supported ({', '.join(supported)})")
-        class_names[component] = entry[1]
-    return class_names
-
-
-def import_transformers() -> Any:
-    """The transformers module, or a FastdiffError saying how to install it."""
-    try:
-        import transformers
-    except ImportError as exc:
-        raise FastdiffError(
-            "Stable Diffusion needs the transformers package for its CLIP text encoder: pip install 'fastdiff[sd]'"
-        ) from exc
-    return transformers
-
-
-def first_line(exc: Exception) -> str:
-    """``Type: first line of the message`` (transformers' errors span several lines)."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 def load_text_encoder(folder: Path) -> CLIPTextModel:
@@ -232,16 +210,6 @@ def load_text_encoder(folder: Path) -> CLIPTextModel:
     if not (folder / "config.json").is_file():
         raise FastdiffError(f"missing {folder / 'config.json'}")
     return clip_text_from_dir(folder)
-
-
-def load_tokenizer(transformers: Any, folder: Path, class_name: str) -> Any:
-    """transformers' CLIP tokenizer from ``folder`` (vocab.json + merges.txt, or tokenizer.json)."""
-    if not any(all((folder / name).is_file() for name in files) for files in TOKENIZER_FILES):
-        raise FastdiffError(f"tokenizer files missing in {folder}: need vocab.json and merges.txt, or tokenizer.json")
-    try:
-        return getattr(transformers, class_name).from_pretrained(str(folder), local_files_only=True)
-    except Exception as exc:  # as above
-        raise FastdiffError(f"cannot load tokenizer {folder}: {first_line(exc)}") from exc
 
 
 def encode_prompts(
@@ -299,7 +267,8 @@ def prompt_warnings(tokenizer: Any, prompts: list[str]) -> list[str]:
     vocabulary (``unknown_words``), tokens beyond the model's ``model_max_length`` (dropped by the truncation).
     Lines name their prompt (quoted, shortened) when ``prompts`` holds more than one non-empty prompt.
 
-    Tokenizes without truncation and with ``verbose=False``, so transformers logs no warning of its own.
+    Tokenizes without truncation and with ``verbose=False`` (a transformers tokenizer then logs no warning of its
+    own).
     """
     max_length = tokenizer.model_max_length
     content = max_length - tokenizer.num_special_tokens_to_add()
@@ -438,13 +407,9 @@ def clip_tokenizer_files(
     }
 
 
-def clip_tokenizer(files: dict[str, str]) -> Any:
-    """transformers' CLIPTokenizer on ``clip_tokenizer_files()`` output (written to a temporary folder)."""
-    transformers = import_transformers()
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, text in files.items():
-            (Path(tmp) / name).write_text(text, encoding="utf-8")
-        return transformers.CLIPTokenizer.from_pretrained(tmp, local_files_only=True)
+def clip_tokenizer(files: dict[str, str]) -> CLIPTokenizer:
+    """The CLIP tokenizer of ``clip_tokenizer_files()`` output (file name -> text)."""
+    return CLIPTokenizer.from_files(files)
 
 
 def random_components(name: str, seed: int = 0) -> StableDiffusionComponents:

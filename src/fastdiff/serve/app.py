@@ -102,15 +102,12 @@ def describe_model(
 
 
 def prompt_checker(pipe: Pipeline | TextToImagePipeline) -> PromptWarnings | None:
-    """``warnings(texts)`` on a second instance of a text pipeline's tokenizer (requests are checked on the event
-    loop while the worker tokenizes with the pipeline's own); None for pipelines without a tokenizer."""
+    """``warnings(texts)`` on a text pipeline's tokenizer (requests are checked on the event loop while the worker
+    tokenizes: fastdiff's ``CLIPTokenizer`` never changes its state, so both share it); None for pipelines without
+    a tokenizer."""
     tokenizer = getattr(getattr(pipe, "components", None), "tokenizer", None)
     if not is_text_pipeline(pipe) or tokenizer is None:
         return None
-    try:
-        tokenizer = type(tokenizer).from_pretrained(tokenizer.name_or_path, local_files_only=True)
-    except Exception as exc:  # a tokenizer not loaded from files: share the pipeline's
-        log.debug("prompt checks share the pipeline's tokenizer: %s", exc)
     return lambda texts: prompt_warnings(tokenizer, texts)
 
 

@@ -319,7 +319,7 @@ def run_both_stages(args: argparse.Namespace) -> int:
     import dataclasses
     import time
 
-    from fastdiff.models.stable_diffusion import import_transformers
+    from fastdiff.models.clip_tokenizer import import_tokenizers
     from fastdiff.train.text_to_image import UNetStageConfig, VAEStageConfig, train_text_to_image, train_vae
     from fastdiff.train.text_to_image.config import validate_stage
 
@@ -332,7 +332,7 @@ def run_both_stages(args: argparse.Namespace) -> int:
     unet_config = UNetStageConfig(**{**stage_settings(args, "unet"), "vae_dir": vae_out})
     for config in (vae_config, unet_config):
         validate_stage(config)
-    import_transformers()
+    import_tokenizers()
     if (vae_out / "summary.json").is_file() and (vae_out / "vae").is_dir():
         log.info("vae stage: %s holds a finished one, used as it is (delete it to train it again)", vae_out)
     else:

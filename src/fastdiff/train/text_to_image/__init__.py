@@ -5,8 +5,8 @@ levels, so 4 pixels per latent) with an L1 + L2 reconstruction loss and a small 
 to 1 / the latent std of the training set (as SD's 0.18215 was chosen) and writes ``OUT/vae/`` (diffusers
 format, fp16) with ``summary.json`` (test-set PSNR), ``loss.jsonl``, ``loss.png`` and ``reconstructions.png``.
 
-Stage ``unet`` loads that VAE, encodes the training set once, and trains a CLIP text encoder (transformers'
-``CLIPTextModel``, on a local tokenizer whose vocabulary holds every prompt word whole) jointly with a
+Stage ``unet`` loads that VAE, encodes the training set once, and trains a CLIP text encoder
+(``fastdiff.models.clip_text``, on a local tokenizer whose vocabulary holds every prompt word whole) jointly with a
 ``UNet2DConditionModel`` on the latents: epsilon prediction on SD's scaled-linear schedule, 10% empty prompts for
 classifier-free guidance, min-SNR loss weights and an EMA of both networks. It writes a complete
 ``StableDiffusionPipeline`` directory (fp16 safetensors) that ``fastdiff.TextToImagePipeline`` and diffusers

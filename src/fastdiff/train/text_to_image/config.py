@@ -257,7 +257,7 @@ def find_vae_dir(path: Path) -> Path:
 
 def check_stage(config: StageConfig) -> None:
     """Everything that can be checked before any work: the settings, the output folder, the stage-2 VAE
-    folder and its architecture, and transformers for stage 2."""
+    folder and its architecture, and the tokenizers package for stage 2."""
     validate_stage(config)
     check_output_location(config.out_dir, "--out", folder=True)
     if isinstance(config, UNetStageConfig):
@@ -270,9 +270,9 @@ def check_stage(config: StageConfig) -> None:
             read_json_object(vae_folder / "config.json"), str(vae_folder / "config.json")
         )
         check_vae_fits(vae_config, resolve_preset(config.preset), vae_folder)
-        from fastdiff.models.stable_diffusion import import_transformers
+        from fastdiff.models.clip_tokenizer import import_tokenizers
 
-        import_transformers()
+        import_tokenizers()
         from fastdiff.samplers import SAMPLERS
 
         if config.eval_sampler not in SAMPLERS:

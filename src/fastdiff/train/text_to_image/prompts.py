@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import random
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fastdiff.errors import FastdiffError
+from fastdiff.models.clip_tokenizer import CLIPTokenizer
 from fastdiff.models.stable_diffusion import END_OF_WORD, clip_tokenizer_files
 
 # ---------------------------------------------------------------- prompts
@@ -153,19 +153,13 @@ def write_tokenizer(folder: Path) -> None:
         (folder / name).write_text(text, encoding="utf-8")
 
 
-def build_tokenizer() -> Any:
-    """transformers' CLIPTokenizer on ``tokenizer_files()`` (no network)."""
-    from fastdiff.models.stable_diffusion import import_transformers
-
-    transformers = import_transformers()
-    with tempfile.TemporaryDirectory() as tmp:
-        write_tokenizer(Path(tmp))
-        return transformers.CLIPTokenizer.from_pretrained(tmp, local_files_only=True)
+def build_tokenizer() -> CLIPTokenizer:
+    """The CLIP tokenizer of ``tokenizer_files()``."""
+    return CLIPTokenizer.from_files(tokenizer_files())
 
 
 def tokenize(tokenizer: Any, prompts: list[str]) -> torch.Tensor:
     """Token ids [len(prompts), model_max_length] as SD's ``encode_prompt`` makes them (padded, truncated)."""
     max_length = tokenizer.model_max_length
-    return tokenizer(prompts, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt")[
-        "input_ids"
-    ]
+    tokens = tokenizer(prompts, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt")
+    return tokens.input_ids
