@@ -127,11 +127,12 @@ def write_sd_directory(root: Path, comps: Any, dtype: torch.dtype = torch.float1
 
 
 def write_random_sd(root: Path, preset: str = "sd15", seed: int = 0, dtype: torch.dtype = torch.float16) -> Path:
-    """A random-weight ``preset`` (``SD_PRESETS``) directory at ``root`` (see ``write_sd_directory``)."""
+    """A random-weight ``preset`` (``SD_PRESETS``) directory at ``root`` (see ``write_sd_directory``), its weights
+    drawn on the GPU where there is one."""
     from fastdiff.models.stable_diffusion import random_components
 
     start = time.perf_counter()
-    comps = random_components(preset, seed)
+    comps = random_components(preset, seed, "cuda" if torch.cuda.is_available() else "cpu")
     path = write_sd_directory(root, comps, dtype)
     log.info("wrote a random %s at %s in %.1f s", preset, path, time.perf_counter() - start)
     return path

@@ -217,7 +217,7 @@ def run_text_to_image_bench(cfg: TextToImageBenchConfig, on_row: Callable[[dict]
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise FastdiffError("bench on cuda asked for but no CUDA GPU is available")
-    comps = random_components(cfg.model, cfg.seed) if random_weights else load_stable_diffusion(cfg.model)
+    comps = random_components(cfg.model, cfg.seed, device) if random_weights else load_stable_diffusion(cfg.model)
     scale = vae_scale_factor(comps.vae.config)
     size = comps.unet.config.sample_size
     default_h, default_w = (size, size) if isinstance(size, int) else size

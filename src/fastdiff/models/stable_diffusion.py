@@ -143,16 +143,18 @@ def load_stable_diffusion(
     path: str | Path,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    draw_device: str | torch.device | None = None,
 ) -> StableDiffusionComponents:
     """Load U-Net, VAE, CLIP text encoder, tokenizer and scheduler config from a diffusers pipeline directory
     (or a bundled text-to-image preset name: ``BUNDLED_PIPELINES``; or "sd15" / "sd21": ``random_components``,
     random weights for speed measurements, when no file or folder has that name).
 
     Weight files may be safetensors or .bin, in any floating dtype; every model is converted to ``dtype``.
-    Each missing or unusable piece raises a one-line FastdiffError naming it.
+    Each missing or unusable piece raises a one-line FastdiffError naming it. A random preset's weights are drawn
+    on ``draw_device`` (default ``device``; ``random_components``), then moved to ``device``.
     """
     if is_random_preset(path):
-        parts = random_components(str(path))
+        parts = random_components(str(path), device=draw_device or device)
         parts.unet.scheduler_config = parts.scheduler_config
         for model in (parts.unet, parts.vae, parts.text_encoder):
             model.to(device=device, dtype=dtype)
@@ -412,10 +414,12 @@ def clip_tokenizer(files: dict[str, str]) -> CLIPTokenizer:
     return CLIPTokenizer.from_files(files)
 
 
-def random_components(name: str, seed: int = 0) -> StableDiffusionComponents:
-    """A Stable Diffusion preset's components with random weights (seeded; default initialisation), fp32 on the
-    CPU, for speed measurements: fastdiff ships no SD weights. The tokenizer is byte-level (no merges), so prompts
-    tokenize into more pieces than with the real vocabulary; the sequence length (77) is the real one."""
+def random_components(name: str, seed: int = 0, device: str | torch.device = "cpu") -> StableDiffusionComponents:
+    """A Stable Diffusion preset's components with random weights (seeded; default initialisation), fp32, drawn on
+    ``device`` and returned on the CPU, for speed measurements: fastdiff ships no SD weights. The same seed gives
+    the same weights on every device of a kind; a GPU draws SD 1.5's in a fraction of a second, a host CPU takes
+    seconds to tens of seconds. The tokenizer is byte-level (no merges), so prompts tokenize into more pieces than
+    with the real vocabulary; the sequence length (77) is the real one."""
     if name not in SD_PRESETS:
         raise FastdiffError(f"unknown Stable Diffusion preset {name!r}; choose one of {', '.join(SD_PRESETS)}")
     preset = SD_PRESETS[name]
@@ -425,9 +429,11 @@ def random_components(name: str, seed: int = 0) -> StableDiffusionComponents:
         **preset.text, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
-    torch.manual_seed(seed)
-    unet = UNet2DConditionModel(preset.unet).eval()
-    vae = AutoencoderKL(preset.vae).eval()
-    text_encoder = CLIPTextModel(text_config).eval()
+    torch.manual_seed(seed)  # (the CUDA generators too)
+    with torch.device(device):
+        unet = UNet2DConditionModel(preset.unet).eval()
+        vae = AutoencoderKL(preset.vae).eval()
+        text_encoder = CLIPTextModel(text_config).eval()
+    unet, vae, text_encoder = unet.cpu(), vae.cpu(), text_encoder.cpu()
     index = {"_class_name": "StableDiffusionPipeline"}
     return StableDiffusionComponents(unet, vae, text_encoder, tokenizer, dict(preset.scheduler), index)

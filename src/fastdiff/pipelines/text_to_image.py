@@ -237,7 +237,9 @@ class TextToImagePipeline(EnginePipeline):
         warn_slow_dtype(dev, torch_dtype)
         # the engine streams its own packed U-Net weights from host memory: the module stays on the CPU
         t0 = time.perf_counter()
-        components = load_stable_diffusion(path, device="cpu" if backend == "engine" else dev, dtype=torch_dtype)
+        components = load_stable_diffusion(
+            path, device="cpu" if backend == "engine" else dev, dtype=torch_dtype, draw_device=dev
+        )
         t1 = time.perf_counter()
         if backend == "engine":
             components.text_encoder.to(dev)

@@ -240,10 +240,11 @@ def engine_rows(loop: SamplingLoop, fused: FusedModel) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------- the run
-def load_components(cfg: ProfileConfig) -> tuple[StableDiffusionComponents, bool]:
-    """The fp32 host components (random weights, seeded, for an SD preset) and whether the weights are random."""
+def load_components(cfg: ProfileConfig, device: torch.device) -> tuple[StableDiffusionComponents, bool]:
+    """The fp32 host components (random weights, seeded, drawn on ``device``, for an SD preset) and whether the
+    weights are random."""
     if is_random_preset(cfg.model):  # a local folder of that name wins, as everywhere
-        return random_components(cfg.model, cfg.seed), True
+        return random_components(cfg.model, cfg.seed, device), True
     return load_stable_diffusion(cfg.model), False
 
 
@@ -255,7 +256,7 @@ def run_text_profile(cfg: ProfileConfig, device: torch.device) -> dict:
     """Every measurement of a text-to-image report, as a JSON-ready dict (see the module docstring); ``cfg`` is
     resolved and checked (``profile.config.resolve_config``, ``validate``)."""
     log.info("loading %s", cfg.model)
-    comps, random_weights = load_components(cfg)
+    comps, random_weights = load_components(cfg, device)
     unet_cfg = comps.unet.config
     scale = vae_scale_factor(comps.vae.config)
     size = unet_cfg.sample_size
