@@ -116,7 +116,7 @@ def test_engine_takes_a_given_plan(tmp_path, monkeypatch):
     assert not (tmp_path / "cache").exists()  # the CPU never tunes, so it writes no plan
 
 
-def test_a_plan_packs_only_the_layouts_its_kernels_read(tmp_path, monkeypatch):
+def test_a_plan_packs_only_the_layouts_its_kernels_read(tmp_path, monkeypatch, caplog):
     """With a plan, the first forward packs and uploads each op's layouts for its planned kernel (and for the kernel
     it runs in the first forward) only: the vendor convs get the library layout alone, ours the packed one alone;
     a conv2 that sums its shortcut in (a CUDA candidate, offered here on the CPU too) reads the shortcut's packed
@@ -144,7 +144,16 @@ def test_a_plan_packs_only_the_layouts_its_kernels_read(tmp_path, monkeypatch):
         own = offered(model, op)
         return (*own, Impl.parse("triton-sc")) if op.name in pairs and model is not fused else own
 
+    packed: dict[str, set[str]] = {}  # what the first forward packed, before the unused layouts are dropped
+    pack = executor.host_weights
+
+    def recording(op, *args):
+        out = pack(op, *args)
+        packed[op.name] = set(out) - {"bias"}
+        return out
+
     monkeypatch.setattr(executor, "candidates", with_shortcut_sums)
+    monkeypatch.setattr(executor, "host_weights", recording)
     engine = Engine(DEVICE, plan=KernelPlan("cpu", {structure: PlanEntry(choices)}).save(tmp_path / "plan.json"))
     out = _engine_run(engine, model)
     assert rel_err(out, ref) < 1e-5
@@ -152,11 +161,19 @@ def test_a_plan_packs_only_the_layouts_its_kernels_read(tmp_path, monkeypatch):
     assert engine.plan_sources[structure] == "given"
     assert {name: planned.impls[name].name for name in pairs} == dict.fromkeys(pairs, "triton-sc")
     for op in planned.ops:
-        layouts = set(planned.device_weights[op.name]) - {"bias"}
         if op.name in vendor:
-            assert layouts == {"weight"}, op.name
+            assert packed[op.name] == {"weight"}, op.name
         elif op.kind == "conv":
-            assert layouts == {"packed"}, op.name
+            assert packed[op.name] == {"packed"}, op.name
+
+    # a shortcut planned into a conv2's launch that the plan does not fuse: refused, the engine falls back
+    choices.update(dict.fromkeys(pairs, "triton"))
+    engine = Engine(DEVICE, plan=KernelPlan("cpu", {structure: PlanEntry(choices)}).save(tmp_path / "bad.json"))
+    with caplog.at_level(logging.WARNING, logger="fastdiff.engine"):
+        assert rel_err(_engine_run(engine, model), ref) < 1e-5
+    assert engine.plan_sources[structure] == "default"
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("cannot be used (it runs" in line and "in the launch of" in line for line in lines), lines
 
 
 @pytest.mark.slow

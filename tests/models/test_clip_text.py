@@ -169,3 +169,10 @@ def test_too_many_tokens_is_refused():
                                          num_attention_heads=2, max_position_embeddings=8))  # fmt: skip
     with pytest.raises(FastdiffError, match="9 tokens is more than the text encoder's 8 positions"):
         model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_use_attention_mask_is_kept():
+    """diffusers passes the padding mask to an encoder whose config says ``use_attention_mask`` (as fastdiff's
+    ``encode_prompts`` does): the key is a field, not an ignored one."""
+    assert not CLIPTextConfig.from_dict(SD15_TEXT_CONFIG_JSON).use_attention_mask
+    assert CLIPTextConfig.from_dict({**SD15_TEXT_CONFIG_JSON, "use_attention_mask": True}).use_attention_mask

@@ -53,12 +53,19 @@ def sd_style_folder(tmp_path):
     return tmp_path
 
 
-@pytest.fixture(params=["bundled", "tiny-sd15", "tiny-sd21", "sd-style"])
+@pytest.fixture(params=["bundled", "tiny-sd15", "tiny-sd21", "sd-style", "sd21-hub-style"])
 def folder(request, tmp_path):
     if request.param == "bundled":
         return BUNDLED_PIPELINES["fashion-mnist-t2i"] / "tokenizer"
     if request.param == "sd-style":
         return sd_style_folder(tmp_path)
+    if request.param == "sd21-hub-style":  # SD 2.x: the config pads with the end token, the map with "!" (it wins)
+        folder = sd_style_folder(tmp_path)
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": "<|endoftext|>"}))
+        special = {"bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
+        (folder / "special_tokens_map.json").write_text(json.dumps({**special, "pad_token": "!"}))
+        return folder
     write_tiny_clip_tokenizer(tmp_path, pad_token="<|endoftext|>" if request.param == "tiny-sd15" else "!")
     return tmp_path
 
@@ -77,6 +84,9 @@ def test_same_ids_masks_tokens_and_text_as_transformers(folder):
     got, want = ours(PROMPTS, **kw), theirs(PROMPTS, **kw)
     assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.attention_mask, want.attention_mask)
     assert got.input_ids.shape == (len(PROMPTS), 77) and got.attention_mask[-1].all()  # the long one: truncated
+    for padding, truncation in [("do_not_pad", "do_not_truncate"), ("longest", "longest_first"), (True, True)]:
+        kw = dict(padding=padding, truncation=truncation, max_length=10)
+        assert ours(PROMPTS[:3], **kw).input_ids == theirs(PROMPTS[:3], **kw).input_ids, (padding, truncation)
     # prompt_warnings' call: no special tokens, no truncation; and diffusers' truncation check (padding="longest")
     assert ours(PROMPTS, add_special_tokens=False).input_ids == theirs(PROMPTS, add_special_tokens=False).input_ids
     longest = dict(padding="longest", return_tensors="pt")
@@ -98,6 +108,11 @@ def test_save_and_transformers_copy_round_trip(folder, tmp_path):
     from_json.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (from_json / name).write_bytes((tmp_path / "saved" / name).read_bytes())
+    saved = json.loads((from_json / "tokenizer.json").read_text())  # a file that pads and truncates on its own
+    saved["padding"] = {"strategy": {"Fixed": 5}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                        "pad_type_id": 0, "pad_token": "!"}  # fmt: skip
+    saved["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    (from_json / "tokenizer.json").write_text(json.dumps(saved))
     assert (tmp_path / "saved" / "vocab.json").is_file() == (folder / "vocab.json").is_file()
     theirs = to_transformers(ours)
     kw = dict(padding="max_length", max_length=77, truncation=True, return_tensors="pt")

@@ -476,6 +476,10 @@ class FusedModel:
             chosen[op.name] = impl
         if len(entry.choices) != len(chosen):
             return "it names ops this model does not have"
+        for fusion in self.fusions:  # a partner planned into its conv's launch needs a conv that runs it
+            for name, partner in self.pairs[fusion.tag].items():
+                if chosen[partner.name] == fusion.partner_impl and not chosen[name].fuses(fusion.tag):
+                    return f"it runs {partner.name} in the launch of {name}, whose {chosen[name].name} does not"
         self.impls.update(chosen)
         self.plan_applied = True
         for op in self.ops:

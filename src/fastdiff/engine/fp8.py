@@ -57,7 +57,7 @@ def _fp8_reader(op: Op, value: Value) -> bool:
 
 def mark_fp8_ops(ops: list[Op]) -> int:
     """Mark the fp8 pairs of ``ops`` in place (the norm's and its readers' ``params["fp8_scale"]``, the norm
-    output's ``Value.fp8``); returns how many convs and GEMMs run in fp8. Needs the ops' fp32 source weights
+    output's ``Value.fp8``); returns how many convs and GEMMs run in fp8. Needs the norms' source weights
     (before the executor streams them)."""
     readers: dict[int, list[Op]] = {}
     for op in ops:

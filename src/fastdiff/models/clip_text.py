@@ -68,6 +68,8 @@ class CLIPTextConfig:
     projection_dim: int = 512
     """Unused by the text tower (the CLIP model's projection); kept so that a written config.json says it."""
     initializer_factor: float = 1.0
+    use_attention_mask: bool = False
+    """diffusers' switch (not a transformers default): pass the tokenizer's padding mask to the encoder."""
     bos_token_id: int = 49406
     eos_token_id: int = 49407
     pad_token_id: int = 1

@@ -82,6 +82,8 @@ class CLIPTokenizer:
                  pre_tokenizers.ByteLevel(add_prefix_space=False)]
             )  # fmt: skip
             backend.decoder = decoders.ByteLevel()
+        backend.no_padding()  # (a tokenizer.json may hold its own; __call__ pads and truncates by itself)
+        backend.no_truncation()
         self.backend = backend
         self.vocab, self.merges = vocab, list(merges or [])  # (for save_pretrained's vocab.json and merges.txt)
         backend.add_special_tokens(list(dict.fromkeys(self.special.values())))  # typed in a prompt: the token, too
@@ -110,7 +112,7 @@ class CLIPTokenizer:
         """The tokenizer of a folder's files given as texts (file name -> text; see ``from_pretrained``)."""
         where = name_or_path or "tokenizer"
         settings: dict[str, Any] = {}
-        for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the second wins, as in transformers
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):  # the map wins, as in transformers
             if name in files:
                 settings.update(json_object(files[name], f"{where}/{name}"))
         special = {key: text for key in DEFAULT_SPECIAL if (text := token_text(settings.get(key))) is not None}
@@ -146,7 +148,7 @@ class CLIPTokenizer:
         text: str | list[str],
         padding: bool | str = False,
         max_length: int | None = None,
-        truncation: bool = False,
+        truncation: bool | str = False,
         return_tensors: str | None = None,
         add_special_tokens: bool = True,
         verbose: bool = True,
@@ -156,6 +158,8 @@ class CLIPTokenizer:
         end token last), ``return_tensors="pt"`` gives tensors. (``verbose``: accepted; nothing is logged.)"""
         texts = [text] if isinstance(text, str) else list(text)
         length = max_length if max_length is not None else self.model_max_length
+        padding = {"do_not_pad": False, "longest": True}.get(padding, padding) if isinstance(padding, str) else padding
+        truncation = truncation != "do_not_truncate" if isinstance(truncation, str) else truncation
         rows = []
         for encoding in self.backend.encode_batch(texts, add_special_tokens=False):  # the backend is never changed:
             ids = list(encoding.ids)  # one tokenizer serves threads at once

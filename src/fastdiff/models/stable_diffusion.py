@@ -430,10 +430,11 @@ def random_components(name: str, seed: int = 0, device: str | torch.device = "cp
         pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
     torch.manual_seed(seed)  # (the CUDA generators too)
-    with torch.device(device):
-        unet = UNet2DConditionModel(preset.unet).eval()
-        vae = AutoencoderKL(preset.vae).eval()
-        text_encoder = CLIPTextModel(text_config).eval()
-    unet, vae, text_encoder = unet.cpu(), vae.cpu(), text_encoder.cpu()
+    with torch.device(device):  # each model to the host as soon as it is drawn: one at a time on the device
+        unet = UNet2DConditionModel(preset.unet).eval().cpu()
+        vae = AutoencoderKL(preset.vae).eval().cpu()
+        text_encoder = CLIPTextModel(text_config).eval().cpu()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the draws' memory back, not counted as the pipeline's
     index = {"_class_name": "StableDiffusionPipeline"}
     return StableDiffusionComponents(unet, vae, text_encoder, tokenizer, dict(preset.scheduler), index)
