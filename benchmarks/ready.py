@@ -101,9 +101,18 @@ def child(args: argparse.Namespace) -> None:
                 "plan_sources": sorted(set(pipe.engine.plan_sources.values())) if backend == "engine" else [],
                 "plan_digest": pipe.plan_digest if backend == "engine" else None,
                 "image_sha256": [hashlib.sha256(p.numpy().tobytes()).hexdigest()[:16] for p in pixels],
+                "imported": {name: name in sys.modules for name in ("transformers", "torch._dynamo")},
+                "step_uploaded_gib": uploaded_gib(pipe) if backend == "engine" else None,
             }
         )
     )
+
+
+def uploaded_gib(pipe) -> float | None:
+    """GiB of weights the engine's step model packed and streamed to the device (every layout it uploaded)."""
+    step = pipe.engine.current_step_model
+    streamer = getattr(getattr(step, "inner", step), "streamer", None)
+    return None if streamer is None else streamer.bytes / 2**30
 
 
 def saved_preset(model: str, weights_dir: Path | None) -> tuple[str, str | None]:
