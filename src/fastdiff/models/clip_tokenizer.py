@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fastdiff.errors import FastdiffError
+from fastdiff.models.weights import json_object
 
 SPLIT_PATTERN = r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
 """CLIP's pre-tokenisation: its special tokens, English contractions, letter runs, single digits, other runs."""
@@ -223,17 +224,6 @@ def import_tokenizers() -> Any:
             "Stable Diffusion needs the tokenizers package for its CLIP tokenizer: pip install 'fastdiff[sd]'"
         ) from exc
     return tokenizers
-
-
-def json_object(text: str, source: str) -> dict:
-    """The JSON object in ``text`` (from ``source``), or a one-line FastdiffError."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise FastdiffError(f"{source} is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise FastdiffError(f"{source}: expected a JSON object, got {type(data).__name__}")
-    return data
 
 
 def parse_merges(text: str, source: str) -> list[tuple[str, str]]:

@@ -80,12 +80,17 @@ def read_json_object(file: Path) -> dict:
     """The JSON object (dict) in ``file``; a missing file, bad JSON or a non-object raise a one-line error."""
     if not file.is_file():
         raise FastdiffError(f"missing {file}")
+    return json_object(file.read_text(), str(file))
+
+
+def json_object(text: str, source: str) -> dict:
+    """The JSON object (dict) in ``text`` (read from ``source``); bad JSON or a non-object raise a one-line error."""
     try:
-        data = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise FastdiffError(f"{file} is not valid JSON: {exc}") from exc
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise FastdiffError(f"{source} is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
-        raise FastdiffError(f"{file}: expected a JSON object, got {type(data).__name__}")
+        raise FastdiffError(f"{source}: expected a JSON object, got {type(data).__name__}")
     return data
 
 
