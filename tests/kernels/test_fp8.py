@@ -248,7 +248,7 @@ def test_fp8_linear_matches_its_dequantised_reference(case: dict) -> None:
     n_w = 2 * n if geglu else n
     a_scale = 4.0 / E4M3_MAX
     x8 = quantize_e4m3_ref(torch.randn((m, k), generator=gen), a_scale).to(DEVICE)
-    w8, w_scale = pack_linear_weight_fp8(torch.randn((n_w, k), generator=gen) / k**0.5)
+    w8, w_scale = pack_linear_weight_fp8((torch.randn((n_w, k), generator=gen) / k**0.5).to(DEVICE))
     bias = torch.randn(n_w, generator=gen).to(DEVICE, torch.float16) if case.get("bias") else None
     kwargs = dict(geglu=geglu, activation=case.get("act"), out_scale=case.get("scale"))
     residual = torch.randn((m, n), generator=gen).to(DEVICE, torch.float16) if case.get("res") else None
