@@ -47,6 +47,7 @@ def child(args: argparse.Namespace) -> None:
 
     import fastdiff
     from fastdiff.devices import synchronize
+    from fastdiff.pipelines.base import nonfinite_message
 
     t_import = time.perf_counter()
     torch.manual_seed(0)  # a preset without weights gets the same random weights in every process
@@ -74,6 +75,7 @@ def child(args: argparse.Namespace) -> None:
     images = sample()
     pixels = ((images.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu()
     t_first = time.perf_counter()
+    broken = nonfinite_message(images)  # a time to a broken image is no result
     if args.system == "compile":
         sample()  # reduce-overhead records its CUDA graphs on the second and third calls
         sample()
@@ -100,6 +102,7 @@ def child(args: argparse.Namespace) -> None:
                 "kernels": {k[len("step_kernels_") :]: v for k, v in timings.items() if k.startswith("step_kernels_")},
                 "plan_sources": sorted(set(pipe.engine.plan_sources.values())) if backend == "engine" else [],
                 "plan_digest": pipe.plan_digest if backend == "engine" else None,
+                "nonfinite": broken,
                 "image_sha256": [hashlib.sha256(p.numpy().tobytes()).hexdigest()[:16] for p in pixels],
                 "imported": {name: name in sys.modules for name in ("transformers", "torch._dynamo")},
                 "step_uploaded_gib": uploaded_gib(pipe) if backend == "engine" else None,
@@ -161,6 +164,7 @@ def summarize(rows: list[dict]) -> dict:
     out["plan_digests"] = sorted({r["plan_digest"] or "" for r in rows})
     out["ops_timed"] = [r["ops_timed"] for r in rows]
     out["kernels"] = [r.get("kernels") for r in rows]  # the step's compiles: recorded, in workers, at launch
+    out["nonfinite"] = [r.get("nonfinite") for r in rows]  # None: every value of the run's images finite
     return out
 
 

@@ -208,3 +208,25 @@ def test_token_gemms_on_the_tma_kernel(monkeypatch):
         assert (len(launches) > 0) == tma
     assert len(linears) > 20 and len(launches) >= len(linears)
     assert rel_err(outs[1], outs[0]) < 2e-3
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the SD 1.5 shapes and the GPU's allocator: GPU only")
+def test_sd15_engine_fp16_image_is_finite_with_weights_drawn_on_the_gpu():
+    """SD 1.5's random weights drawn on the GPU (as ``fastdiff bench --model sd15`` draws them) through the fp16
+    engine and its shipped plan: every value of the image finite. On the H100 at git 3b2fa73 this image was all NaN
+    while the same code gave a finite image from weights drawn on the CPU, eager fp16 and the fp8 engine stayed
+    finite (docs/engine/nan-with-gpu-drawn-weights.md)."""
+    import copy
+
+    from fastdiff.models.stable_diffusion import random_components
+    from fastdiff.pipelines.text_to_image import TextToImagePipeline
+
+    comps = random_components("sd15", 0, DEVICE)
+    comps.text_encoder = copy.deepcopy(comps.text_encoder).to(DEVICE, torch.float16)
+    comps.vae = copy.deepcopy(comps.vae).to(DEVICE, torch.float16)
+    comps.unet = comps.unet.to("cpu", torch.float16)
+    pipe = TextToImagePipeline(comps, sampler="ddim", steps=20, device=DEVICE, dtype=torch.float16, backend="engine")
+    latents = torch.randn((1, 4, 64, 64), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    image = pipe(["a photograph of an astronaut riding a horse"], guidance_scale=7.5, latents=latents, output_type="pt",
+                 progress=False)  # fmt: skip
+    assert torch.isfinite(image).all()

@@ -22,6 +22,7 @@ from fastdiff.devices import DTYPES, synchronize, time_ms
 from fastdiff.engine.kernel_plan import KernelPlan
 from fastdiff.errors import FastdiffError
 from fastdiff.models import PRESETS, load_unet
+from fastdiff.pipelines.base import nonfinite_message
 from fastdiff.quality.psnr import psnr
 from fastdiff.samplers import ScheduleConfig, check_cache_interval, initial_noise, make_sampler, seed_tensor
 
@@ -201,15 +202,19 @@ def run_bench(cfg: BenchConfig) -> dict:
             if ceilings is not None and isinstance(system, EngineSystem):
                 row.extra["op_table"] = measure_op_table(system, sampler, x_t, seeds, ceilings)
             final = row.extra.pop("final").clamp(-1, 1)
-            if name == "eager-fp32":
-                reference = final
-            elif reference is not None:
-                row.psnr_db = float(psnr(final, reference).mean())
-                row.max_abs_diff = float((final - reference).abs().max())
-            if name == "diffusers-fp32":
-                diffusers_reference = final
-            elif diffusers_reference is not None:
-                row.extra["psnr_vs_diffusers_fp32_db"] = float(psnr(final, diffusers_reference).mean())
+            row.error = nonfinite_message(final)  # its times stay in the JSON, but a broken image is no result
+            if row.error is not None:
+                log.warning("%s: %s", name, row.error)
+            else:
+                if name == "eager-fp32":
+                    reference = final
+                elif reference is not None:
+                    row.psnr_db = float(psnr(final, reference).mean())
+                    row.max_abs_diff = float((final - reference).abs().max())
+                if name == "diffusers-fp32":
+                    diffusers_reference = final
+                elif diffusers_reference is not None:
+                    row.extra["psnr_vs_diffusers_fp32_db"] = float(psnr(final, diffusers_reference).mean())
         except Exception as exc:  # a baseline that fails here is reported, not fatal
             log.exception("%s failed", name)
             row.error = error_line(exc)

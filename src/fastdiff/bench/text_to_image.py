@@ -47,7 +47,7 @@ from fastdiff.models.stable_diffusion import (
     load_stable_diffusion,
     random_components,
 )
-from fastdiff.pipelines.base import FP8
+from fastdiff.pipelines.base import FP8, nonfinite_message
 from fastdiff.pipelines.text_to_image import is_text_to_image_dir, vae_scale_factor
 from fastdiff.quality.psnr import psnr
 from fastdiff.samplers import check_cache_interval, initial_noise, seed_tensor
@@ -257,6 +257,7 @@ def run_text_to_image_bench(cfg: TextToImageBenchConfig, on_row: Callable[[dict]
             row.unet_step_ms = unet_step_ms(system, cfg, unet_rows, latent_shape, text_dim, tokens, gen, device)
             if kind == "engine" and ceilings is not None:
                 row.extra.update(engine_facts(system, ceilings))
+            row.error = nonfinite_message(images[name])  # its times are kept in the JSON, but it is no result
         except Exception as exc:  # a system that fails is reported, not fatal
             log.exception("%s failed", name)
             row.error = error_line(exc)
@@ -268,7 +269,7 @@ def run_text_to_image_bench(cfg: TextToImageBenchConfig, on_row: Callable[[dict]
         reference = images.get("diffusers-fp32")
         for done in rows:
             key = f"{done.system}-{done.dtype}"
-            if reference is not None and key in images and key != "diffusers-fp32":
+            if reference is not None and key in images and key != "diffusers-fp32" and done.error is None:
                 done.psnr_vs_diffusers_fp32_db = float(psnr(images[key], reference, data_range=1.0).mean())
         result["results"] = [asdict(r) for r in rows]
         if on_row is not None:

@@ -1,7 +1,9 @@
-"""What both pipelines share: backend and fp8 checks, seed lists, the lazily created engine, output conversion."""
+"""What both pipelines share: backend and fp8 checks, seed lists, the lazily created engine, output conversion, the
+check for non-finite images."""
 
 from __future__ import annotations
 
+import logging
 import numbers
 import os
 from collections.abc import Sequence
@@ -15,6 +17,8 @@ from fastdiff.errors import FastdiffError
 
 if TYPE_CHECKING:
     from fastdiff.engine import Engine
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("engine", "eager")
 FP8 = "fp8"
@@ -114,3 +118,20 @@ def load_plan(plan: KernelPlan | str | os.PathLike[str] | None) -> KernelPlan | 
     if plan is None or isinstance(plan, KernelPlan):
         return plan
     return KernelPlan.load(plan)
+
+
+def nonfinite_message(images: torch.Tensor) -> str | None:
+    """One line saying how many values of ``images`` are NaN or inf, or None when all are finite (one host sync: at
+    the end of a call, where the images are read anyway)."""
+    bad = int((~torch.isfinite(images)).sum())
+    return None if bad == 0 else f"non-finite output: {bad} of {images.numel()} values are NaN or inf"
+
+
+def warn_if_nonfinite(images: torch.Tensor, backend: str, dtype: torch.dtype) -> None:
+    """Log a warning when a call's images hold NaN or inf: they would be written as black or broken images with no
+    other sign. fp16 overflows in some models' layers; the other dtypes or ``backend="eager"`` tell whether the
+    engine is the cause."""
+    message = nonfinite_message(images)
+    if message is not None:
+        log.warning("%s (backend %s, %s): the images are broken; try another dtype, or backend='eager' to see whether "
+                    "the engine is the cause", message, backend, str(dtype).removeprefix("torch."))  # fmt: skip

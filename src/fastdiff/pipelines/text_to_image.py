@@ -46,6 +46,7 @@ from fastdiff.pipelines.base import (
     expand_seeds,
     load_plan,
     resolve_backend,
+    warn_if_nonfinite,
 )
 from fastdiff.pipelines.guidance_parallel import GuidanceSplit
 from fastdiff.pipelines.patch_parallel import DEFAULT_WARMUP, PatchSplit
@@ -455,6 +456,7 @@ class TextToImagePipeline(EnginePipeline):
             finally:
                 self.unet.to(home)
             decoded = self.vae.decode((x0 / self.vae.config.scaling_factor).to(self.dtype)).float()
+        warn_if_nonfinite(decoded, self.backend, self.dtype)
         if output_type == "tensor":
             return decoded.clamp(-1, 1)
         images = (decoded / 2 + 0.5).clamp(0, 1)

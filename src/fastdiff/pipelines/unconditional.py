@@ -25,6 +25,7 @@ from fastdiff.pipelines.base import (
     check_output_type,
     expand_seeds,
     load_plan,
+    warn_if_nonfinite,
 )
 from fastdiff.samplers import Sampler, ScheduleConfig, initial_noise, make_sampler, run_sampler, seed_tensor
 
@@ -183,6 +184,7 @@ class Pipeline(EnginePipeline):
             images = self.engine.sample(self.unet, sampler, x_t, seed_ids, self.dtype, cache_interval).clamp(-1, 1)
         else:
             images = sample_loop(self.unet, sampler, x_t, seed_ids, self.dtype, progress, cache_interval)
+        warn_if_nonfinite(images, self.backend, self.dtype)
         if output_type == "tensor":
             return images
         if output_type == "np":
