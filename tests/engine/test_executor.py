@@ -13,6 +13,8 @@ from fastdiff.engine.candidates import candidates
 from fastdiff.engine.executor import FusedModel
 from fastdiff.engine.graph import channels_last_empty
 from fastdiff.engine.impl import APPLY, FUSED, Impl
+from fastdiff.engine.kernel_plan import PlanEntry
+from fastdiff.engine.weights import SyncBackend, WeightStreamer
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.conv2d_tma import tma_conv_unsupported
 from fastdiff.models.convnext_unet import ConvNeXtUNet, ConvNeXtUNetConfig
@@ -75,6 +77,59 @@ def test_shortcut_summed_in_conv2_matches_eager(tiny_model, split):
         fused.impls[name] = Impl.parse(f"triton-sc{split}")
     assert_two_forwards_match_eager(fused, model, seed=12)
     assert all(fused.impls[sc.name] == FUSED for sc in fused.pairs["sc"].values())
+
+
+class DeferredCopies(SyncBackend):
+    """A copy stream that has not got there yet: each upload lands only when its module's event is waited for, and
+    until then the device tensor holds NaN (memory the process used before)."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.fill_(float("nan"))
+        self.pending.append((dst, src.clone()))
+
+    def record(self) -> list:
+        event, self.pending = self.pending, []
+        return event
+
+    def wait(self, event: list) -> None:
+        for dst, src in event:
+            dst.copy_(src)
+
+
+@pytest.mark.parametrize("via_plan", [False, True], ids=["set", "plan"])
+def test_shortcut_pair_bias_waits_for_both_uploads(tiny_model, via_plan, monkeypatch):
+    """The fused pair's bias (conv2's + the shortcut's) is summed when the call is built, which with a plan is
+    before the forward waits for the uploads: the sum must wait for both, or it reads what the copy stream has not
+    written (an all-NaN SD 1.5 image on the H100, docs/engine/nan-with-gpu-drawn-weights.md)."""
+    model = tiny_model("attn_pad0", 4).to(DEVICE)
+    backend = DeferredCopies()
+    fused = FusedModel(model, 2, torch.float32, DEVICE, "triton", "triton", WeightStreamer(DEVICE, backend))
+    x = torch.randn(fused.x_in_value.shape, generator=torch.Generator().manual_seed(5))
+    x_in = channels_last_empty(x.shape, torch.float32, DEVICE).copy_(x)
+    choices = {op.name: candidates(fused, op)[0].name for op in fused.ops}
+    for name, shortcut in fused.pairs["sc"].items():
+        choices[name], choices[shortcut.name] = "triton-sc", FUSED.name
+    if via_plan:  # (-sc is a CUDA candidate: offered here on the CPU too)
+        import fastdiff.engine.executor as executor
+
+        offered = executor.candidates
+        sc = Impl.parse("triton-sc")
+        monkeypatch.setattr(
+            executor, "candidates", lambda m, op: (*offered(m, op), *([sc] * (op.name in fused.pairs["sc"])))
+        )
+        assert fused.apply_plan(PlanEntry(choices), x_in) is None
+    else:
+        fused.impls.update({name: Impl.parse(c) for name, c in choices.items()})
+    out = fused.forward(x_in, torch.tensor([999]))
+    with torch.no_grad():
+        ref = model.double()(x.double(), torch.tensor([999]))
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOL
+    pair_biases = fused.fusion_state["sc"].values()
+    assert pair_biases and all(torch.isfinite(b).all() for b in pair_biases)
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the Gluon conv runs on the GPU only")

@@ -8,11 +8,13 @@ import json
 import logging
 import math
 import random
+import shutil
 import stat
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from fastdiff.cli import main
 from fastdiff.data import DEFAULT_DATA_DIR, FASHION_MNIST_CLASSES
@@ -573,3 +575,35 @@ def test_a_failed_compiled_first_step_is_retried_from_the_same_noise():
 
     assert loop.run_first_step(step, torch.zeros(1), lambda: None, rng) == "ok"
     assert torch.equal(draws[0], draws[1])
+
+
+def test_init_from_continues_a_trained_pipeline(trained, tmp_path):
+    """--init-from: the stage starts from a pipeline's U-Net and text encoder. One step at a vanishing learning
+    rate writes the same fp16 weights back (a fresh start would write others); a pipeline of another VAE or another
+    preset is refused in one line before any work."""
+    vae_dir, pipeline_dir = trained[0], trained[1]
+    images, labels = squares(32, seed=5)
+    settings = stage_settings(tmp_path / "again", max_steps=1, lr=1e-20, warmup_steps=0)
+    config = UNetStageConfig(**settings, vae_dir=vae_dir, init_from=pipeline_dir, eval_per_class=0, grid_per_prompt=0)
+    t2i.train_text_to_image(config, images, labels)
+    for part in ("unet", "text_encoder"):
+        mine, trained_weights = weights_of(tmp_path / "again" / part), weights_of(pipeline_dir / part)
+        assert mine.keys() == trained_weights.keys()
+        assert all(torch.equal(mine[k], trained_weights[k]) for k in mine), part
+
+    other_vae = tmp_path / "other-vae"
+    shutil.copytree(vae_dir, other_vae)
+    weights_file = next((other_vae / "vae").glob("*.safetensors"))
+    state = read_state_dict(weights_file)
+    state = {k: v + 1 if k == next(iter(state)) else v for k, v in state.items()}
+    save_file(state, str(weights_file))
+    refused = UNetStageConfig(**stage_settings(tmp_path / "x"), vae_dir=other_vae, init_from=pipeline_dir)
+    with pytest.raises(FastdiffError, match="was trained on another VAE than --vae"):
+        t2i.train_text_to_image(refused, images, labels)
+    with pytest.raises(FastdiffError, match="is no text-to-image pipeline directory: unet/config.json is missing"):
+        t2i.train_text_to_image(UNetStageConfig(**stage_settings(tmp_path / "x"), vae_dir=vae_dir, init_from=vae_dir))
+    bundled_dir = BUNDLED_PIPELINES["fashion-mnist-t2i"]
+    bundled = UNetStageConfig(**stage_settings(tmp_path / "x"), vae_dir=vae_dir, init_from=bundled_dir)
+    with pytest.raises(FastdiffError, match="its U-Net is not the preset's architecture"):
+        t2i.train_text_to_image(bundled, images, labels)
+    assert not (tmp_path / "x").exists()

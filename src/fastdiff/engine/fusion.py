@@ -30,6 +30,7 @@ import torch
 
 from fastdiff.engine.impl import FUSED, Impl
 from fastdiff.engine.ir import Op, Value
+from fastdiff.engine.weights import WeightStreamer
 from fastdiff.kernels.common import SplitWorkspace
 
 
@@ -49,6 +50,8 @@ class BoundModel(Protocol):
     impls: dict[str, Impl]
     """The choice map: op name -> its implementation."""
     device_weights: dict[str, dict[str, torch.Tensor]]
+    streamer: WeightStreamer
+    """Uploads the device weights; ``wait(op name)`` orders the current stream after that op's copies."""
     fusion_state: dict[str, dict[str, Any]]
     """By fusion tag: buffers a fusion keeps per model (the pair biases, the statistics)."""
     tap_partials: dict[str, torch.Tensor]

@@ -105,10 +105,18 @@ class ShortcutFusion(Fusion):
 
 
 def summed_bias(model: BoundModel, conv: Op, shortcut: Op) -> torch.Tensor | None:
-    """conv2's bias + its shortcut's (the fused pair's one bias), made once per pair."""
+    """conv2's bias + its shortcut's (the fused pair's one bias), made once per pair, when the call is built.
+
+    That may be before the forward has waited for the two biases' uploads (a plan's ``-sc`` is built with its
+    module's upload, and with compile workers every call is built before any wait): the sum waits for both first.
+    Without that wait it read device memory the copy stream had not written yet: an all-NaN SD 1.5 image on the H100
+    where the process's earlier GPU work had left NaN bit patterns there, and a missing conv2 bias (wrong, finite
+    images) where the memory was fresh (docs/engine/nan-with-gpu-drawn-weights.md)."""
     pair_bias = model.fusion_state.setdefault(SHORTCUT.tag, {})
     key = f"{conv.name}+{shortcut.name}"
     if key not in pair_bias:
+        for name in (conv.name, shortcut.name):  # the current stream waits for their copies (once per module)
+            model.streamer.wait(name)
         weights = model.device_weights
         biases = [b for b in (weights[n].get("bias") for n in (conv.name, shortcut.name)) if b is not None]
         pair_bias[key] = (biases[0] + biases[1]) if len(biases) == 2 else (biases or [None])[0]

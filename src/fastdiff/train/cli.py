@@ -166,6 +166,7 @@ STAGE_FLAGS = {
         "eval_per_class": "eval_per_class",
         "eval_steps": "eval_steps",
         "grid_per_prompt": "grid_per_prompt",
+        "init_from": "init_from",
     },
 }
 """Flags of one stage only (dest -> config field)."""
@@ -243,6 +244,14 @@ def add_text_to_image_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help=f"vae stage: training images whose reconstructions get an FD-FMNIST, 0 = none (default: {vae.fd_images})",
+    )
+    p.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="unet stage: start the U-Net and text encoder from this text-to-image pipeline directory (e.g. "
+        "src/fastdiff/weights/fashion-mnist-t2i, with --vae set to the same directory) instead of a fresh "
+        "initialisation: train a model that exists for longer",
     )
     p.add_argument("--ema-decay", type=float, default=None, help=f"unet stage: EMA decay (default: {unet.ema_decay})")
     p.add_argument(

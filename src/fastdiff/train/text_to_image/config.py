@@ -10,12 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fastdiff.atomic import check_output_location
 from fastdiff.errors import FastdiffError
 from fastdiff.models.autoencoder_kl import AutoencoderKLConfig
 from fastdiff.models.clip_text import CLIPTextConfig, CLIPTextModel
 from fastdiff.models.unet_2d_condition import UNet2DConditionConfig
-from fastdiff.models.weights import find_weights, read_json_object
+from fastdiff.models.weights import find_weights, read_json_object, read_state_dict
 
 IMAGE_SIZE = 32
 """Fashion-MNIST's 28x28 images padded to this side (the padding is -1, black)."""
@@ -191,6 +193,10 @@ class UNetStageConfig(StageConfig):
     prompt_dropout: float = 0.1
     min_snr_gamma: float = 5.0
     """Loss weight min(SNR, gamma) / SNR (Hang et al. 2023); 0 turns it off."""
+    init_from: Path | None = None
+    """A text-to-image pipeline directory (e.g. the bundled fashion-mnist-t2i) whose U-Net and text encoder the
+    stage starts from instead of a fresh initialisation: a longer training of a model that exists. Its networks
+    must have the preset's architecture and its VAE must be ``vae_dir``'s (the latents it learned)."""
     grid_per_prompt: int = 8
     eval_per_class: int = 100
     """Images per class sampled after training for the classifier's accuracy and FD-FMNIST (0: none)."""
@@ -270,6 +276,8 @@ def check_stage(config: StageConfig) -> None:
             read_json_object(vae_folder / "config.json"), str(vae_folder / "config.json")
         )
         check_vae_fits(vae_config, resolve_preset(config.preset), vae_folder)
+        if config.init_from is not None:
+            check_init_from(Path(config.init_from), resolve_preset(config.preset), vae_folder)
         from fastdiff.models.clip_tokenizer import import_tokenizers
 
         import_tokenizers()
@@ -286,3 +294,36 @@ def check_vae_fits(vae: AutoencoderKLConfig, preset: TextToImagePreset, source: 
             f"{source}: the VAE is not the one of this preset (block_out_channels {list(vae.block_out_channels)}, "
             f"{vae.in_channels} channel(s)): use the same --preset as the vae stage"
         )
+
+
+def check_init_from(folder: Path, preset: TextToImagePreset, vae_folder: Path) -> None:
+    """``--init-from``: a pipeline directory with the preset's U-Net and text encoder sizes, made on the VAE in
+    ``vae_folder`` (the same config, scaling factor included, and the same weights file bytes)."""
+    for part in ("unet", "text_encoder", "vae"):
+        if not (folder / part / "config.json").is_file():
+            raise FastdiffError(f"--init-from {folder} is no text-to-image pipeline directory: {part}/config.json "
+                                "is missing")  # fmt: skip
+    unet = UNet2DConditionConfig.from_dict(read_json_object(folder / "unet" / "config.json"), str(folder / "unet"))
+    if unet != preset.unet:
+        raise FastdiffError(f"--init-from {folder}: its U-Net is not the preset's architecture (use its --preset)")
+    text = read_json_object(folder / "text_encoder" / "config.json")
+    sizes = {"hidden_size": preset.text_width, "num_hidden_layers": preset.text_layers,
+             "num_attention_heads": preset.text_heads}  # fmt: skip
+    if any(text.get(key) != value for key, value in sizes.items()):
+        raise FastdiffError(f"--init-from {folder}: its text encoder is not the preset's size (use its --preset)")
+    if not same_vae(folder / "vae", vae_folder):
+        raise FastdiffError(f"--init-from {folder} was trained on another VAE than --vae {vae_folder}: its latents "
+                            "would not be these")  # fmt: skip
+
+
+def same_vae(a: Path, b: Path) -> bool:
+    """Whether two VAE folders hold the same config (``_*`` keys aside) and the same weights at fp16 (a pipeline
+    stores its VAE in fp16, the vae stage may not)."""
+
+    def config(folder: Path) -> dict:
+        return {k: v for k, v in read_json_object(folder / "config.json").items() if not k.startswith("_")}
+
+    if config(a) != config(b):
+        return False
+    sa, sb = read_state_dict(find_weights(a)), read_state_dict(find_weights(b))
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k].half(), sb[k].half()) for k in sa)

@@ -22,8 +22,9 @@ from fastdiff.devices import synchronize
 from fastdiff.errors import FastdiffError
 from fastdiff.images import make_grid, save_png_atomic
 from fastdiff.models.autoencoder_kl import autoencoder_kl_from_dir
-from fastdiff.models.unet_2d_condition import UNet2DConditionModel
-from fastdiff.models.weights import read_json_object
+from fastdiff.models.clip_text import clip_text_from_dir
+from fastdiff.models.unet_2d_condition import UNet2DConditionModel, unet_2d_condition_from_dir
+from fastdiff.models.weights import load_state_dict_checked, read_json_object
 from fastdiff.samplers import ScheduleConfig, alphas_cumprod
 from fastdiff.train.text_to_image.config import (
     SCHEDULER_CONFIG,
@@ -102,6 +103,17 @@ def evaluate_pipeline(folder: Path, config: UNetStageConfig, device: torch.devic
     return result
 
 
+def start_from_pipeline(folder: Path, unet: UNet2DConditionModel, text_encoder: nn.Module) -> None:
+    """Copy the U-Net's and the text encoder's weights of the pipeline directory ``folder`` into the fresh
+    networks (fp16 files into fp32 parameters)."""
+    trained_unet = unet_2d_condition_from_dir(folder / "unet", read_json_object(folder / "unet" / "config.json"))
+    load_state_dict_checked(unet, {k: v.float() for k, v in trained_unet.state_dict().items()}, str(folder / "unet"))
+    trained_text = clip_text_from_dir(folder / "text_encoder")
+    state = {k: v.float() for k, v in trained_text.state_dict().items()}
+    load_state_dict_checked(text_encoder, state, str(folder / "text_encoder"))
+    log.info("unet stage: starting from the U-Net and text encoder of %s", folder)
+
+
 def train_text_to_image(
     config: UNetStageConfig, images: torch.Tensor | None = None, labels: torch.Tensor | None = None
 ) -> dict:
@@ -146,6 +158,8 @@ def train_text_to_image(
     with torch.no_grad():  # start from a zero prediction: a random U-Net's output is only noise to unlearn
         unet.conv_out.weight.zero_()
         unet.conv_out.bias.zero_()
+    if config.init_from is not None:  # go on from a trained pipeline (check_stage checked that it fits)
+        start_from_pipeline(Path(config.init_from), unet, text_encoder)
     unet = unet.to(device, memory_format=memory_format).train()
     ema_unet = copy.deepcopy(unet).eval().requires_grad_(False)
     ema_text = copy.deepcopy(text_encoder).eval().requires_grad_(False)
