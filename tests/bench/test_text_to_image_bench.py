@@ -13,7 +13,6 @@ from fastdiff.errors import FastdiffError
 from fastdiff.models import stable_diffusion
 from fastdiff.models.autoencoder_kl import AutoencoderKLConfig
 from fastdiff.models.unet_2d_condition import UNet2DConditionConfig
-from fastdiff.pipelines.base import nonfinite_message
 
 TINY_TEXT = dict(vocab_size=600, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
                  max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=32)  # fmt: skip
@@ -94,17 +93,10 @@ def test_quality_script_on_cpu(tmp_path):
     assert all(0.0 <= r["accuracy"] <= 1.0 and "fd_fmnist" not in r for r in rows)  # 20 images: too few for an FD
 
 
-def test_nonfinite_message_counts_nan_and_inf():
-    assert nonfinite_message(torch.zeros(2, 3)) is None
-    images = torch.zeros(2, 3, 4, 4)
-    images[0, 0, 0, :2] = float("nan")
-    images[1, 2, 3, 3] = float("-inf")
-    assert nonfinite_message(images) == "non-finite output: 3 of 96 values are NaN or inf"
-
-
-def test_a_system_with_non_finite_images_is_an_error_row(tiny_preset, monkeypatch, caplog):
-    """A speed for a broken image is no result: the row keeps its times but says why it failed, has no PSNR, and the
-    pipeline itself logs a warning (NaN images would otherwise be written as black PNGs with no sign)."""
+@pytest.mark.slow  # (NaN convs are slow on the CPU)
+def test_a_system_with_non_finite_images_is_an_error_row(tiny_preset, monkeypatch):
+    """A speed for a broken image is no result: the row keeps its times but says why it failed and has no PSNR; a
+    broken reference gives no PSNR to the others."""
     draw = bench.random_components
 
     def broken(*args, **kwargs):
@@ -118,9 +110,7 @@ def test_a_system_with_non_finite_images_is_an_error_row(tiny_preset, monkeypatc
         model=tiny_preset, height=64, width=64, steps=2, repeats=1, unet_calls=1, device="cpu",
         systems=("eager-fp32", "diffusers-fp32"),
     )  # fmt: skip
-    with caplog.at_level("WARNING"):
-        rows = bench.run_text_to_image_bench(cfg)["results"]
-    ours = rows[0]
-    assert ours["error"].startswith("non-finite output: ") and ours["end_to_end_ms"] > 0
-    assert ours["psnr_vs_diffusers_fp32_db"] is None
-    assert "the images are broken; try another dtype, or backend='eager'" in caplog.text
+    rows = bench.run_text_to_image_bench(cfg)["results"]
+    for row in rows:  # the same broken U-Net in both
+        assert row["error"].startswith("non-finite output: ") and row["end_to_end_ms"] > 0
+        assert row["psnr_vs_diffusers_fp32_db"] is None

@@ -440,6 +440,10 @@ def test_cli_errors_come_before_any_work(trained, tmp_path, capsys, monkeypatch)
                        capsys)  # fmt: skip
     one_line_cli_error([*base, "--stage", "all", "--out", out, "--ema-decay", "1.5"], "ema_decay must be", capsys)
     one_line_cli_error([*base, "--stage", "all", "--out", out, "--vae", out], "another folder", capsys)
+    one_line_cli_error([*base, "--stage", "all", "--out", out, "--init-from", str(pipeline_dir)],
+                       "use it with --stage unet, not all", capsys)  # fmt: skip
+    one_line_cli_error([*base, "--stage", "vae", "--out", out, "--init-from", str(pipeline_dir)],
+                       "--init-from applies to --stage unet only", capsys)  # fmt: skip
     fashion = ["train", "text-to-image", "--device", "cpu", "--stage", "unet", "--out", out, "--vae", str(vae_dir)]
     one_line_cli_error(fashion, "use the same --preset", capsys)
     one_line_cli_error([*base, "--stage", "unet", "--out", out, "--vae", str(pipeline_dir), "--prompt-dropout", "1"],
@@ -602,6 +606,15 @@ def test_init_from_continues_a_trained_pipeline(trained, tmp_path):
         t2i.train_text_to_image(refused, images, labels)
     with pytest.raises(FastdiffError, match="is no text-to-image pipeline directory: unet/config.json is missing"):
         t2i.train_text_to_image(UNetStageConfig(**stage_settings(tmp_path / "x"), vae_dir=vae_dir, init_from=vae_dir))
+    other_words = tmp_path / "other-words"
+    shutil.copytree(pipeline_dir, other_words)
+    vocab = json.loads((other_words / "tokenizer" / "vocab.json").read_text())
+    first, second = list(vocab)[300:302]  # two words trade ids: same size, other embeddings
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (other_words / "tokenizer" / "vocab.json").write_text(json.dumps(vocab))
+    swapped = UNetStageConfig(**stage_settings(tmp_path / "x"), vae_dir=vae_dir, init_from=other_words)
+    with pytest.raises(FastdiffError, match="its tokenizer is not this recipe's .tokenizer/vocab.json differs"):
+        t2i.train_text_to_image(swapped, images, labels)
     bundled_dir = BUNDLED_PIPELINES["fashion-mnist-t2i"]
     bundled = UNetStageConfig(**stage_settings(tmp_path / "x"), vae_dir=vae_dir, init_from=bundled_dir)
     with pytest.raises(FastdiffError, match="its U-Net is not the preset's architecture"):

@@ -266,7 +266,8 @@ def run_text_to_image_bench(cfg: TextToImageBenchConfig, on_row: Callable[[dict]
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        reference = images.get("diffusers-fp32")
+        reference = next((images.get("diffusers-fp32") for r in rows if f"{r.system}-{r.dtype}" == "diffusers-fp32"
+                          and r.error is None), None)  # fmt: skip
         for done in rows:
             key = f"{done.system}-{done.dtype}"
             if reference is not None and key in images and key != "diffusers-fp32" and done.error is None:

@@ -84,7 +84,9 @@ class Fusion:
         raise NotImplementedError
 
     def conv_args(self, model: BoundModel, conv: Op, partner: Op) -> dict[str, Any]:
-        """Keyword arguments of the conv kernel's call when it runs the fusion (they replace the plain call's)."""
+        """Keyword arguments of the conv kernel's call when it runs the fusion (they replace the plain call's).
+        Called when the call is built, possibly before the weights' uploads have landed: device work on
+        ``model.device_weights`` here waits on ``model.streamer`` first (``shortcut.summed_bias``)."""
         raise NotImplementedError
 
     def access(self, partner: Op) -> Value | None:

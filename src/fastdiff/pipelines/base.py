@@ -121,16 +121,17 @@ def load_plan(plan: KernelPlan | str | os.PathLike[str] | None) -> KernelPlan | 
 
 
 def nonfinite_message(images: torch.Tensor) -> str | None:
-    """One line saying how many values of ``images`` are NaN or inf, or None when all are finite (one host sync: at
-    the end of a call, where the images are read anyway)."""
+    """One line saying how many values of ``images`` are NaN or inf, or None when all are finite (one host sync:
+    call it where the images are read on the host anyway)."""
     bad = int((~torch.isfinite(images)).sum())
     return None if bad == 0 else f"non-finite output: {bad} of {images.numel()} values are NaN or inf"
 
 
 def warn_if_nonfinite(images: torch.Tensor, backend: str, dtype: torch.dtype) -> None:
     """Log a warning when a call's images hold NaN or inf: they would be written as black or broken images with no
-    other sign. fp16 overflows in some models' layers; the other dtypes or ``backend="eager"`` tell whether the
-    engine is the cause."""
+    other sign (the pipelines check the images they convert for the host, PIL or NumPy; device tensors they return
+    unchecked and unsynchronised). fp16 overflows in some models' layers; the other dtypes or ``backend="eager"``
+    tell whether the engine is the cause."""
     message = nonfinite_message(images)
     if message is not None:
         log.warning("%s (backend %s, %s): the images are broken; try another dtype, or backend='eager' to see whether "

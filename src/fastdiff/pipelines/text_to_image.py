@@ -456,12 +456,12 @@ class TextToImagePipeline(EnginePipeline):
             finally:
                 self.unet.to(home)
             decoded = self.vae.decode((x0 / self.vae.config.scaling_factor).to(self.dtype)).float()
-        warn_if_nonfinite(decoded, self.backend, self.dtype)
         if output_type == "tensor":
             return decoded.clamp(-1, 1)
         images = (decoded / 2 + 0.5).clamp(0, 1)
-        if output_type == "pt":
+        if output_type == "pt":  # (tensors stay on the device, unsynchronised: the caller checks them if it wants)
             return images
+        warn_if_nonfinite(decoded, self.backend, self.dtype)  # read on the host now anyway
         if output_type == "np":
             return images.cpu().permute(0, 2, 3, 1).numpy()
         return to_pil(decoded)

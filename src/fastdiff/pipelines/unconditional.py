@@ -184,9 +184,9 @@ class Pipeline(EnginePipeline):
             images = self.engine.sample(self.unet, sampler, x_t, seed_ids, self.dtype, cache_interval).clamp(-1, 1)
         else:
             images = sample_loop(self.unet, sampler, x_t, seed_ids, self.dtype, progress, cache_interval)
-        warn_if_nonfinite(images, self.backend, self.dtype)
-        if output_type == "tensor":
+        if output_type == "tensor":  # (stays on the device, unsynchronised: the caller checks it if it wants)
             return images
+        warn_if_nonfinite(images, self.backend, self.dtype)  # read on the host now anyway
         if output_type == "np":
             return ((images.float().cpu() + 1) / 2).permute(0, 2, 3, 1).numpy()
         return to_pil(images)

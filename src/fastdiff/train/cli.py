@@ -247,11 +247,11 @@ def add_text_to_image_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--init-from",
-        type=Path,
         default=None,
-        help="unet stage: start the U-Net and text encoder from this text-to-image pipeline directory (e.g. "
-        "src/fastdiff/weights/fashion-mnist-t2i, with --vae set to the same directory) instead of a fresh "
-        "initialisation: train a model that exists for longer",
+        metavar="MODEL",
+        help="unet stage: start the U-Net and text encoder from this text-to-image pipeline (a directory, or the "
+        "bundled fashion-mnist-t2i) instead of a fresh initialisation, to train a model that exists for longer; "
+        "--vae defaults to its VAE",
     )
     p.add_argument("--ema-decay", type=float, default=None, help=f"unet stage: EMA decay (default: {unet.ema_decay})")
     p.add_argument(
@@ -382,8 +382,15 @@ def run_text_to_image(args: argparse.Namespace) -> int:
         for dest in flags:
             if getattr(args, dest) is not None:
                 raise FastdiffError(f"--{dest.replace('_', '-')} applies to --stage {other} only")
+    if stage == "all" and args.init_from is not None:
+        raise FastdiffError("--init-from goes on from a pipeline and its VAE: use it with --stage unet, not all")
     if stage == "all":
         return run_both_stages(args)
+    if args.init_from is not None:  # a bundled preset's name or a directory; its own VAE unless --vae says otherwise
+        from fastdiff.models.stable_diffusion import resolve_pipeline_dir
+
+        args.init_from = resolve_pipeline_dir(args.init_from)
+        args.vae = args.vae if args.vae is not None else args.init_from
     kwargs = stage_settings(args, stage)
     if stage == "vae":
         summary, keys = train_vae(VAEStageConfig(**kwargs)), VAE_SUMMARY_KEYS

@@ -297,8 +297,11 @@ def check_vae_fits(vae: AutoencoderKLConfig, preset: TextToImagePreset, source: 
 
 
 def check_init_from(folder: Path, preset: TextToImagePreset, vae_folder: Path) -> None:
-    """``--init-from``: a pipeline directory with the preset's U-Net and text encoder sizes, made on the VAE in
-    ``vae_folder`` (the same config, scaling factor included, and the same weights file bytes)."""
+    """``--init-from``: a pipeline directory with the preset's U-Net and text encoder sizes, this recipe's tokenizer
+    (its embeddings are those words') and the VAE in ``vae_folder`` (the same config, scaling factor included, and
+    the same weights at fp16)."""
+    from fastdiff.train.text_to_image.prompts import tokenizer_files
+
     for part in ("unet", "text_encoder", "vae"):
         if not (folder / part / "config.json").is_file():
             raise FastdiffError(f"--init-from {folder} is no text-to-image pipeline directory: {part}/config.json "
@@ -311,6 +314,11 @@ def check_init_from(folder: Path, preset: TextToImagePreset, vae_folder: Path) -
              "num_attention_heads": preset.text_heads}  # fmt: skip
     if any(text.get(key) != value for key, value in sizes.items()):
         raise FastdiffError(f"--init-from {folder}: its text encoder is not the preset's size (use its --preset)")
+    for name, text in tokenizer_files().items():
+        path = folder / "tokenizer" / name
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            raise FastdiffError(f"--init-from {folder}: its tokenizer is not this recipe's (tokenizer/{name} differs), "
+                                "so its text encoder's embeddings are other words'")  # fmt: skip
     if not same_vae(folder / "vae", vae_folder):
         raise FastdiffError(f"--init-from {folder} was trained on another VAE than --vae {vae_folder}: its latents "
                             "would not be these")  # fmt: skip

@@ -238,7 +238,7 @@ def run_budgeted_loop(
 RESUME_KEYS = (
     "preset", "max_steps", "batch_size", "lr", "warmup_steps", "min_lr_ratio", "weight_decay",
     "grad_clip", "limit_images", "seed", "bf16", "kl_weight", "vae_dir", "ema_decay", "prompt_dropout",
-    "min_snr_gamma",
+    "min_snr_gamma", "init_from",
 )  # fmt: skip
 """Settings a resumed stage must share with its checkpoint (those of the stage's config that shape training).
 ``max_seconds`` is not one: a resumed run may extend or shorten the stage's time budget (``Budget``)."""

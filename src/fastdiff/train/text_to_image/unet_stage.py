@@ -22,8 +22,8 @@ from fastdiff.devices import synchronize
 from fastdiff.errors import FastdiffError
 from fastdiff.images import make_grid, save_png_atomic
 from fastdiff.models.autoencoder_kl import autoencoder_kl_from_dir
-from fastdiff.models.clip_text import clip_text_from_dir
-from fastdiff.models.unet_2d_condition import UNet2DConditionModel, unet_2d_condition_from_dir
+from fastdiff.models.stable_diffusion import load_stable_diffusion
+from fastdiff.models.unet_2d_condition import UNet2DConditionModel
 from fastdiff.models.weights import load_state_dict_checked, read_json_object
 from fastdiff.samplers import ScheduleConfig, alphas_cumprod
 from fastdiff.train.text_to_image.config import (
@@ -57,6 +57,9 @@ GRID_GUIDANCE = 7.5
 """Guidance of samples.png: ``fastdiff sample``'s default."""
 EVAL_SEED = 10**6
 """Seed of the first evaluation image (the grid uses seeds from 0)."""
+EMA_CONTINUED = 10**6
+"""The EMA's update count when a stage goes on from a trained pipeline (``init_from``): past its warm-up, so the
+average starts at the pipeline's weights at the full ``ema_decay``."""
 FD_MIN_IMAGES = 500
 """FD-FMNIST is reported from this many generated images on (fewer give a biased, noisy distance)."""
 
@@ -106,11 +109,10 @@ def evaluate_pipeline(folder: Path, config: UNetStageConfig, device: torch.devic
 def start_from_pipeline(folder: Path, unet: UNet2DConditionModel, text_encoder: nn.Module) -> None:
     """Copy the U-Net's and the text encoder's weights of the pipeline directory ``folder`` into the fresh
     networks (fp16 files into fp32 parameters)."""
-    trained_unet = unet_2d_condition_from_dir(folder / "unet", read_json_object(folder / "unet" / "config.json"))
-    load_state_dict_checked(unet, {k: v.float() for k, v in trained_unet.state_dict().items()}, str(folder / "unet"))
-    trained_text = clip_text_from_dir(folder / "text_encoder")
-    state = {k: v.float() for k, v in trained_text.state_dict().items()}
-    load_state_dict_checked(text_encoder, state, str(folder / "text_encoder"))
+    trained = load_stable_diffusion(folder)
+    for network, source, part in ((unet, trained.unet, "unet"), (text_encoder, trained.text_encoder, "text_encoder")):
+        state = {k: v.float() for k, v in source.state_dict().items()}
+        load_state_dict_checked(network, state, str(folder / part))
     log.info("unet stage: starting from the U-Net and text encoder of %s", folder)
 
 
@@ -158,8 +160,10 @@ def train_text_to_image(
     with torch.no_grad():  # start from a zero prediction: a random U-Net's output is only noise to unlearn
         unet.conv_out.weight.zero_()
         unet.conv_out.bias.zero_()
+    ema_start = 0  # updates the EMA counts as done: its warm-up, (1 + n) / (10 + n), starts a fresh average
     if config.init_from is not None:  # go on from a trained pipeline (check_stage checked that it fits)
         start_from_pipeline(Path(config.init_from), unet, text_encoder)
+        ema_start = EMA_CONTINUED  # the pipeline's weights are an average already: no warm-up
     unet = unet.to(device, memory_format=memory_format).train()
     ema_unet = copy.deepcopy(unet).eval().requires_grad_(False)
     ema_text = copy.deepcopy(text_encoder).eval().requires_grad_(False)
@@ -227,8 +231,8 @@ def train_text_to_image(
     batches = epoch_batches(images.shape[0], config.batch_size, data_rng, device, skip=first)
 
     def after_step(step: int) -> None:
-        ema_update(ema_unet, unet, config.ema_decay, step)
-        ema_update(ema_text, text_encoder, config.ema_decay, step)
+        ema_update(ema_unet, unet, config.ema_decay, step + ema_start)
+        ema_update(ema_text, text_encoder, config.ema_decay, step + ema_start)
 
     loss_log = LossLog(config, "unet")
     if resumed:
