@@ -59,6 +59,23 @@ def test_cuda_streamed_weights_arrive(tiny_model):
     assert float((out - ref).norm() / ref.norm()) < 1e-2
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_uploads_never_get_a_block_the_compute_stream_just_freed():
+    """The caching allocator gives a block that the compute stream freed straight back to the next allocation on that
+    stream, whose queued kernels may still use it. The copy stream does not wait for them, so an upload there could
+    land under a pending kernel. The streamer's device tensors come from the copy stream's pool instead."""
+    from fastdiff.engine.weights import CudaBackend
+
+    device = torch.device("cuda")
+    n = 3 << 20
+    freed = torch.empty(n, device=device)
+    address = freed.data_ptr()
+    del freed  # on the compute stream, as a temporary of a queued kernel would be
+    upload = CudaBackend(device).allocate(torch.empty(n, pin_memory=True), device)
+    assert upload.data_ptr() != address
+    assert torch.empty(n, device=device).data_ptr() == address  # (the control: the compute stream reuses it)
+
+
 @pytest.mark.parametrize("source", [torch.float16, torch.bfloat16, torch.float32])
 def test_packing_from_the_model_dtype_gives_the_fp32_copys_bytes(source):
     """The lowering keeps conv and GEMM weights in the model's dtype: every layout (our conv's, the Upsample2D phase

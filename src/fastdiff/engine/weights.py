@@ -3,8 +3,9 @@
 
 Streamed weight upload: pinned host copies, one copy stream, one event per module, per-module waits.
 
-``submit(module, host_tensors)`` allocates the device tensors, queues their host->device copies on the copy
-stream (from pinned memory, so they run asynchronously) and records that module's event. The first forward
+``submit(module, host_tensors)`` allocates the device tensors (from the copy stream's memory pool:
+``CudaBackend.allocate``), queues their host->device copies on the copy stream (from pinned memory, so they run
+asynchronously) and records that module's event. The first forward
 calls ``wait(module)`` right before each module's compute: the compute stream then waits only for that
 module's own weights, so the first layers run while later layers' weights are still in flight (early start).
 On the CPU, copies are synchronous and waits are no-ops.
@@ -41,6 +42,18 @@ class CudaBackend:
         self.device = device
         self.stream = torch.cuda.Stream(device)
 
+    def allocate(self, like: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A tensor on ``device`` (this backend's) for ``like``'s upload, from the copy stream's pool. A block the
+        compute stream freed may still be read or written by its queued kernels, which the copy stream does not
+        wait for; the caching allocator hands such a block back at once to the stream that freed it. The tensor is
+        marked as used by the compute stream, so that once freed, its block waits for that stream's work before it
+        is given out again."""
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            t = torch.empty_like(like, device=device)  # same strides (channels-last stays)
+        t.record_stream(compute)
+        return t
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
@@ -63,6 +76,9 @@ class CudaBackend:
 
 class SyncBackend:
     """CPU (or no streams): plain copies; nothing to wait for."""
+
+    def allocate(self, like: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return torch.empty_like(like, device=device)  # same strides (channels-last stays)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
@@ -122,7 +138,7 @@ class WeightStreamer:
                 out[role] = host.clone()
                 continue
             pinned = self.backend.pin(host)
-            dev = torch.empty_like(pinned, device=self.device)  # same strides (channels-last stays)
+            dev = self.backend.allocate(pinned, self.device)
             self.backend.copy(dev, pinned)
             self._staging.append(pinned)
             self.bytes += pinned.numel() * pinned.element_size()
