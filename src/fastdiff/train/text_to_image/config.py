@@ -276,8 +276,10 @@ def check_stage(config: StageConfig) -> None:
             read_json_object(vae_folder / "config.json"), str(vae_folder / "config.json")
         )
         check_vae_fits(vae_config, resolve_preset(config.preset), vae_folder)
-        if config.init_from is not None:
-            check_init_from(Path(config.init_from), resolve_preset(config.preset), vae_folder)
+        if config.init_from is not None:  # a directory or a bundled pipeline's name
+            from fastdiff.models.stable_diffusion import resolve_pipeline_dir
+
+            check_init_from(resolve_pipeline_dir(config.init_from), resolve_preset(config.preset), vae_folder)
         from fastdiff.models.clip_tokenizer import import_tokenizers
 
         import_tokenizers()

@@ -22,7 +22,7 @@ from fastdiff.devices import synchronize
 from fastdiff.errors import FastdiffError
 from fastdiff.images import make_grid, save_png_atomic
 from fastdiff.models.autoencoder_kl import autoencoder_kl_from_dir
-from fastdiff.models.stable_diffusion import load_stable_diffusion
+from fastdiff.models.stable_diffusion import load_stable_diffusion, resolve_pipeline_dir
 from fastdiff.models.unet_2d_condition import UNet2DConditionModel
 from fastdiff.models.weights import load_state_dict_checked, read_json_object
 from fastdiff.samplers import ScheduleConfig, alphas_cumprod
@@ -162,7 +162,7 @@ def train_text_to_image(
         unet.conv_out.bias.zero_()
     ema_start = 0  # updates the EMA counts as done: its warm-up, (1 + n) / (10 + n), starts a fresh average
     if config.init_from is not None:  # go on from a trained pipeline (check_stage checked that it fits)
-        start_from_pipeline(Path(config.init_from), unet, text_encoder)
+        start_from_pipeline(resolve_pipeline_dir(config.init_from), unet, text_encoder)
         ema_start = EMA_CONTINUED  # the pipeline's weights are an average already: no warm-up
     unet = unet.to(device, memory_format=memory_format).train()
     ema_unet = copy.deepcopy(unet).eval().requires_grad_(False)
