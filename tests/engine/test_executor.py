@@ -109,6 +109,8 @@ def test_shortcut_pair_bias_waits_for_both_uploads(tiny_model, via_plan, monkeyp
     fused = FusedModel(model, 2, torch.float32, DEVICE, "triton", "triton", WeightStreamer(DEVICE, backend))
     x = torch.randn(fused.x_in_value.shape, generator=torch.Generator().manual_seed(5))
     x_in = channels_last_empty(x.shape, torch.float32, DEVICE).copy_(x)
+    # the candidates' fit checks read the bound input's layout (on CUDA): a plan naming nothing binds it and is refused
+    assert fused.apply_plan(PlanEntry({}), x_in) is not None
     choices = {op.name: candidates(fused, op)[0].name for op in fused.ops}
     for name, shortcut in fused.pairs["sc"].items():
         choices[name], choices[shortcut.name] = "triton-sc", FUSED.name
