@@ -167,3 +167,32 @@ def test_precompile_does_nothing_off_cuda():
     calls = []
     assert precompile([lambda: calls.append(1)], torch.device("cpu").type) == {}
     assert calls == []  # not even recorded: the interpreter compiles nothing
+
+
+def test_the_worker_builds_the_kernels_launcher_and_survives_a_failed_one(monkeypatch):
+    """Triton before 3.9 compiles a C launcher per kernel signature at the kernel's first launch, serially in the
+    launching process (7.2 s of a cold SD 1.5 start): the worker builds it from the kernel it compiled, with the
+    launch's own class and inputs; a launcher that fails to build does not fail the kernel (the launch builds it)."""
+    import triton
+    from triton.runtime.driver import driver
+
+    import fastdiff.engine.compile_pool as pool
+
+    built = []
+
+    class Launcher:
+        def __init__(self, src, metadata):
+            if metadata == "broken":
+                raise RuntimeError("cc failed")
+            built.append((src, metadata))
+
+    kernel = types.SimpleNamespace(src="the compiled source", metadata="its metadata")
+    monkeypatch.setattr(pool, "source", lambda spec: ("decoded", {"num_warps": 4}))
+    monkeypatch.setattr(triton, "compile", lambda src, target, options: kernel)
+    monkeypatch.setattr(driver, "_active", types.SimpleNamespace(launcher_cls=Launcher))
+    spec = KernelSpec("m", "k", "{}", TARGET)
+    assert pool.compile_answer(spec) == {"ok": True}
+    assert built == [("the compiled source", "its metadata")]
+    kernel.metadata = "broken"
+    assert pool.compile_answer(spec) == {"ok": True}
+    assert len(built) == 1

@@ -5,7 +5,8 @@ Streamed weight upload: pinned host copies, one copy stream, one event per modul
 
 ``submit(module, host_tensors)`` allocates the device tensors (from the copy stream's memory pool:
 ``CudaBackend.allocate``), queues their host->device copies on the copy stream (from pinned memory, so they run
-asynchronously) and records that module's event. The first forward
+asynchronously: a few pinned chunks reused as the copies drain them, :class:`StagingRing`) and records that module's
+event. The first forward
 calls ``wait(module)`` right before each module's compute: the compute stream then waits only for that
 module's own weights, so the first layers run while later layers' weights are still in flight (early start).
 On the CPU, copies are synchronous and waits are no-ops.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,12 +37,81 @@ from fastdiff.kernels.tap_sum_conv2d import pack_tap_weight
 log = logging.getLogger(__name__)
 
 
+class StagingRing:
+    """Pinned host memory for uploads, reused: ``chunks`` buffers of ``chunk_bytes``, filled one after another; a
+    chunk's copies are marked by one event (``record``) when the ring moves past it, and the host waits for that event
+    (``wait_host``) before it writes the chunk again. A tensor larger than a chunk gets pinned memory of its own.
+
+    Pinning is what costs: page-locking each weight's own buffer took 0.9 s of a warm SD 1.5 start on the H100
+    (1.55 GiB in 569 buffers, git 2d664ef), and freeing them again 0.3 s; here ``chunks x chunk_bytes`` are pinned
+    once per streamer. ``pinned(nbytes)`` gives a uint8 buffer (``torch.empty(..., pin_memory=True)`` on CUDA)."""
+
+    ALIGN = 512
+
+    def __init__(
+        self,
+        pinned: Callable[[int], torch.Tensor],
+        record: Callable[[], Any],
+        wait_host: Callable[[Any], None],
+        chunk_bytes: int = 64 << 20,
+        chunks: int = 3,
+    ) -> None:
+        self._pinned, self._record, self._wait_host = pinned, record, wait_host
+        self.chunk_bytes, self.chunks = chunk_bytes, chunks
+        self._buffers: list[torch.Tensor] = []
+        self._events: list[Any] = []
+        self._current = self._offset = 0
+
+    def stage(self, t: torch.Tensor) -> torch.Tensor:
+        """A pinned copy of the host tensor ``t`` (same shape and strides) that stays valid until the copy queued
+        from it right after this call has run (the next ``stage`` calls may record and wait in between)."""
+        if not (t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))):
+            t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        if nbytes > self.chunk_bytes:
+            own = self._pinned(nbytes)
+            return self._view(own, t).copy_(t)
+        if not self._buffers or self._offset + nbytes > self.chunk_bytes:
+            self._next_chunk()
+        buffer = self._buffers[self._current][self._offset : self._offset + nbytes]
+        self._offset += -(-nbytes // self.ALIGN) * self.ALIGN
+        return self._view(buffer, t).copy_(t)
+
+    def _next_chunk(self) -> None:
+        if self._buffers:  # the copies queued from the chunk being left: one event after them
+            self._events[self._current] = self._record()
+            self._current = (self._current + 1) % self.chunks
+        if self._current == len(self._buffers):
+            self._buffers.append(self._pinned(self.chunk_bytes))
+            self._events.append(None)
+        elif self._events[self._current] is not None:  # its earlier copies must have run before it is written
+            self._wait_host(self._events[self._current])
+            self._events[self._current] = None
+        self._offset = 0
+
+    @staticmethod
+    def _view(buffer: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return buffer[: t.numel() * t.element_size()].view(t.dtype).as_strided(t.shape, t.stride())
+
+    def release(self) -> None:
+        """Drop the chunks (call once every copy from them has run)."""
+        self._buffers.clear()
+        self._events.clear()
+        self._current = self._offset = 0
+
+
 class CudaBackend:
-    """Copies on a dedicated CUDA stream; events recorded there; waits on the current stream."""
+    """Copies on a dedicated CUDA stream from a :class:`StagingRing`; events recorded there; waits on the current
+    stream."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
+        self.ring = StagingRing(
+            lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True),
+            self.record,
+            torch.cuda.Event.synchronize,
+        )
 
     def allocate(self, like: torch.Tensor, device: torch.device) -> torch.Tensor:
         """A tensor on ``device`` (this backend's) for ``like``'s upload, from the copy stream's pool. A block the
@@ -67,11 +138,12 @@ class CudaBackend:
         torch.cuda.current_stream(self.device).wait_event(event)
 
     def synchronize(self) -> None:
+        """Wait for every copy; the staging chunks are then free to go."""
         self.stream.synchronize()
+        self.ring.release()
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
-        pinned = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=True)
-        return pinned.copy_(t)  # same strides: a channels-last weight stays channels-last
+        return self.ring.stage(t)  # same strides: a channels-last weight stays channels-last
 
 
 class SyncBackend:
