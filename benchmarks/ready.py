@@ -13,6 +13,10 @@ Text-to-image models sample ``--batch`` images of ``--prompt`` at ``--guidance``
 mean of every phase per mode, and how many images differ between the runs (0: the same seed gave the same bytes in
 every process; ``digests``: one per distinct set of images, to compare runs).
 
+Python bytecode (``--bytecode``): each run imports torch and fastdiff from a bytecode cache of the measurement's own,
+primed once, as on a pip install; a machine that sets ``PYTHONDONTWRITEBYTECODE`` (the lent H100s do) otherwise spends
+~3 s of every process compiling their source. ``--bytecode as-set`` measures that instead.
+
 A Stable Diffusion preset (sd15, sd21: random weights, fastdiff ships none) is written once, before the runs and
 untimed, as a diffusers directory of fp16 safetensors (``--weights-dir``, default a temporary folder), and every run
 loads it from there as a user's checkpoint would: the load phase is then a read, not the seconds the CPU spends
@@ -152,6 +156,29 @@ def one_run(args: argparse.Namespace, env: dict[str, str]) -> dict:
     return row
 
 
+def bytecode_env(mode: str) -> dict[str, str]:
+    """The runs' environment for Python bytecode ``mode`` (see ``--bytecode``): for "cached", a bytecode folder of
+    this measurement's own (``PYTHONPYCACHEPREFIX``, writing allowed), primed by one untimed process that imports what
+    a run imports first (torch, fastdiff and its engine and pipelines); modules a run imports later are cached by the
+    first run."""
+    env = dict(os.environ)
+    if mode == "as-set":
+        return env
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(prefix="ready-pycache-")
+    prime = "import torch, fastdiff, fastdiff.engine, fastdiff.pipelines, fastdiff.bench.systems"
+    subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT / 'src')!r}); {prime}"],
+                   env=env, check=True, capture_output=True, timeout=600)  # fmt: skip
+    return env
+
+
+def describe_bytecode(mode: str) -> str:
+    if mode == "as-set":
+        where = "not written" if os.environ.get("PYTHONDONTWRITEBYTECODE") else "as the environment has it"
+        return f"as set: Python bytecode {where}"
+    return "cached: a bytecode folder of the measurement's own, primed by one untimed import (as a pip install has)"
+
+
 def summarize(rows: list[dict]) -> dict:
     out = {"runs": len(rows)}
     for phase in PHASES:
@@ -198,6 +225,14 @@ def main() -> None:
         action="store_true",
         help="SD presets: each run initialises the random weights instead of loading a saved directory",
     )
+    p.add_argument(
+        "--bytecode",
+        default="cached",
+        choices=("cached", "as-set"),
+        help="Python bytecode: 'cached' (default) gives every run a bytecode cache of its own, primed by one "
+        "untimed import, as a pip install has one; 'as-set': whatever the environment says (a machine that sets "
+        "PYTHONDONTWRITEBYTECODE compiles torch's and fastdiff's source in every process)",
+    )
     p.add_argument("--cold", type=int, default=1, help="runs with empty Triton and fastdiff caches")
     p.add_argument("--warm", type=int, default=5, help="runs with caches filled by one untimed run")
     p.add_argument("--timeout", type=float, default=560)
@@ -220,6 +255,8 @@ def main() -> None:
               "env": environment(), "modes": {},
               "compile": {k: os.environ.get(f"FASTDIFF_COMPILE_{k.upper()}", "default")
                           for k in ("workers", "threads")}}  # fmt: skip
+    bytecode = bytecode_env(args.bytecode)
+    result["python_bytecode"] = describe_bytecode(args.bytecode)
     hashes = []
     for mode, runs in (("cold", args.cold), ("warm", args.warm)):
         if runs <= 0:
@@ -228,7 +265,7 @@ def main() -> None:
         rows = []
         for i in range(runs + (mode == "warm")):
             where = shared if mode == "warm" else tempfile.mkdtemp(prefix="ready-cold-")
-            env = {**os.environ, "TRITON_CACHE_DIR": f"{where}/triton", "FASTDIFF_CACHE_DIR": f"{where}/fastdiff",
+            env = {**bytecode, "TRITON_CACHE_DIR": f"{where}/triton", "FASTDIFF_CACHE_DIR": f"{where}/fastdiff",
                    "TORCHINDUCTOR_CACHE_DIR": f"{where}/inductor"}  # fmt: skip
             row = one_run(args, env)
             print(mode, i, {k: row[k] for k in ("to_first_image_s", "plan_or_tune_s", "step_ms", "plan_sources")},

@@ -80,8 +80,9 @@ class LateCopyEngine:
     ],
 )
 def test_staging_ring_never_overwrites_a_chunk_before_its_copies_ran(tensor):
-    """Many uploads through a ring of 2 chunks of 1 KiB: each staged copy keeps its shape and strides (contiguous or channels-last ones)
-    and every upload lands with its own bytes although the copies run late (only when the host waits for them)."""
+    """Many uploads through a ring of 2 chunks of 1 KiB: each staged copy keeps its shape and strides (contiguous or
+    channels-last ones) and every upload lands with its own bytes although the copies run late (only when the host
+    waits for them)."""
     g = torch.Generator().manual_seed(0)
     engine = LateCopyEngine()
     ring = StagingRing(lambda n: torch.full((n,), 0xFF, dtype=torch.uint8), engine.record, engine.wait_host, 1024, 2)
