@@ -26,7 +26,7 @@ from fastdiff.models.weights import read_json_object, read_state_dict
 from fastdiff.quality.psnr import psnr
 from fastdiff.train import text_to_image as t2i
 from fastdiff.train.text_to_image import UNetStageConfig, VAEStageConfig, loop, unet_stage, vae_stage
-from fastdiff.train.text_to_image.config import make_text_encoder
+from fastdiff.train.text_to_image.config import find_vae_dir, make_text_encoder
 from fastdiff.train.text_to_image.prompts import learn_merges, prompt_words
 
 TOL = 1e-3  # max abs diff on [0, 1] output images, fp32, as tests/test_text_to_image.py
@@ -616,7 +616,9 @@ def test_init_from_continues_a_trained_pipeline(trained, tmp_path):
     with pytest.raises(FastdiffError, match="its tokenizer is not this recipe's .tokenizer/vocab.json differs"):
         t2i.train_text_to_image(swapped, images, labels)
     bundled_dir = BUNDLED_PIPELINES["fashion-mnist-t2i"]
-    bundled = UNetStageConfig(**stage_settings(tmp_path / "x"), vae_dir=vae_dir, init_from=bundled_dir)
-    with pytest.raises(FastdiffError, match="its U-Net is not the preset's architecture"):
-        t2i.train_text_to_image(bundled, images, labels)
+    for given in (bundled_dir, "fashion-mnist-t2i"):  # its folder, or its name (which the settings then record)
+        bundled = UNetStageConfig(**stage_settings(tmp_path / "x"), vae_dir=vae_dir, init_from=given)
+        with pytest.raises(FastdiffError, match="its U-Net is not the preset's architecture"):
+            t2i.train_text_to_image(bundled, images, labels)
+    assert find_vae_dir("fashion-mnist-t2i") == bundled_dir / "vae"  # --vae takes the name too (--init-from's default)
     assert not (tmp_path / "x").exists()

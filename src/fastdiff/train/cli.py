@@ -386,11 +386,8 @@ def run_text_to_image(args: argparse.Namespace) -> int:
         raise FastdiffError("--init-from goes on from a pipeline and its VAE: use it with --stage unet, not all")
     if stage == "all":
         return run_both_stages(args)
-    if args.init_from is not None:  # a bundled preset's name or a directory; its own VAE unless --vae says otherwise
-        from fastdiff.models.stable_diffusion import resolve_pipeline_dir
-
-        args.init_from = resolve_pipeline_dir(args.init_from)
-        args.vae = args.vae if args.vae is not None else args.init_from
+    if args.init_from is not None:  # a bundled pipeline's name or a directory (recorded as given: a name stays a name)
+        args.vae = args.vae if args.vae is not None else args.init_from  # its own VAE unless --vae says otherwise
     kwargs = stage_settings(args, stage)
     if stage == "vae":
         summary, keys = train_vae(VAEStageConfig(**kwargs)), VAE_SUMMARY_KEYS

@@ -248,10 +248,12 @@ def validate_stage(config: StageConfig) -> None:
             raise FastdiffError(f"eval_steps must be positive, got {config.eval_steps}")
 
 
-def find_vae_dir(path: Path) -> Path:
-    """The VAE folder of a stage-1 output (``path/vae``) or ``path`` itself; a FastdiffError if neither holds a
-    diffusers AutoencoderKL (config.json + weights)."""
-    path = Path(path)
+def find_vae_dir(path: Path | str) -> Path:
+    """The VAE folder of a stage-1 output or a pipeline (``path/vae``; ``path`` may name a bundled pipeline) or
+    ``path`` itself; a FastdiffError if neither holds a diffusers AutoencoderKL (config.json + weights)."""
+    from fastdiff.models.stable_diffusion import resolve_pipeline_dir
+
+    path = resolve_pipeline_dir(path)
     if not path.exists():
         raise FastdiffError(f"--vae {path} not found: run the vae stage first (fastdiff train text-to-image)")
     for folder in (path / "vae", path):
@@ -269,16 +271,17 @@ def check_stage(config: StageConfig) -> None:
     if isinstance(config, UNetStageConfig):
         if config.vae_dir is None:
             raise FastdiffError("the unet stage needs --vae DIR (the output of the vae stage)")
+        from fastdiff.models.stable_diffusion import resolve_pipeline_dir
+
         vae_folder = find_vae_dir(config.vae_dir)
-        if Path(config.out_dir).resolve() in (Path(config.vae_dir).resolve(), vae_folder.resolve()):
+        given = resolve_pipeline_dir(config.vae_dir)  # the folder --vae names (a bundled pipeline's name too)
+        if Path(config.out_dir).resolve() in (given.resolve(), vae_folder.resolve()):
             raise FastdiffError(f"--out must be another folder than --vae ({config.vae_dir})")
         vae_config = AutoencoderKLConfig.from_dict(
             read_json_object(vae_folder / "config.json"), str(vae_folder / "config.json")
         )
         check_vae_fits(vae_config, resolve_preset(config.preset), vae_folder)
         if config.init_from is not None:  # a directory or a bundled pipeline's name
-            from fastdiff.models.stable_diffusion import resolve_pipeline_dir
-
             check_init_from(resolve_pipeline_dir(config.init_from), resolve_preset(config.preset), vae_folder)
         from fastdiff.models.clip_tokenizer import import_tokenizers
 
