@@ -266,11 +266,11 @@ def run_text_to_image_bench(cfg: TextToImageBenchConfig, on_row: Callable[[dict]
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        reference = next((images.get("diffusers-fp32") for r in rows if f"{r.system}-{r.dtype}" == "diffusers-fp32"
-                          and r.error is None), None)  # fmt: skip
+        finite = {f"{r.system}-{r.dtype}" for r in rows if r.error is None}  # a broken image is no reference either
+        reference = images.get("diffusers-fp32") if "diffusers-fp32" in finite else None
         for done in rows:
             key = f"{done.system}-{done.dtype}"
-            if reference is not None and key in images and key != "diffusers-fp32" and done.error is None:
+            if reference is not None and key in images and key in finite and key != "diffusers-fp32":
                 done.psnr_vs_diffusers_fp32_db = float(psnr(images[key], reference, data_range=1.0).mean())
         result["results"] = [asdict(r) for r in rows]
         if on_row is not None:

@@ -184,7 +184,7 @@ class VAEStageConfig(StageConfig):
 class UNetStageConfig(StageConfig):
     """Stage 2: text encoder + U-Net on the latents of the stage-1 VAE in ``vae_dir``."""
 
-    vae_dir: Path | None = None
+    vae_dir: Path | str | None = None
     max_steps: int = 40000
     batch_size: int = 512
     warmup_steps: int = 500
@@ -193,10 +193,10 @@ class UNetStageConfig(StageConfig):
     prompt_dropout: float = 0.1
     min_snr_gamma: float = 5.0
     """Loss weight min(SNR, gamma) / SNR (Hang et al. 2023); 0 turns it off."""
-    init_from: Path | None = None
-    """A text-to-image pipeline directory (e.g. the bundled fashion-mnist-t2i) whose U-Net and text encoder the
-    stage starts from instead of a fresh initialisation: a longer training of a model that exists. Its networks
-    must have the preset's architecture and its VAE must be ``vae_dir``'s (the latents it learned)."""
+    init_from: Path | str | None = None
+    """A text-to-image pipeline directory or a bundled pipeline's name (fashion-mnist-t2i) whose U-Net and text
+    encoder the stage starts from instead of a fresh initialisation: a longer training of a model that exists. Its
+    networks must have the preset's architecture and its VAE must be ``vae_dir``'s (the latents it learned)."""
     grid_per_prompt: int = 8
     eval_per_class: int = 100
     """Images per class sampled after training for the classifier's accuracy and FD-FMNIST (0: none)."""
