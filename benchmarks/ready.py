@@ -138,8 +138,10 @@ def saved_preset(model: str, weights_dir: Path | None) -> tuple[str, str | None]
     return str(folder), f"{model}'s random weights, written once as a diffusers directory (fp16) and read by each run"
 
 
-def one_run(args: argparse.Namespace, env: dict[str, str]) -> dict:
-    argv = [sys.executable, __file__, "--child", "--model", args.model, "--batch", str(args.batch), "--dtype",
+def one_run(args: argparse.Namespace, env: dict[str, str], profile: Path | None = None) -> dict:
+    """One child process's row; under cProfile, its statistics written to ``profile`` when given."""
+    under = ["-m", "cProfile", "-o", str(profile)] if profile else []
+    argv = [sys.executable, *under, __file__, "--child", "--model", args.model, "--batch", str(args.batch), "--dtype",
             args.dtype, "--sampler", args.sampler, "--steps", str(args.steps), "--system", args.system,
             "--prompt", args.prompt, "--guidance", str(args.guidance)]  # fmt: skip
     for flag in ("height", "width"):
@@ -154,6 +156,20 @@ def one_run(args: argparse.Namespace, env: dict[str, str]) -> dict:
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     row["process_s"] = time.perf_counter() - t0
     return row
+
+
+def write_profile_summary(profile: Path, top: int = 60) -> Path:
+    """``profile``'s statistics as text beside it: the top functions by cumulative and by own time."""
+    import io
+    import pstats
+
+    text = io.StringIO()
+    stats = pstats.Stats(str(profile), stream=text)
+    stats.sort_stats("cumulative").print_stats(top)
+    stats.sort_stats("tottime").print_stats(top)
+    out = profile.with_suffix(".txt")
+    out.write_text(text.getvalue())
+    return out
 
 
 def bytecode_env(mode: str) -> dict[str, str]:
@@ -235,6 +251,13 @@ def main() -> None:
     )
     p.add_argument("--cold", type=int, default=1, help="runs with empty Triton and fastdiff caches")
     p.add_argument("--warm", type=int, default=5, help="runs with caches filled by one untimed run")
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="after the timed runs, one more warm run under cProfile (not in the summary): its statistics go to "
+        "PROFILE (.prof) and a text summary beside it (.txt)",
+    )
     p.add_argument("--timeout", type=float, default=560)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -275,6 +298,11 @@ def main() -> None:
                 continue  # fills the caches
             rows.append(row)
         result["modes"][mode] = {"summary": summarize(rows), "rows": rows}
+        if mode == "warm" and args.profile:  # caches as the warm runs had them
+            args.profile.parent.mkdir(parents=True, exist_ok=True)
+            row = one_run(args, env, profile=args.profile)
+            hashes.append(row.pop("image_sha256"))
+            result["profiled_run"] = {"row": row, "summary": str(write_profile_summary(args.profile))}
     differing = sum(len(set(column)) > 1 for column in zip(*hashes, strict=True))
     digests = sorted({hashlib.sha256("".join(h).encode()).hexdigest()[:16] for h in hashes})
     result["images_differing_between_processes"] = {"images": len(hashes[0]), "processes": len(hashes),
