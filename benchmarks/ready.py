@@ -302,7 +302,7 @@ def main() -> None:
             args.profile.parent.mkdir(parents=True, exist_ok=True)
             row = one_run(args, env, profile=args.profile)
             hashes.append(row.pop("image_sha256"))
-            result["profiled_run"] = {"row": row, "summary": str(write_profile_summary(args.profile))}
+            result["profiled_run"] = {"row": row, "summary": write_profile_summary(args.profile).name}
     differing = sum(len(set(column)) > 1 for column in zip(*hashes, strict=True))
     digests = sorted({hashlib.sha256("".join(h).encode()).hexdigest()[:16] for h in hashes})
     result["images_differing_between_processes"] = {"images": len(hashes[0]), "processes": len(hashes),

@@ -90,6 +90,15 @@ class DeferredCopies(SyncBackend):
         dst.fill_(float("nan"))
         self.pending.append((dst, src.clone()))
 
+    def pack(self, pack, sources: dict[str, torch.Tensor], resident: bool) -> dict[str, torch.Tensor]:
+        """Packing runs on the copy stream behind the copies: its layouts are NaN until the event is waited for."""
+        by_upload = {id(dst): src for dst, src in self.pending}
+        real = pack({role: by_upload.get(id(t), t) for role, t in sources.items()})
+        out = {role: torch.full_like(t, float("nan")) for role, t in real.items()}
+        self.pending = [(d, s) for d, s in self.pending if id(d) not in {id(t) for t in sources.values()}]
+        self.pending += [(out[role], real[role]) for role in real]
+        return out
+
     def record(self) -> list:
         event, self.pending = self.pending, []
         return event

@@ -145,7 +145,7 @@ def test_a_plan_packs_only_the_layouts_its_kernels_read(tmp_path, monkeypatch, c
         return (*own, Impl.parse("triton-sc")) if op.name in pairs and model is not fused else own
 
     packed: dict[str, set[str]] = {}  # what the first forward packed, before the unused layouts are dropped
-    pack = executor.host_weights
+    pack = executor.packed_weights
 
     def recording(op, *args):
         out = pack(op, *args)
@@ -153,7 +153,7 @@ def test_a_plan_packs_only_the_layouts_its_kernels_read(tmp_path, monkeypatch, c
         return out
 
     monkeypatch.setattr(executor, "candidates", with_shortcut_sums)
-    monkeypatch.setattr(executor, "host_weights", recording)
+    monkeypatch.setattr(executor, "packed_weights", recording)
     engine = Engine(DEVICE, plan=KernelPlan("cpu", {structure: PlanEntry(choices)}).save(tmp_path / "plan.json"))
     out = _engine_run(engine, model)
     assert rel_err(out, ref) < 1e-5

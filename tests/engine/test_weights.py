@@ -16,10 +16,31 @@ def test_streamer_copies_and_keeps_layout():
     w = torch.randn(5, 3, 3, 3).contiguous(memory_format=torch.channels_last)
     out = streamer.submit("conv", {"weight": w, "bias": torch.randn(5)})
     assert torch.equal(out["weight"], w) and out["weight"].stride() == w.stride()
-    assert [kind for kind, _ in streamer.backend.log] == ["copy", "copy", "record"]
+    assert [kind for kind, _ in streamer.backend.log] == ["copy", "copy", "pack", "record"]
     streamer.wait("conv")
     streamer.wait("conv")  # second wait is free
-    assert streamer.backend.log[-1] == ("wait", 1) and len(streamer.backend.log) == 4
+    assert streamer.backend.log[-1] == ("wait", 1) and len(streamer.backend.log) == 5
+
+
+def test_streamer_packs_the_uploaded_sources_after_their_copies():
+    """Each source crosses once; the layouts are made from the uploaded copies, behind the copies, before the
+    module's event."""
+    from fastdiff.kernels.conv2d import pack_conv_weight
+
+    streamer = WeightStreamer("cpu", RecordingBackend())
+    w, b = torch.randn(5, 3, 3, 3), torch.randn(5)
+    seen = {}
+
+    def pack(uploaded):
+        seen.update(uploaded)
+        return {"packed": pack_conv_weight(uploaded["weight"]).half(), "weight": uploaded["weight"].half(),
+                "bias": uploaded["bias"]}  # fmt: skip
+
+    out = streamer.submit("conv", {"weight": w, "bias": b}, pack)
+    assert [kind for kind, _ in streamer.backend.log] == ["copy", "copy", "pack", "record"]
+    assert seen["weight"] is not w and torch.equal(seen["weight"], w)  # the upload, not the host tensor
+    assert torch.equal(out["packed"], pack_conv_weight(w).half()) and torch.equal(out["bias"], b)
+    assert streamer.bytes == (w.numel() + b.numel()) * 4  # the sources once, not the three layouts
 
 
 def test_first_forward_waits_per_module(tiny_model):
@@ -29,6 +50,7 @@ def test_first_forward_waits_per_module(tiny_model):
                       WeightStreamer("cpu", backend))  # fmt: skip
     assert backend.log == []  # nothing is uploaded before the first forward
     fused.call = lambda op, impl: lambda: backend.log.append(("compute", op.name))
+    sources = {op.name: sum(t is not None for t in op.weights.values()) for op in fused.ops}
     x_in = channels_last_empty(fused.x_in_value.shape, torch.float32, torch.device("cpu")).normal_()
     fused.forward_from_row(x_in)
     position = 0
@@ -37,10 +59,11 @@ def test_first_forward_waits_per_module(tiny_model):
         while backend.log[position][0] == "copy":
             copies += 1
             position += 1
-        assert copies == len(fused.device_weights[op.name])  # one copy per weight tensor of the module
-        record, wait, compute = backend.log[position : position + 3]
-        assert record[0] == "record" and wait == ("wait", record[1]) and compute == ("compute", op.name)
-        position += 3
+        assert copies == sources[op.name]  # one copy per source tensor of the module, however many layouts
+        pack, record, wait, compute = backend.log[position : position + 4]
+        assert pack[0] == "pack" and record[0] == "record" and wait == ("wait", record[1])
+        assert compute == ("compute", op.name)
+        position += 4
     assert position == len(backend.log)
     start = len(backend.log)
     fused.forward_from_row(x_in)  # later forwards: no uploads, no waits
@@ -113,6 +136,9 @@ def test_cuda_streamed_weights_arrive(tiny_model):
     with torch.no_grad():
         ref = model(x, torch.tensor([10], device="cuda"))
     assert float((out - ref).norm() / ref.norm()) < 1e-2
+    # the model was on the GPU already: packed from it there, and no layout shares its memory
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert not any(t.untyped_storage().data_ptr() in params for w in fused.device_weights.values() for t in w.values())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -140,7 +166,7 @@ def test_packing_from_the_model_dtype_gives_the_fp32_copys_bytes(source):
     import dataclasses
 
     from fastdiff.engine.ir import GraphBuilder
-    from fastdiff.engine.weights import host_weights
+    from fastdiff.engine.weights import packed_weights
 
     torch.manual_seed(0)
     graph = GraphBuilder(2, 8, 8)
@@ -155,8 +181,8 @@ def test_packing_from_the_model_dtype_gives_the_fp32_copys_bytes(source):
     for op in graph.ops:
         fp32 = dataclasses.replace(op, weights={k: v.float() for k, v in op.weights.items()})
         for dtype in (torch.float16, torch.float32):
-            got = host_weights(op, dtype, cuda, "auto", taps=op.kind == "conv")
-            want = host_weights(fp32, dtype, cuda, "auto", taps=op.kind == "conv")
+            got = packed_weights(op, op.weights, dtype, cuda, "auto", taps=op.kind == "conv")
+            want = packed_weights(fp32, fp32.weights, dtype, cuda, "auto", taps=op.kind == "conv")
             assert set(got) == set(want) and len(got) >= 2, op.name
             for role in got:
                 assert got[role].dtype == want[role].dtype and torch.equal(got[role], want[role]), (op.name, role)

@@ -54,8 +54,12 @@ TUNE_MODES = ("auto", "off", "always")
 runs each op's default implementation there instead (no timing, ready fastest, slower steps); "always" ignores
 every plan and times (``fastdiff tune``)."""
 
-DEFAULT_STEPS_PER_GRAPH = 50
-"""Steps per captured graph (see graph.py); the GPU check script measures capture time and ms/step per K."""
+DEFAULT_STEPS_PER_GRAPH = 1
+"""Steps per captured graph (see graph.py): one, replayed once per step. On the H100 the whole 20-step loop in one
+graph sampled no faster (SD 1.5 512^2: 130.7 ms a call either way; ddpm-cifar10 batch 1: 11.5 against 11.2 ms) and
+took 0.7 s longer to capture, which every fresh process pays (``benchmarks/steps_per_graph.py``;
+``benchmarks/results/steps-per-graph-*-h100-2026-11-28.json``). ``Engine(steps_per_graph=None)`` captures the
+whole loop."""
 
 __all__ = ["DEFAULT_STEPS_PER_GRAPH", "EagerStepModel", "Engine", "FusedModel", "SamplingLoop"]
 

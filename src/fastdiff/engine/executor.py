@@ -70,7 +70,7 @@ from fastdiff.engine.tuning import (
     save_tuning_cache,
     time_call_us,
 )
-from fastdiff.engine.weights import WeightStreamer, host_weights, roles_of, weight_roles
+from fastdiff.engine.weights import WeightStreamer, packed_weights, roles_of, weight_roles
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.common import SplitWorkspace
 from fastdiff.kernels.fp8 import FP8_DTYPE
@@ -312,14 +312,14 @@ class FusedModel:
     def _streamed_forward(self, x_in: torch.Tensor) -> None:
         """The first forward, interleaved with the weight upload.
 
-        On CUDA with :func:`fastdiff.engine.compile_pool.compile_workers` > 1 (the default), every module's weights
-        are packed and their copy queued on the copy stream first; then the kernels the forward would compile are
+        On CUDA with :func:`fastdiff.engine.compile_pool.compile_workers` > 1 (the default), every module's weights'
+        upload and packing are queued on the copy stream first; then the kernels the forward would compile are
         recorded and compiled in forked worker processes (:func:`fastdiff.engine.compile_pool.precompile`) while the
         copy engine uploads; then each module's compute is queued behind its own upload event and loads its kernels
         from Triton's cache; last, the kernels of the forward the plan binds (its fusions, which the first forward
         runs apart) are compiled the same way (``compile_stats`` says what was compiled where). Otherwise each
-        module's compute is queued right after its upload, so the GPU runs module k while the host packs and the copy
-        engine uploads modules k+1, ..., and its kernels compile at their first launch. The context-stage ops run in
+        module's compute is queued right after its upload, so the GPU runs module k while the copy stream uploads and
+        packs modules k+1, ..., and its kernels compile at their first launch. The context-stage ops run in
         model order too, on the context set so far."""
         self._check_input(x_in)
         self._x_in, self.tensors = x_in, {}
@@ -349,8 +349,11 @@ class FusedModel:
         first = self._first_forward_impl(op)
         # a plan names the implementations: only their layouts are packed and uploaded (the autotune needs all)
         roles = roles_of(op.kind, [self.impls[op.name], first]) if self.plan_applied else None
-        packed = host_weights(op, self.dtype, self.device, self.conv_impl, taps_fit(self, op), roles)
-        self.device_weights[op.name] = self.streamer.submit(op.name, packed)
+        taps = taps_fit(self, op)
+        sources = {role: t for role, t in op.weights.items() if t is not None}
+        self.device_weights[op.name] = self.streamer.submit(
+            op.name, sources, lambda w: packed_weights(op, w, self.dtype, self.device, self.conv_impl, taps, roles)
+        )
         op.weights = {}  # the source copies are no longer needed
         return self.call(op, first)
 

@@ -178,7 +178,7 @@ class GraphBuilder:
         weight_scale: float = 1.0,
     ) -> Value:  # fmt: skip
         """``conv`` on ``x``; ``weight_scale`` multiplies the weight (a constant folded into the conv)."""
-        weight = conv.weight.detach()  # in the model's dtype: packing is a layout change (weights.host_weights)
+        weight = conv.weight.detach()  # in the model's dtype: packing is a layout change (weights.packed_weights)
         if weight_scale != 1.0:
             weight = weight.float() * weight_scale
         bias = None if conv.bias is None else conv.bias.detach().float()

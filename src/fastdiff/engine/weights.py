@@ -1,15 +1,19 @@
-"""The engine's weights: packed on the host in each kernel's layout (:func:`host_weights`), streamed to the device
-(:class:`WeightStreamer`), and the layouts each implementation reads (:func:`weight_roles`).
+"""The engine's weights: uploaded once from the lowering's source tensors (:class:`WeightStreamer`), packed on the
+device into each kernel's layout (:func:`packed_weights`), and the layouts each implementation reads
+(:func:`weight_roles`).
 
 Streamed weight upload: pinned host copies, one copy stream, one event per module, per-module waits.
 
-``submit(module, host_tensors)`` allocates the device tensors (from the copy stream's memory pool:
+``submit(module, sources, pack)`` allocates the device tensors of ``sources`` (from the copy stream's memory pool:
 ``CudaBackend.allocate``), queues their host->device copies on the copy stream (from pinned memory, so they run
-asynchronously: a few pinned chunks reused as the copies drain them, :class:`StagingRing`) and records that module's
-event. The first forward
-calls ``wait(module)`` right before each module's compute: the compute stream then waits only for that
-module's own weights, so the first layers run while later layers' weights are still in flight (early start).
-On the CPU, copies are synchronous and waits are no-ops.
+asynchronously: a few pinned chunks reused as the copies drain them, :class:`StagingRing`), queues ``pack`` (the
+layouts the kernels read, made from the uploaded sources: transposes, casts, fp8 scales) on the copy stream behind
+them, and records that module's event. Packing on the device costs the host nothing: on the host it took 0.6 s of a
+warm SD 1.5 start on the H100 (``contiguous`` of 760 layouts, git cf9cc86, ``benchmarks/ready.py --profile``), and
+each source crosses PCIe once however many layouts are made of it. The first forward calls ``wait(module)`` right
+before each module's compute: the compute stream then waits only for that module's own weights, so the first layers
+run while later layers' weights are still in flight (early start). On the CPU, copies and packing are synchronous
+and waits are no-ops.
 
 The stream and event calls go through a small backend object so the ordering is testable without a GPU
 (:class:`RecordingBackend`).
@@ -116,14 +120,29 @@ class CudaBackend:
     def allocate(self, like: torch.Tensor, device: torch.device) -> torch.Tensor:
         """A tensor on ``device`` (this backend's) for ``like``'s upload, from the copy stream's pool. A block the
         compute stream freed may still be read or written by its queued kernels, which the copy stream does not
-        wait for; the caching allocator hands such a block back at once to the stream that freed it. The tensor is
-        marked as used by the compute stream, so that once freed, its block waits for that stream's work before it
-        is given out again."""
-        compute = torch.cuda.current_stream(self.device)
+        wait for; the caching allocator hands such a block back at once to the stream that freed it. (Only the copy
+        stream uses the upload, unless ``pack`` hands it over as it is: see :meth:`pack`.)"""
         with torch.cuda.stream(self.stream):
-            t = torch.empty_like(like, device=device)  # same strides (channels-last stays)
-        t.record_stream(compute)
-        return t
+            return torch.empty_like(like, device=device)  # same strides (channels-last stays)
+
+    def pack(
+        self, pack: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]], sources: dict[str, torch.Tensor],
+        resident: bool,
+    ) -> dict[str, torch.Tensor]:  # fmt: skip
+        """``pack(sources)`` queued on the copy stream, behind the copies. ``resident``: some sources were on the
+        device before (made by the compute stream): the copy stream waits for the compute stream's work first, and
+        marks them as read on the copy stream. The packed tensors are marked as used by the compute stream, so that
+        once freed, their blocks wait for its work before the copy stream's pool gives them out again."""
+        compute = torch.cuda.current_stream(self.device)
+        if resident:
+            self.stream.wait_stream(compute)
+            for t in sources.values():
+                t.record_stream(self.stream)
+        with torch.cuda.stream(self.stream):
+            out = pack(sources)
+        for t in out.values():
+            t.record_stream(compute)
+        return out
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with torch.cuda.stream(self.stream):
@@ -147,13 +166,19 @@ class CudaBackend:
 
 
 class SyncBackend:
-    """CPU (or no streams): plain copies; nothing to wait for."""
+    """CPU (or no streams): plain copies, packing at once; nothing to wait for."""
 
     def allocate(self, like: torch.Tensor, device: torch.device) -> torch.Tensor:
         return torch.empty_like(like, device=device)  # same strides (channels-last stays)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
+
+    def pack(
+        self, pack: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]], sources: dict[str, torch.Tensor],
+        resident: bool,
+    ) -> dict[str, torch.Tensor]:  # fmt: skip
+        return pack(sources)
 
     def record(self) -> Any:
         return None
@@ -169,7 +194,7 @@ class SyncBackend:
 
 
 class RecordingBackend(SyncBackend):
-    """Logs ("copy", tag) / ("record", n) / ("wait", n) in call order: for ordering tests."""
+    """Logs ("copy", tag) / ("pack", roles) / ("record", n) / ("wait", n) in call order: for ordering tests."""
 
     def __init__(self) -> None:
         self.log: list[tuple[str, Any]] = []
@@ -178,6 +203,13 @@ class RecordingBackend(SyncBackend):
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         super().copy(dst, src)
         self.log.append(("copy", src.data_ptr()))
+
+    def pack(
+        self, pack: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]], sources: dict[str, torch.Tensor],
+        resident: bool,
+    ) -> dict[str, torch.Tensor]:  # fmt: skip
+        self.log.append(("pack", tuple(sources)))
+        return super().pack(pack, sources, resident)
 
     def record(self) -> Any:
         self._events += 1
@@ -202,19 +234,32 @@ class WeightStreamer:
         self.bytes = 0
         self.started = time.perf_counter()
 
-    def submit(self, module: str, host_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Device tensors for ``module`` (filled asynchronously) and the module's event recorded after them."""
-        out = {}
-        for role, host in host_tensors.items():
-            if host.device.type == "cuda":  # already on the GPU (e.g. a Pipeline's model): nothing to stream
-                out[role] = host.clone()
+    def submit(
+        self, module: str, sources: dict[str, torch.Tensor],
+        pack: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    ) -> dict[str, torch.Tensor]:  # fmt: skip
+        """``pack`` (default: none) of ``sources`` uploaded to the device: device tensors for ``module``, filled
+        asynchronously, and the module's event recorded after them. Sources already on the device (a Pipeline's
+        model on the GPU) are not streamed, and what ``pack`` would hand over of them as they are is copied, so
+        that the engine never shares memory with the model."""
+        uploaded, resident = {}, []
+        for role, host in sources.items():
+            if host.device.type == "cuda":  # already on the GPU: nothing to stream
+                uploaded[role] = host
+                resident.append(host.untyped_storage().data_ptr())
                 continue
             pinned = self.backend.pin(host)
             dev = self.backend.allocate(pinned, self.device)
             self.backend.copy(dev, pinned)
             self._staging.append(pinned)
             self.bytes += pinned.numel() * pinned.element_size()
-            out[role] = dev
+            uploaded[role] = dev
+
+        def packed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            out = pack(tensors) if pack is not None else dict(tensors)
+            return {k: v.clone() if v.untyped_storage().data_ptr() in resident else v for k, v in out.items()}
+
+        out = self.backend.pack(packed, uploaded, bool(resident))
         self.events[module] = self.backend.record()
         self.order.append(module)
         return out
@@ -234,13 +279,20 @@ class WeightStreamer:
         self._staging.clear()
 
 
-def host_weights(
-    op: Op, dtype: torch.dtype, device: torch.device, conv_impl: str, taps: bool, roles: set[str] | None = None
+def packed_weights(
+    op: Op,
+    weights: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    conv_impl: str,
+    taps: bool,
+    roles: set[str] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The device layouts of ``op``'s weights in the engine ``dtype``, packed on the host from the lowering's (conv
-    and GEMM weights in the model's dtype, the rest fp32; sums and scales in fp32): those of every
-    implementation ``conv_impl`` allows ("auto": ours and the library's; ``taps``: the op may run the tap-sum conv),
-    or only ``roles`` (:data:`WEIGHT_ROLES`' names) where the implementations are known (a kernel plan's)."""
+    """The layouts the kernels read of ``op``'s ``weights`` (the lowering's sources, ``op.weights``, or their
+    uploaded copies: conv and GEMM weights in the model's dtype, the rest fp32), packed where they are, in the
+    engine ``dtype`` (sums and scales in fp32): those of every implementation ``conv_impl`` allows ("auto": ours and
+    the library's; ``taps``: the op may run the tap-sum conv), or only ``roles`` (:data:`WEIGHT_ROLES`' names) where
+    the implementations are known (a kernel plan's). ``device``: the engine's (the phase form is CUDA's only)."""
 
     def want(role: str) -> bool:
         return roles is None or role in roles
@@ -248,12 +300,12 @@ def host_weights(
     out: dict[str, torch.Tensor] = {}
     triton_too, library_too = conv_impl in ("auto", "triton"), conv_impl in ("auto", "cudnn")
     if op.kind == "conv" and "fp8_scale" in op.params:  # e4m3 [Cout, K] and (input scale x channel scales)
-        out["packed_fp8"], scale = pack_conv_weight_fp8(op.weights["weight"])
+        out["packed_fp8"], scale = pack_conv_weight_fp8(weights["weight"])
         out["weight_scale"] = scale * op.params["fp8_scale"]
-        if "bias" in op.weights:
-            out["bias"] = op.weights["bias"].to(dtype)
+        if "bias" in weights:
+            out["bias"] = weights["bias"].to(dtype)
     elif op.kind == "conv":
-        weight = op.weights["weight"]
+        weight = weights["weight"]
         if triton_too:
             if want("packed"):
                 out["packed"] = pack_conv_weight(weight).to(dtype)
@@ -266,25 +318,25 @@ def host_weights(
             if "pad_end" in op.params:  # padding (p, p + 1) == a zero first tap row and column, padding p + 1
                 weight = F.pad(weight, (1, 0, 1, 0))
             out["weight"] = weight.to(dtype).contiguous(memory_format=torch.channels_last)
-        if "bias" in op.weights:
-            out["bias"] = op.weights["bias"].to(dtype)
+        if "bias" in weights:
+            out["bias"] = weights["bias"].to(dtype)
     elif op.kind == "linear" and "fp8_scale" in op.params:  # e4m3 [N_w, K] and (input scale x row scales)
-        out["packed_fp8"], scale = pack_linear_weight_fp8(op.weights["weight"])
+        out["packed_fp8"], scale = pack_linear_weight_fp8(weights["weight"])
         out["weight_scale"] = scale * op.params["fp8_scale"]
-        if "bias" in op.weights:
-            out["bias"] = op.weights["bias"].to(dtype)
+        if "bias" in weights:
+            out["bias"] = weights["bias"].to(dtype)
     elif op.kind == "linear":  # one layout, W^T [K, N], read by both kernels.linear and cuBLAS
-        out["packed"] = pack_linear_weight(op.weights["weight"], op.params["geglu"]).to(dtype)
-        if "bias" in op.weights:
-            out["bias"] = op.weights["bias"].to(dtype)
+        out["packed"] = pack_linear_weight(weights["weight"], op.params["geglu"]).to(dtype)
+        if "bias" in weights:
+            out["bias"] = weights["bias"].to(dtype)
     elif op.kind == "depthwise":
-        weight = op.weights["weight"]
+        weight = weights["weight"]
         if triton_too and want("packed"):
             out["packed"] = pack_depthwise_weight(weight).to(dtype)
         if library_too and want("weight"):
             out["weight"] = weight.to(dtype).contiguous(memory_format=torch.channels_last)
     elif op.kind in ("group_norm", "layer_norm", "gate"):
-        out = {k: v.to(dtype) for k, v in op.weights.items() if v is not None}
+        out = {k: v.to(dtype) for k, v in weights.items() if v is not None}
     return out
 
 
