@@ -196,3 +196,28 @@ def test_the_worker_builds_the_kernels_launcher_and_survives_a_failed_one(monkey
     kernel.metadata = "broken"
     assert pool.compile_answer(spec) == {"ok": True}
     assert len(built) == 1
+
+
+def test_triton_key_is_hashed_once_in_the_background(monkeypatch):
+    """The compiler key that every kernel's cache key includes is computed by a thread (a launch after it finds it
+    cached), and only once per process; Triton's interpreter needs none."""
+    from triton.runtime.cache import triton_key
+
+    import fastdiff.engine.compile_pool as pool
+
+    monkeypatch.setattr(pool, "_key_thread", None)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pool.hash_triton_in_background()  # the interpreter: nothing to hash
+    assert pool._key_thread is None
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(pool, "_key_thread", None)
+    triton_key.cache_clear()
+    pool.hash_triton_in_background()
+    thread = pool._key_thread
+    assert thread is not None and thread.daemon
+    pool.hash_triton_in_background()  # once per process
+    assert pool._key_thread is thread
+    pool._wait_for_triton_key()
+    assert not thread.is_alive() and triton_key.cache_info().currsize == 1
+    misses = triton_key.cache_info().misses
+    assert triton_key().startswith(__import__("triton").__version__) and triton_key.cache_info().misses == misses

@@ -27,6 +27,7 @@ import logging
 import os
 import selectors
 import signal
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -55,6 +56,33 @@ def compile_workers() -> int:
         except ValueError:
             log.warning("ignoring FASTDIFF_COMPILE_WORKERS=%r: not an integer", value)
     return min(cpus, MAX_WORKERS)
+
+
+_key_thread: threading.Thread | None = None
+
+
+def hash_triton_in_background() -> None:
+    """Start computing Triton's compiler key in a thread, once per process.
+
+    Every kernel's cache key includes it: the SHA-256 of Triton's compiler sources and of its libtriton library. The
+    first launch or cache lookup of a process computes it, on the main thread: 0.45 s of a warm SD 1.5 start on the
+    H100 machine (``benchmarks/ready.py --profile``, git cf9cc86), 1.5 s on a 2-core CPU. Hashing releases the GIL,
+    so begun while the weights load it costs the start nothing. A launch that comes first computes the key itself,
+    as without this. :func:`precompile` waits for the thread before it forks workers, which then inherit the key."""
+    global _key_thread
+    if _key_thread is not None or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # a Triton that keeps it elsewhere: computed at the first launch, as usual
+        return
+    _key_thread = threading.Thread(target=triton_key, name="fastdiff-triton-key", daemon=True)
+    _key_thread.start()
+
+
+def _wait_for_triton_key() -> None:
+    if _key_thread is not None:
+        _key_thread.join()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,6 +325,7 @@ def precompile(calls: list[Callable[[], None]], device_type: str) -> dict[str, f
     if device_type != "cuda" or workers <= 1 or not hasattr(os, "fork"):
         return {}
     start = time.perf_counter()
+    _wait_for_triton_key()  # no fork while a thread runs; the workers inherit the key
     try:
         specs = record(calls)
         todo = missing(specs)
