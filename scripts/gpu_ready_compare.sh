@@ -11,7 +11,7 @@
 source "$(dirname "$0")/gpu_env.sh"
 MODEL=${MODEL:-sd15}; BATCH=${BATCH:-1}; BASE_SHA=${BASE_SHA:?the base commit, as the results should record it}
 [ -d .data/base/src/fastdiff ] || { echo "no .data/base/src/fastdiff: make it with git archive (see the header)" >&2; exit 2; }
-weights=$(mktemp -d)
+weights=${WEIGHTS_DIR:-$(mktemp -d)}  # WEIGHTS_DIR: keep them for a later command of the same call
 run() {  # $1: this | base
   local root=. sha=${FASTDIFF_GIT_SHA:-} out="$OUT/ready-$MODEL-b$BATCH-engine-$1-$gpu.json"
   [ "$1" = base ] && root=.data/base sha=$BASE_SHA
