@@ -136,7 +136,7 @@ def test_shortcut_pair_bias_waits_for_both_uploads(tiny_model, via_plan, monkeyp
         fused.impls.update({name: Impl.parse(c) for name, c in choices.items()})
     out = fused.forward(x_in, torch.tensor([999]))
     with torch.no_grad():
-        ref = model.double()(x.double(), torch.tensor([999]))
+        ref = model.double()(x.double().to(DEVICE), torch.tensor([999], device=DEVICE))
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < TOL
     pair_biases = fused.fusion_state["sc"].values()
