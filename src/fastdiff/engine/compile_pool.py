@@ -67,8 +67,10 @@ def hash_triton_in_background() -> None:
     Every kernel's cache key includes it: the SHA-256 of Triton's compiler sources and of its libtriton library. The
     first launch or cache lookup of a process computes it, on the main thread: 0.45 s of a warm SD 1.5 start on the
     H100 machine (``benchmarks/ready.py --profile``, git cf9cc86), 1.5 s on a 2-core CPU. Hashing releases the GIL,
-    so begun while the weights load it costs the start nothing. A launch that comes first computes the key itself,
-    as without this. :func:`precompile` waits for the thread before it forks workers, which then inherit the key."""
+    so begun when the engine is imported (this module, on a CUDA build of torch), it is done before the first launch
+    of a warm start, while the rest of the import and the weights load. A launch that comes first computes the key
+    itself, as without this. :func:`precompile` waits for the thread before it forks workers, which then inherit
+    the key."""
     global _key_thread
     if _key_thread is not None or os.environ.get("TRITON_INTERPRET") == "1":
         return
@@ -349,3 +351,7 @@ def precompile(calls: list[Callable[[], None]], device_type: str) -> dict[str, f
         done["seconds"],
     )  # fmt: skip
     return done
+
+
+if importlib.import_module("torch").version.cuda is not None:  # a CUDA build of torch: kernels may launch soon
+    hash_triton_in_background()

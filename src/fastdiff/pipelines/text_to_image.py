@@ -25,7 +25,6 @@ from PIL import Image
 
 from fastdiff.cli_args import DEFAULT_GUIDANCE
 from fastdiff.devices import host_to_device, resolve_device, resolve_dtype, synchronize, warn_slow_dtype
-from fastdiff.engine.compile_pool import hash_triton_in_background
 from fastdiff.engine.kernel_plan import KernelPlan
 from fastdiff.errors import FastdiffError
 from fastdiff.images import to_pil
@@ -237,8 +236,6 @@ class TextToImagePipeline(EnginePipeline):
         torch_dtype = torch.float16 if fp8 else resolve_dtype(dtype)
         backend = check_fp8(dev, torch_dtype, backend) if fp8 else resolve_backend(backend, dev)
         warn_slow_dtype(dev, torch_dtype)
-        if backend == "engine":
-            hash_triton_in_background()  # while the weights load
         # the engine streams its own packed U-Net weights from host memory: the module stays on the CPU
         t0 = time.perf_counter()
         components = load_stable_diffusion(

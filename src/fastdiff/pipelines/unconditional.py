@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from fastdiff.devices import resolve_device, resolve_dtype, warn_slow_dtype
-from fastdiff.engine.compile_pool import hash_triton_in_background
 from fastdiff.engine.kernel_plan import KernelPlan
 from fastdiff.errors import FastdiffError
 from fastdiff.images import to_pil
@@ -26,7 +25,6 @@ from fastdiff.pipelines.base import (
     check_output_type,
     expand_seeds,
     load_plan,
-    resolve_backend,
     warn_if_nonfinite,
 )
 from fastdiff.samplers import Sampler, ScheduleConfig, initial_noise, make_sampler, run_sampler, seed_tensor
@@ -125,8 +123,6 @@ class Pipeline(EnginePipeline):
         if fp8:
             backend = check_fp8(dev, torch_dtype, backend)  # before the weights load
         warn_slow_dtype(dev, torch_dtype)
-        if (backend if fp8 else resolve_backend(backend, dev)) == "engine":
-            hash_triton_in_background()  # while the weights load
         unet = load_unet(path_or_preset, device=dev, dtype=torch_dtype)
         schedule = ScheduleConfig.from_diffusers(getattr(unet, "scheduler_config", None))
         return cls(
