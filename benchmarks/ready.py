@@ -110,13 +110,17 @@ def child(args: argparse.Namespace) -> None:
                 "image_sha256": [hashlib.sha256(p.numpy().tobytes()).hexdigest()[:16] for p in pixels],
                 "imported": {name: name in sys.modules for name in ("transformers", "torch._dynamo")},
                 "step_uploaded_gib": uploaded_gib(pipe) if backend == "engine" else None,
+                "gpu_mib": {"allocated": torch.cuda.memory_allocated() / 2**20,
+                            "peak_allocated": torch.cuda.max_memory_allocated() / 2**20,
+                            "reserved": torch.cuda.memory_reserved() / 2**20},  # fmt: skip
             }
         )
     )
 
 
 def uploaded_gib(pipe) -> float | None:
-    """GiB of weights the engine's step model packed and streamed to the device (every layout it uploaded)."""
+    """GiB of weights the engine's step model streamed to the device: each source tensor once, in the model's dtype
+    (since git 0e5b53d; before it, every packed layout, in the engine's)."""
     step = pipe.engine.current_step_model
     streamer = getattr(getattr(step, "inner", step), "streamer", None)
     return None if streamer is None else streamer.bytes / 2**30

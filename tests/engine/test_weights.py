@@ -127,16 +127,18 @@ def test_staging_ring_never_overwrites_a_chunk_before_its_copies_ran(tensor):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_streamed_weights_arrive(tiny_model):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_cuda_streamed_weights_arrive(tiny_model, dtype):
+    """A model already on the GPU: packed from its own tensors there, and no layout shares their memory (in fp32 the
+    norms' and biases' packing is the identity, which must be a copy)."""
     model = tiny_model("attn_pad0", 4).cuda()
-    fused = FusedModel(model, 2, torch.float16, "cuda", "triton", "triton")
+    fused = FusedModel(model, 2, dtype, "cuda", "triton", "triton")
     x = torch.randn(2, 3, 6, 10, device="cuda")
-    x_in = channels_last_empty((2, 3, 6, 10), torch.float16, torch.device("cuda")).copy_(x)
+    x_in = channels_last_empty((2, 3, 6, 10), dtype, torch.device("cuda")).copy_(x)
     out = fused.forward(x_in, torch.tensor([10], device="cuda")).float()
     with torch.no_grad():
         ref = model(x, torch.tensor([10], device="cuda"))
-    assert float((out - ref).norm() / ref.norm()) < 1e-2
-    # the model was on the GPU already: packed from it there, and no layout shares its memory
+    assert float((out - ref).norm() / ref.norm()) < 1e-2  # fp16, or fp32 with tf32 dots
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     assert not any(t.untyped_storage().data_ptr() in params for w in fused.device_weights.values() for t in w.values())
 

@@ -210,7 +210,8 @@ class EngineSystem(System):
         self.make_model, self.device, self.warmup_batch = make_model, torch.device(device), warmup_batch
         self.fp8, self.plan = fp8, plan
         self.name = "engine"
-        self.notes = f"fused kernels + planned buffers + CUDA graphs of {DEFAULT_STEPS_PER_GRAPH} step(s), replayed"
+        per_graph = -(-DEFAULT_STEPS_PER_GRAPH // cache_interval) * cache_interval  # as SamplingLoop rounds it
+        self.notes = f"fused kernels + planned buffers + CUDA graphs of {per_graph} step(s), replayed"
         if fp8:
             self.notes += "; e4m3 convs after each GroupNorm, fp16 elsewhere (fp8=True)"
         if cache_interval > 1:

@@ -171,7 +171,7 @@ class FastdiffT2I:
         comps = copy.copy(self.comps)
         comps.text_encoder = copy.deepcopy(comps.text_encoder).to(self.device, self.dtype)
         comps.vae = copy.deepcopy(comps.vae).to(self.device, self.dtype)
-        # the engine streams its own packed U-Net weights from the host copy; eager needs the module on the GPU
+        # the engine streams the U-Net's weights from the host copy (packing them on the GPU); eager needs it there
         comps.unet = copy.deepcopy(comps.unet).to(self.device if self.backend == "eager" else "cpu", self.dtype)
         self.pipe = TextToImagePipeline(
             comps, sampler="ddim", steps=20, device=self.device, dtype=self.dtype, backend=self.backend, plan=self.plan,

@@ -375,6 +375,8 @@ class Engine:
                 self.timings["loop_kernels"] = precompile([noise, loop.step], self.device.type).get("to_compile", 0)
                 loop.load(x_t, seeds, guidance)
                 loop.capture(loop.steps_per_graph)
+                if rest := sampler.num_steps % loop.steps_per_graph:  # a whole run's last graph (step caching)
+                    loop.capture(rest)
             self.timings["loop_s"] = time.perf_counter() - t0
             self.loops[key] = (caller_sampler, loop, step)  # the caller's sampler is kept so its id stays unique
         _, self.current, self.current_step_model = self.loops[key]

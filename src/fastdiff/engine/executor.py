@@ -7,8 +7,8 @@ the forward as a list of ops of :mod:`fastdiff.engine.ir`, then:
   :func:`fastdiff.engine.plan.plan_memory` (buffers reused when lifetimes allow); concat parts are channel
   slices their producers write in place (zero-copy concat); ``context``-stage outputs (cross-attention K/V) have
   their own buffers, written once per text context by :meth:`FusedModel.set_context`;
-* packs each op's weights in the engine dtype on the host and streams them to the device during the first
-  forward (:mod:`fastdiff.engine.weights`: module k runs while module k+1 uploads);
+* streams each op's weights to the device during the first forward and packs them there, in the engine dtype
+  (:mod:`fastdiff.engine.weights`: module k runs while module k+1 uploads and packs);
 * binds each op to an implementation (:class:`fastdiff.engine.impl.Impl`): the choice map ``impls`` (op name ->
   Impl) is the one thing the forward reads; its candidates come from :mod:`fastdiff.engine.candidates`, their
   launches from :mod:`fastdiff.engine.calls`, and on CUDA :meth:`FusedModel.autotune` times them and keeps the

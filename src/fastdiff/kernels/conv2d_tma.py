@@ -96,9 +96,9 @@ def pack_conv_weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     columns; fp32 per-output-channel scales ``[Cout]``). An all-zero channel gets scale 1."""
     packed = pack_conv_weight(weight.float()).t()
     amax = packed.abs().amax(dim=1)
-    # a tensor divisor: CUDA turns a number divisor into a multiply by its reciprocal, which may round otherwise
-    # than the CPU's division, and the engine packs on the device what tests pack on the host
-    scale = torch.where(amax > 0, amax / amax.new_tensor(E4M3_MAX), torch.ones_like(amax))
+    # a tensor divisor (filled where amax is: no host copy): CUDA turns a number divisor into a multiply by its
+    # reciprocal, which may round otherwise than the CPU's division, and the engine packs on the device
+    scale = torch.where(amax > 0, amax / amax.new_full((), E4M3_MAX), torch.ones_like(amax))
     return quantize_e4m3_ref(packed, scale[:, None]).contiguous(), scale
 
 

@@ -79,9 +79,9 @@ def pack_linear_weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Te
         raise FastdiffError(f"linear weight must be 2-D [N_out, K], got shape {tuple(weight.shape)}")
     w = weight.detach().float()
     amax = w.abs().amax(dim=1)
-    # a tensor divisor: CUDA turns a number divisor into a multiply by its reciprocal, which may round otherwise
-    # than the CPU's division, and the engine packs on the device what tests pack on the host
-    scale = torch.where(amax > 0, amax / amax.new_tensor(E4M3_MAX), torch.ones_like(amax))
+    # a tensor divisor (filled where amax is: no host copy): CUDA turns a number divisor into a multiply by its
+    # reciprocal, which may round otherwise than the CPU's division, and the engine packs on the device
+    scale = torch.where(amax > 0, amax / amax.new_full((), E4M3_MAX), torch.ones_like(amax))
     return quantize_e4m3_ref(w, scale[:, None]).contiguous(), scale
 
 

@@ -236,7 +236,7 @@ class TextToImagePipeline(EnginePipeline):
         torch_dtype = torch.float16 if fp8 else resolve_dtype(dtype)
         backend = check_fp8(dev, torch_dtype, backend) if fp8 else resolve_backend(backend, dev)
         warn_slow_dtype(dev, torch_dtype)
-        # the engine streams its own packed U-Net weights from host memory: the module stays on the CPU
+        # the engine streams the U-Net's weights from host memory and packs them on the GPU: the module stays on the CPU
         t0 = time.perf_counter()
         components = load_stable_diffusion(
             path, device="cpu" if backend == "engine" else dev, dtype=torch_dtype, draw_device=dev

@@ -139,7 +139,7 @@ def measure_loads(make_model, batch: int, dtype: torch.dtype, device: torch.devi
     notes = {
         "sync": "model.to(device, dtype) (pageable, blocking), then the forward",
         "async": "each tensor cast, pinned and copied with non_blocking=True, the forward queued behind the copies",
-        "early-start": "engine: trace + memory plan, weights packed, pinned and copied per module on a side stream, "
+        "early-start": "engine: trace + memory plan, weights staged, copied and packed per module on a side stream, "
         "each module's kernels waiting only on its own weights",
     }
     if device.type != "cuda":

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from fastdiff.cli_args import FULL_GUIDANCE, check_guidance_interval
+from fastdiff.devices import host_to_device
 from fastdiff.errors import FastdiffError
 from fastdiff.kernels.sampler_step import COL, sampler_step_ref
 from fastdiff.samplers.schedule import SAMPLER_SCHEDULERS, ScheduleConfig, alphas_cumprod
@@ -86,9 +87,9 @@ class Sampler:
 
     def to(self, device: torch.device | str) -> Sampler:
         """The same sampler with its tables on ``device`` (what the host reads of them stays read)."""
-        moved = copy.copy(self)
-        moved.timesteps, moved.coefs = self.timesteps.to(device), self.coefs.to(device)
-        moved.levels = None if self.levels is None else self.levels.to(device)
+        moved = copy.copy(self)  # (host tables go through pinned memory: no wait for the GPU's queued work)
+        moved.timesteps, moved.coefs = host_to_device(self.timesteps, device), host_to_device(self.coefs, device)
+        moved.levels = None if self.levels is None else host_to_device(self.levels, device)
         return moved
 
     def new_state(self, x: torch.Tensor) -> SamplerState:
