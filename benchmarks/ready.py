@@ -110,9 +110,11 @@ def child(args: argparse.Namespace) -> None:
                 "image_sha256": [hashlib.sha256(p.numpy().tobytes()).hexdigest()[:16] for p in pixels],
                 "imported": {name: name in sys.modules for name in ("transformers", "torch._dynamo")},
                 "step_uploaded_gib": uploaded_gib(pipe) if backend == "engine" else None,
-                "gpu_mib": {"allocated": torch.cuda.memory_allocated() / 2**20,
-                            "peak_allocated": torch.cuda.max_memory_allocated() / 2**20,
-                            "reserved": torch.cuda.memory_reserved() / 2**20},  # fmt: skip
+                "gpu_mib": {
+                    "allocated": torch.cuda.memory_allocated() / 2**20,
+                    "peak_allocated": torch.cuda.max_memory_allocated() / 2**20,
+                    "reserved": torch.cuda.memory_reserved() / 2**20,
+                },  # fmt: skip
             }
         )
     )
