@@ -182,9 +182,10 @@ kernel compile between two candidates) and take milliseconds to come back."""
 TIMED_REPLAYS = 5
 """Replays :func:`time_call_us` takes the median of."""
 PROBES = 3
-"""Eager calls :func:`time_call_us` sizes its graph by (the fastest). A graph of one call times the host's launch
-with it: SD 1.5's op table (``t2i-bench-sd15-b1-h100-2026-11-28``) had single ops 40-120 us above their siblings of
-the same shape and kernel (GroupNorm 10 -> 69 us, a 1280x1280 GEMM 7 -> 68 us), as one slow probe makes."""
+"""Eager calls :func:`time_call_us` sizes its graph by (the fastest). With one probe, a probe the host was late to
+launch shrinks the graph to a call or two, whose timing then holds the graph launch's gap. That is the suspected
+cause, not yet re-measured, of single ops 40-120 us above their siblings of the same shape and kernel in SD 1.5's op
+table (``t2i-bench-sd15-b1-h100-2026-11-28``: GroupNorm 10 -> 69 us, a 1280x1280 GEMM 7 -> 68 us)."""
 
 
 def time_call_us(call: Callable[[], None], reps: int) -> float:
