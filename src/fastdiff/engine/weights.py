@@ -40,6 +40,9 @@ from fastdiff.kernels.tap_sum_conv2d import pack_tap_weight
 
 log = logging.getLogger(__name__)
 
+Pack = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+"""Makes the layouts the kernels read from a module's uploaded source tensors (role -> tensor both ways)."""
+
 
 class StagingRing:
     """Pinned host memory for uploads, reused: ``chunks`` buffers of ``chunk_bytes``, filled one after another; a
@@ -125,10 +128,7 @@ class CudaBackend:
         with torch.cuda.stream(self.stream):
             return torch.empty_like(like, device=device)  # same strides (channels-last stays)
 
-    def pack(
-        self, pack: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]], sources: dict[str, torch.Tensor],
-        resident: bool,
-    ) -> dict[str, torch.Tensor]:  # fmt: skip
+    def pack(self, pack: Pack, sources: dict[str, torch.Tensor], resident: bool) -> dict[str, torch.Tensor]:
         """``pack(sources)`` queued on the copy stream, behind the copies. ``resident``: some sources were on the
         device before (made by the compute stream): the copy stream waits for the compute stream's work first, and
         marks them as read on the copy stream. The packed tensors are marked as used by the compute stream, so that
@@ -174,10 +174,7 @@ class SyncBackend:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
-    def pack(
-        self, pack: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]], sources: dict[str, torch.Tensor],
-        resident: bool,
-    ) -> dict[str, torch.Tensor]:  # fmt: skip
+    def pack(self, pack: Pack, sources: dict[str, torch.Tensor], resident: bool) -> dict[str, torch.Tensor]:
         return pack(sources)
 
     def record(self) -> Any:
@@ -204,10 +201,7 @@ class RecordingBackend(SyncBackend):
         super().copy(dst, src)
         self.log.append(("copy", src.data_ptr()))
 
-    def pack(
-        self, pack: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]], sources: dict[str, torch.Tensor],
-        resident: bool,
-    ) -> dict[str, torch.Tensor]:  # fmt: skip
+    def pack(self, pack: Pack, sources: dict[str, torch.Tensor], resident: bool) -> dict[str, torch.Tensor]:
         self.log.append(("pack", tuple(sources)))
         return super().pack(pack, sources, resident)
 
@@ -236,7 +230,7 @@ class WeightStreamer:
 
     def submit(
         self, module: str, sources: dict[str, torch.Tensor],
-        pack: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+        pack: Pack | None = None,
     ) -> dict[str, torch.Tensor]:  # fmt: skip
         """``pack`` (default: none) of ``sources`` uploaded to the device: device tensors for ``module``, filled
         asynchronously, and the module's event recorded after them. Sources already on the device (a Pipeline's
