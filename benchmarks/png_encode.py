@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import platform
+import os
 import statistics
 import sys
 import time
@@ -52,6 +52,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     from fastdiff.atomic import write_text_atomic
+    from fastdiff.bench.env import environment
     from fastdiff.images import PNG_OPTIONS
 
     images = synthetic_images()
@@ -74,8 +75,8 @@ def main() -> None:
     result = {
         "what": "Pillow PNG encoding of 512x512 RGB images: median ms per encode and size, per option",
         "env": {
-            "cpu": platform.processor() or platform.machine(),
-            "python": platform.python_version(),
+            **environment(),
+            "cpus": os.cpu_count(),
             "pillow": Image.__version__,
             "zlib": zlib.ZLIB_RUNTIME_VERSION,
         },  # fmt: skip
