@@ -175,6 +175,7 @@ def test_engine_decode_returns_a_fresh_tensor_and_times_each_model():
     assert "step_first_forward_s" not in engine.timings
 
 
+@pytest.mark.slow  # 54 s in the interpreter; the kernel's own tile tests (tests/kernels/test_linear.py) stay fast
 @pytest.mark.skipif(
     DEVICE.type == "cuda" and torch.cuda.get_device_capability()[0] < 9, reason="TMA needs a Hopper-class GPU"
 )
