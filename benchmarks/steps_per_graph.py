@@ -47,6 +47,7 @@ def main() -> None:
     from fastdiff.atomic import write_text_atomic
     from fastdiff.bench.env import environment
     from fastdiff.devices import synchronize, time_ms
+    from fastdiff.images import uint8_pixels
 
     model, loaded_from = saved_preset(args.model, args.weights_dir)
     torch.manual_seed(0)  # a preset without weights: the same random weights as ready.py's runs
@@ -72,7 +73,7 @@ def main() -> None:
         for _ in range(2):
             sample()
         calls = [time_ms(sample, pipe.device) for _ in range(args.repeats)]
-        pixels = ((images.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu()
+        pixels = uint8_pixels(images).cpu()  # as the PNG writers make them
         row = {
             "steps_per_graph": k,
             "capture_s": pipe.engine.timings.get("loop_s"),
