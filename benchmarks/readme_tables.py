@@ -704,16 +704,18 @@ def ready_table() -> str:
 
 
 def tune_table() -> str:
-    """``benchmarks/tune_presets.py``: ``fastdiff tune`` per preset from empty caches (the cold, no-plan time)."""
+    """``benchmarks/tune_presets.py``: ``fastdiff tune`` per preset from empty caches (the cold, no-plan time), or
+    with the jobs sharing caches in order (``--shared-caches``: a plan file in fewer minutes, not a cold start)."""
     lines = [
-        "| run | model | batch | guidance | GPU | compiled on | wall s | status | git |",
-        "| --- | --- | ---: | ---: | --- | --- | ---: | --- | --- |",
+        "| run | model | batch | guidance | GPU | compiled on | caches | wall s | status | git |",
+        "| --- | --- | ---: | ---: | --- | --- | --- | ---: | --- | --- |",
     ]
     shas = []
     for path in sorted(RESULTS.glob("tune-presets-*.json")):
         d = json.loads(path.read_text())
         env = d["env"]
         shas.append(env["git_sha"])
+        caches = "shared, in order" if d.get("shared_caches") else "empty"
         for job in d["jobs"]:
             status = job.get("skipped") or ("ok" if job.get("rc") == 0 else f"failed ({job.get('rc')})")
             wall = f"{job['wall_s']:.0f}" if "wall_s" in job else "–"
@@ -725,7 +727,7 @@ def tune_table() -> str:
                 threads = "16 threads" if threads == "default" else f"{threads} threads"
             lines.append(
                 f"| `{path.stem}` | {job['model']} | {job['batch']} | {job.get('guidance', '–')} | {machine(env)} "
-                f"| {threads} | {wall} | {status} | {env['git_sha'][:7]} |"
+                f"| {threads} | {caches} | {wall} | {status} | {env['git_sha'][:7]} |"
             )
     return table_with_notes(lines, shas, "tune", "_No tuning run committed yet._")
 
