@@ -10,7 +10,9 @@ The same prompt, seeds, sampler and steps each time (eager backend, as patch-par
 weights when no weights exist). ``split`` runs the warm-up counts of ``--warmups`` (synchronous steps before the
 exchanges go stale; ``--steps`` means always synchronous) and saves rank 0's images; ``report`` compares each with
 the one-GPU images (PSNR over [-1, 1] images, peak 2) and writes the timings, the environment and the git sha.
-Timings: a warm-up call, then the median of ``--repeats`` calls (CUDA-synchronised wall time per call).
+Timings: a warm-up call, then the median of ``--repeats`` calls (CUDA-synchronised wall time per call). The same
+calls at half the steps split each time into a per-step part (U-Net and sampler step) and the rest (text, VAE decode,
+host): per step = (t(steps) - t(steps/2)) / (steps - steps/2).
 """
 
 from __future__ import annotations
@@ -82,10 +84,11 @@ def main() -> None:
     if args.mode == "one":
         pipe = fastdiff.Pipeline.from_pretrained(args.model, device=args.device, dtype=args.dtype, backend=args.backend)
         times, images = timed_calls(pipe, call, args.repeats)
+        half, _ = timed_calls(pipe, {**call, "steps": args.steps // 2}, args.repeats)
         if args.profile:
             profile_call(pipe, call, args.profile)
         torch.save(images.cpu(), args.work / "one.pt")
-        (args.work / "one.json").write_text(json.dumps({"seconds": times}))
+        (args.work / "one.json").write_text(json.dumps({"seconds": times, "seconds_half_steps": half}))
         return None
     import torch.distributed as dist
 
@@ -96,13 +99,14 @@ def main() -> None:
     dist.init_process_group("nccl" if device != "cpu" else "gloo")
     try:
         pipe = fastdiff.Pipeline.from_pretrained(args.model, device=device, dtype=args.dtype, backend=args.backend)
-        runs = {}
+        runs, runs_half = {}, {}
         if args.split == "guidance":
             pipe.split_guidance()
         for warmup in (int(w) for w in args.warmups.split(",")) if args.split == "patch" else (0,):
             if args.split == "patch":
                 pipe.split_patches(warmup=warmup)
             times, images = timed_calls(pipe, call, args.repeats)
+            runs_half[warmup], _ = timed_calls(pipe, {**call, "steps": args.steps // 2}, args.repeats)
             if args.profile and dist.get_rank() == 0:
                 profile_call(pipe, call, args.profile.with_name(f"{args.profile.stem}-warmup{warmup}.txt"))
             elif args.profile:
@@ -111,7 +115,9 @@ def main() -> None:
             if dist.get_rank() == 0:
                 torch.save(images.cpu(), args.work / f"split-warmup{warmup}.pt")
         if dist.get_rank() == 0:
-            (args.work / "split.json").write_text(json.dumps({"world": dist.get_world_size(), "seconds": runs}))
+            (args.work / "split.json").write_text(
+                json.dumps({"world": dist.get_world_size(), "seconds": runs, "seconds_half_steps": runs_half})
+            )
     finally:
         dist.destroy_process_group()
     return None
@@ -127,6 +133,15 @@ def report(args: argparse.Namespace) -> None:
     split = json.loads((args.work / "split.json").read_text())
     alone = torch.load(args.work / "one.pt").double()
     t_one = statistics.median(one["seconds"])
+
+    def parts(t: float, halves: list[float] | None) -> dict:
+        """The per-step and fixed parts of a call of median ``t`` from its half-step calls (runs before the
+        half-step timings have none)."""
+        if not halves:
+            return {}
+        step = (t - statistics.median(halves)) / (args.steps - args.steps // 2)
+        return {"step_ms": round(step * 1e3, 3), "fixed_ms": round((t - args.steps * step) * 1e3, 2)}
+
     rows = []
     for warmup, times in split["seconds"].items():
         images = torch.load(args.work / f"split-warmup{warmup}.pt").double()
@@ -137,6 +152,7 @@ def report(args: argparse.Namespace) -> None:
             "warmup_steps": int(warmup), "seconds_median": round(t, 4), "seconds": times,
             "speedup": round(t_one / t, 3), "psnr_db": round(psnr, 2),
             "max_abs": round((images - alone).abs().max().item(), 4),
+            **parts(t, split.get("seconds_half_steps", {}).get(warmup)),
         })  # fmt: skip
     result = {
         "what": "one text-to-image image split over GPUs (patch: the latent's rows, --patch-parallel; guidance: the "
@@ -159,6 +175,7 @@ def report(args: argparse.Namespace) -> None:
         "backend": args.backend,
         "one_gpu_seconds_median": round(t_one, 4),
         "one_gpu_seconds": one["seconds"],
+        "one_gpu": parts(t_one, one.get("seconds_half_steps")),
         "split": rows,
     }
     text = json.dumps(result, indent=1) + "\n"

@@ -7,7 +7,7 @@
 # Results: $OUT/patch-parallel-<model>-<size>-<gpu>.json (benchmarks/patch_parallel.py report). PROFILE=1: the
 # patch runs also write the PyTorch profiler's op table of one call (one GPU, and rank 0 of each split run).
 # JOBS ("sd15:1024 sd21:768"; empty: none) chooses the patch runs, WARMUPS ("4,20") their synchronous steps; GUIDANCE=0 skips
-# the guidance-parallel run.
+# the guidance-parallel runs, GUIDANCE_JOBS ("sd15:512") chooses them.
 source "$(dirname "$0")/gpu_env.sh"
 for job in ${JOBS-sd15:1024 sd21:768}; do
     model=${job%%:*} size=${job##*:} work=$(mktemp -d)
@@ -24,10 +24,13 @@ for job in ${JOBS-sd15:1024 sd21:768}; do
         | python3 -c "import json,sys; d=json.load(sys.stdin); print(d['one_gpu_seconds_median'], d['split'])"
 done
 [ "${GUIDANCE:-1}" = 1 ] || exit 0
-work=$(mktemp -d); flags=(--model sd15 --size 512 --work "$work" --split guidance --backend engine --repeats "${REPEATS:-3}")
-echo "== sd15 512px guidance-parallel on the engine: one GPU, then two"
-timeout 240 python3 benchmarks/patch_parallel.py one "${flags[@]}" 2>&1 | tail -n 2
-timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/patch_parallel.py split \
-    "${flags[@]}" 2>&1 | tail -n 2
-python3 benchmarks/patch_parallel.py report "${flags[@]}" --out "$OUT/guidance-parallel-engine-sd15-512-$gpu.json" \
-    | python3 -c "import json,sys; d=json.load(sys.stdin); print(d['one_gpu_seconds_median'], d['split'])"
+for job in ${GUIDANCE_JOBS:-sd15:512}; do
+    model=${job%%:*} size=${job##*:} work=$(mktemp -d)
+    flags=(--model "$model" --size "$size" --work "$work" --split guidance --backend engine --repeats "${REPEATS:-3}")
+    echo "== $model ${size}px guidance-parallel on the engine: one GPU, then two"
+    timeout 240 python3 benchmarks/patch_parallel.py one "${flags[@]}" 2>&1 | tail -n 2
+    timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/patch_parallel.py split \
+        "${flags[@]}" 2>&1 | tail -n 2
+    python3 benchmarks/patch_parallel.py report "${flags[@]}" --out "$OUT/guidance-parallel-engine-$model-$size-$gpu.json" \
+        | python3 -c "import json,sys; d=json.load(sys.stdin); print(d['one_gpu_seconds_median'], d['one_gpu'], d['split'])"
+done
