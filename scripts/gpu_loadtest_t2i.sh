@@ -28,7 +28,8 @@ DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-fp16}
 SD_DIR=${SD_DIR:-}                      # empty: write a random sd15 directory under $WORK
 STEPS=${STEPS:-20}; GUIDANCE=${GUIDANCE:-7.5}
 PAD_WAIT=${PAD_WAIT:-0.1}  # serve --pad-wait: a batch that would run padded waits up to this fraction of a run
-MAX_BATCH=${MAX_BATCH:-8}; BUCKETS=${BUCKETS:-1,8};  # the batch sizes the shipped sd15 plans cover (others tune) MAX_WAIT_MS=${MAX_WAIT_MS:-5}; QUEUE_SIZE=${QUEUE_SIZE:-32}
+MAX_BATCH=${MAX_BATCH:-8}; BUCKETS=${BUCKETS:-1,8}  # the batch sizes the shipped sd15 plans cover (others tune)
+MAX_WAIT_MS=${MAX_WAIT_MS:-5}; QUEUE_SIZE=${QUEUE_SIZE:-32}
 COMPILE=${COMPILE:-1}                   # the reference's U-Net under torch.compile
 REQUESTS_K1=${REQUESTS_K1:-16}; REQUESTS_K8=${REQUESTS_K8:-64}; REQUESTS_K32=${REQUESTS_K32:-128}
 REF_REQUESTS_K1=${REF_REQUESTS_K1:-16}; REF_REQUESTS_K8=${REF_REQUESTS_K8:-32}; REF_REQUESTS_K32=${REF_REQUESTS_K32:-64}
