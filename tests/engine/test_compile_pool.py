@@ -5,6 +5,7 @@ the forked workers' answers end to end (each kernel answered, failures reported,
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import json
@@ -221,3 +222,60 @@ def test_triton_key_is_hashed_once_in_the_background(monkeypatch):
     assert not thread.is_alive() and triton_key.cache_info().currsize == 1
     misses = triton_key.cache_info().misses
     assert triton_key().startswith(__import__("triton").__version__) and triton_key.cache_info().misses == misses
+
+
+@pytest.fixture
+def fake_gpu(tmp_path, monkeypatch):
+    """``precompile`` as on a GPU with 4 workers, Triton's cache under ``tmp_path``: the recording and the cache
+    lookups replaced by a count (the fixture's ``["record"]``), the workers by a stand-in that compiles everything."""
+    from triton import knobs
+
+    from fastdiff.engine import compile_pool
+
+    counts = {"record": 0}
+    spec = KernelSpec("m", "k", "{}", TARGET)
+
+    def record(fns):
+        counts["record"] += 1
+        return [spec, dataclasses.replace(spec, name="k2")]
+
+    monkeypatch.setattr(knobs.cache, "dir", str(tmp_path / "triton"))
+    monkeypatch.setattr(compile_pool, "compile_workers", lambda: 4)
+    monkeypatch.setattr(compile_pool, "current_target", lambda: TARGET)
+    monkeypatch.setattr(compile_pool, "record", record)
+    monkeypatch.setattr(compile_pool, "missing", lambda specs: specs)
+    monkeypatch.setattr(compile_pool, "compile_in_workers", lambda todo, workers: (len(todo), []))
+    return counts
+
+
+def test_a_compiled_mark_lets_the_next_process_skip_the_recording(fake_gpu, monkeypatch):
+    """The first precompile of a key records and compiles, then marks the key; the next skips both (its launches load
+    from the cache). Another key, a changed environment variable or a failed compile records again."""
+    from fastdiff.engine import compile_pool
+
+    first = precompile([lambda: None], "cuda", key="forward-a")
+    assert fake_gpu["record"] == 1 and first["compiled"] == 2 and "skipped" not in first
+    again = precompile([lambda: None], "cuda", key="forward-a")
+    assert fake_gpu["record"] == 1 and again["skipped"] == 1 and again["kernels"] == 0
+    precompile([lambda: None], "cuda", key="forward-b")
+    assert fake_gpu["record"] == 2
+    monkeypatch.setenv("FASTDIFF_SOME_KNOB", "1")  # a setting that may change the kernels: another mark
+    precompile([lambda: None], "cuda", key="forward-a")
+    assert fake_gpu["record"] == 3
+    precompile([lambda: None], "cuda")  # no key: never marked, always recorded
+    precompile([lambda: None], "cuda")
+    assert fake_gpu["record"] == 5
+    monkeypatch.setattr(compile_pool, "compile_in_workers", lambda todo, workers: (1, ["ptxas failed"]))
+    assert precompile([lambda: None], "cuda", key="forward-c")["failed"] == 1
+    precompile([lambda: None], "cuda", key="forward-c")  # not marked: a kernel is missing from the cache
+    assert fake_gpu["record"] == 7
+
+
+def test_the_mark_lives_in_tritons_cache_and_names_the_sources(fake_gpu, tmp_path):
+    """Emptying Triton's cache drops the marks with the kernels; the mark's name covers the package's sources."""
+    from fastdiff.engine.compile_pool import COMPILED_MARKS, compiled_mark, package_digest
+
+    mark = compiled_mark("forward-a")
+    assert mark.parent == tmp_path / "triton" / COMPILED_MARKS
+    assert compiled_mark("forward-a") == mark != compiled_mark("forward-b")
+    assert len(package_digest()) == 64

@@ -20,6 +20,7 @@ launches compile in this process). Only CUDA devices compile this way, and only 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib
 import json
@@ -32,6 +33,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,8 @@ WORKER_TIMEOUT_S = 300.0
 launch): a guard against a worker that hangs, far above any compile measured (137 kernels took 12 s)."""
 MIN_KERNELS = 2
 """Fewer kernels to compile than this compile in the launching process."""
+COMPILED_MARKS = "fastdiff-compiled"
+"""The folder of :func:`compiled_mark`'s files in Triton's cache folder."""
 
 
 def compile_workers() -> int:
@@ -98,16 +102,22 @@ class KernelSpec:
     target: dict[str, Any]
 
 
+def current_target() -> dict[str, Any]:
+    """The active GPU's Triton target (backend, arch, warp size), as :class:`KernelSpec` holds it."""
+    from triton.runtime.driver import driver
+
+    current = driver.active.get_current_target()
+    return {"backend": current.backend, "arch": current.arch, "warp_size": current.warp_size}
+
+
 def record(calls: Iterable[Callable[[], None]]) -> list[KernelSpec]:
     """The kernels that ``calls`` would compile, each once, in first-launch order. Every call runs with Triton's
     ``jit_cache_hook`` refusing each compile: a launch of a kernel that is not compiled in this process returns
     without launching; launches of compiled kernels and non-Triton work run (on whatever the buffers hold: callers
     run the real work afterwards). A call that fails is logged and left to the real run to report."""
     from triton import knobs
-    from triton.runtime.driver import driver
 
-    current = driver.active.get_current_target()
-    target = {"backend": current.backend, "arch": current.arch, "warp_size": current.warp_size}
+    target = current_target()
     found: dict[str, KernelSpec] = {}
 
     def refuse(*, fn: Any, compile: dict, **_: Any) -> bool:
@@ -319,14 +329,48 @@ def counting_compiles() -> Iterator[dict[str, int]]:
         knobs.compilation.listener = previous
 
 
-def precompile(calls: list[Callable[[], None]], device_type: str) -> dict[str, float]:
+@functools.cache
+def package_digest() -> str:
+    """SHA-256 of every Python file of the fastdiff package (about 7 ms): a kernel's source, and so its Triton
+    cache key, can only change with one of them."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parent.parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def compiled_mark(key: str) -> Path:
+    """The empty file that says every kernel of the calls keyed ``key`` was in Triton's on-disk cache after a
+    :func:`precompile`: kept in that cache's folder (emptying the cache drops the marks), named by a digest of
+    ``key``, the Triton version, the GPU target, the package's sources (:func:`package_digest`) and every
+    ``TRITON_*`` and ``FASTDIFF_*`` environment variable."""
+    import triton
+    from triton import knobs
+
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("TRITON_", "FASTDIFF_")))
+    payload = repr((key, triton.__version__, current_target(), package_digest(), env))
+    return Path(knobs.cache.dir) / COMPILED_MARKS / hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+def precompile(calls: list[Callable[[], None]], device_type: str, key: str | None = None) -> dict[str, float]:
     """Record ``calls``, compile what Triton's cache lacks in :func:`compile_workers` processes; returns what it did
     (``kernels``: recorded, ``to_compile``, ``compiled``, ``failed``, ``seconds``), empty where it does not apply
-    (not CUDA, one worker). A recording or cache lookup that fails is logged: the launches then compile as usual."""
+    (not CUDA, one worker). A recording or cache lookup that fails is logged: the launches then compile as usual.
+
+    ``key`` names the kernels ``calls`` launch (for a fused forward: its structure and its choice of
+    implementations): once a process has found or compiled all of them, it leaves a mark (:func:`compiled_mark`),
+    and a later process with the same key skips the recording and the cache lookups (``skipped``: 1; 0.34 s of a
+    warm SD 1.5 start on the H200, git bc15572), its launches loading the kernels from the cache. Should the cache
+    have lost a kernel since, that kernel compiles at its launch, as without workers."""
     workers = compile_workers()
     if device_type != "cuda" or workers <= 1 or not hasattr(os, "fork"):
         return {}
     start = time.perf_counter()
+    mark = compiled_mark(key) if key is not None else None
+    if mark is not None and mark.exists():
+        return {"kernels": 0, "to_compile": 0, "compiled": 0, "failed": 0, "skipped": 1,
+                "seconds": time.perf_counter() - start}  # fmt: skip
     _wait_for_triton_key()  # no fork while a thread runs; the workers inherit the key
     try:
         specs = record(calls)
@@ -344,6 +388,12 @@ def precompile(calls: list[Callable[[], None]], device_type: str) -> dict[str, f
         done.update(compiled=compiled, failed=len(failures))
         for failure in failures[:3]:
             log.info("a worker could not compile a kernel (its launch will): %s", failure)
+    if mark is not None and not done["failed"]:  # all in the cache now (fewer than MIN_KERNELS: after the launch)
+        try:
+            mark.parent.mkdir(parents=True, exist_ok=True)
+            mark.touch()
+        except OSError as exc:  # a read-only cache: the next process records again
+            log.debug("no compiled mark at %s: %s", mark, exc)
     done["seconds"] = time.perf_counter() - start
     log.info(
         "%d kernels to compile of %d, %d compiled in %d workers (%.1f s)",

@@ -325,13 +325,14 @@ class FusedModel:
         self._x_in, self.tensors = x_in, {}
         if self.device.type == "cuda" and compile_workers() > 1:
             calls = [(op.name, self._upload_and_bind(op)) for op in self.ops]
+            key = f"{self.structure()}:{self.plan_entry().digest()}"  # the kernels of the forward: ops and choices
             with counting_compiles() as counts:
-                self.compile_stats = precompile([call for _, call in calls], self.device.type)
+                self.compile_stats = precompile([call for _, call in calls], self.device.type, f"first:{key}")
                 for name, call in calls:
                     self._after_upload(name, call)
             self.compile_stats.update({f"launch_{k}": v for k, v in counts.items()})
             self.bind(x_in)  # the forward the plan asks for: its fused kernels (the first forward runs them apart)
-            bound = precompile([*self._context_calls, *self._calls], self.device.type)
+            bound = precompile([*self._context_calls, *self._calls], self.device.type, f"bound:{key}")
             self.compile_stats.update({f"bound_{k}": v for k, v in bound.items()})
             if bound.get("kernels"):  # the recording skipped those calls' launches: the output is the bound forward's
                 for call in (*self._context_calls, *self._calls):
