@@ -142,6 +142,15 @@ def test_overload_accounting_counts_every_request():
     assert summary["lost"] == 3 and not summary["all_answered"] and summary["errors"] == 2  # one never answered
 
 
+def test_the_summary_splits_the_latency_where_the_server_says():
+    """Medians of the answers' own timing, and of the time outside the server; None when no answer has a timing."""
+    times = [{"queue_ms": q, "sample_ms": 130.0, "total_ms": q + 138.0} for q in (5.0, 6.0, 7.0)]
+    answers = [Answer(200, (t["total_ms"] + 9.0) / 1000, 1, 1, server_ms=t) for t in times]
+    split = summarize(answers, 1.0, {"requests": 3}, healthy_after=True)["server_p50_ms"]
+    assert split == {"queue_ms": 6.0, "sample_ms": 130.0, "total_ms": 144.0, "outside_ms": pytest.approx(9.0)}
+    assert summarize([Answer(200, 0.1, 1, 1)], 1.0, {"requests": 1}, healthy_after=True)["server_p50_ms"] is None
+
+
 def test_memory_sampling_reads_rss_and_the_torch_gauges():
     text = "# TYPE fastdiff_gpu_memory_allocated_bytes gauge\nfastdiff_gpu_memory_allocated_bytes 1048576\nother 3\n"
     assert prometheus_gauges(text, ["fastdiff_gpu_memory_allocated_bytes"]) == {

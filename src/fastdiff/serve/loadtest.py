@@ -37,6 +37,9 @@ REJECTED_PAUSE_S = 0.05
 """A client that got 429 waits this long before its next request (no busy loop against a full queue)."""
 
 SCHEMA = "fastdiff.loadtest/1"
+SERVER_TIMES = ("queue_ms", "sample_ms", "total_ms")
+"""What an answer's ``timing`` says of its time in the server: waiting for a batch (the batcher's wait for company
+included), sampling that batch, and arrival to encoded PNGs (the JSON body and the HTTP exchange come after)."""
 MIB = 2**20
 TORCH_MEMORY_GAUGES = {
     "fastdiff_gpu_memory_allocated_bytes": "torch_allocated_mib",
@@ -53,6 +56,8 @@ class Answer:
     images: int = 0
     batch_images: int | None = None
     error: str | None = None
+    server_ms: dict[str, float] | None = None
+    """The answer's own ``timing`` (``queue_ms``, ``sample_ms``, ``total_ms``), where the server gives one."""
 
 
 def send_request(client: httpx.Client, body: dict) -> Answer:
@@ -70,7 +75,9 @@ def send_request(client: httpx.Client, body: dict) -> Answer:
             message = response.text
         return Answer(response.status_code, latency, error=f"{response.status_code}: {message}"[:300])
     data = response.json()
-    return Answer(200, latency, images=len(data["images"]), batch_images=data["timing"]["batch_images"])
+    timing = data["timing"]
+    server_ms = {k: timing[k] for k in SERVER_TIMES if isinstance(timing.get(k), (int, float))}
+    return Answer(200, latency, len(data["images"]), timing["batch_images"], server_ms=server_ms or None)
 
 
 def run_loadtest(
@@ -153,7 +160,9 @@ def run_loadtest(
 
 
 def summarize(answers: list[Answer], wall_s: float, config: dict, healthy_after: bool) -> dict:
-    """Counts by outcome, images/s and requests/s over the wall time, latency percentiles of the answered.
+    """Counts by outcome, images/s and requests/s over the wall time, latency percentiles of the answered, and
+    where the answered spent it (``server_p50_ms``: medians of their ``SERVER_TIMES``, and of the time outside the
+    server's ``total_ms``: the JSON body, HTTP and the client's parsing; None where the server gives no timing).
 
     ``status_counts``: answers by HTTP status ("0": no answer); ``lost``: requests (``config["requests"]``, else the
     answers) that got neither 200 nor 429; ``all_answered``: none lost and every request accounted for.
@@ -168,6 +177,12 @@ def summarize(answers: list[Answer], wall_s: float, config: dict, healthy_after:
 
     def ms(value: float) -> float | None:
         return None if math.isnan(value) else round(value, 3)
+
+    timed = [a for a in ok if a.server_ms is not None and len(a.server_ms) == len(SERVER_TIMES)]
+    server_p50 = None
+    if timed:
+        server_p50 = {k: ms(statistics.median(a.server_ms[k] for a in timed)) for k in SERVER_TIMES}
+        server_p50["outside_ms"] = ms(statistics.median(a.latency_s * 1000 - a.server_ms["total_ms"] for a in timed))
 
     return {
         "schema": SCHEMA,
@@ -188,6 +203,7 @@ def summarize(answers: list[Answer], wall_s: float, config: dict, healthy_after:
             "max": ms(latencies[-1]) if latencies else None,
         },
         "mean_batch_images": round(statistics.fmean(batch_sizes), 3) if batch_sizes else None,
+        "server_p50_ms": server_p50,
         "healthy_after": healthy_after,
         "status_counts": {str(code): count for code, count in sorted(Counter(a.status for a in answers).items())},
         "lost": sent - answered,
