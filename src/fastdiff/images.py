@@ -72,7 +72,8 @@ than Pillow's default level 6 and several times faster (``benchmarks/png_encode.
 PNG_PART_ROWS = 64
 """An image of more rows than this is compressed in parts of at least this many rows, on :data:`PNG_THREADS`."""
 
-PNG_THREADS = min(8, os.cpu_count() or 1)
+PNG_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+"""Threads that compress a large PNG's parts: the CPUs this process may use, at most 8."""
 
 PNG_MODES = {"L": 0, "RGB": 2, "RGBA": 6}
 """PIL modes :func:`png_bytes` encodes itself, with their PNG colour types (8 bits a sample); others go to Pillow."""

@@ -360,8 +360,8 @@ def precompile(calls: list[Callable[[], None]], device_type: str, key: str | Non
 
     ``key`` names the kernels ``calls`` launch (for a fused forward: its structure and its choice of
     implementations): once a process has found or compiled all of them, it leaves a mark (:func:`compiled_mark`),
-    and a later process with the same key skips the recording and the cache lookups (``skipped``: 1; 0.34 s of a
-    warm SD 1.5 start on the H200, git bc15572), its launches loading the kernels from the cache. Should the cache
+    and a later process with the same key skips the recording and the cache lookups (``skipped``: 1; 0.3-0.6 s of
+    a warm SD 1.5 start on the H200, git 254bf51), its launches loading the kernels from the cache. Should the cache
     have lost a kernel since, that kernel compiles at its launch, as without workers."""
     workers = compile_workers()
     if device_type != "cuda" or workers <= 1 or not hasattr(os, "fork"):
