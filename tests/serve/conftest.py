@@ -167,12 +167,19 @@ def fake_text_factory() -> FakeTextFactory:
 @pytest.fixture(scope="session")
 def t2i_app():
     """The bundled fashion-mnist-t2i on the CPU, loaded once: 2 steps, guidance 3, batches of 4 (one run size),
-    a generous wait so concurrent requests meet. Tests may serve it one after another."""
+    a generous wait even when idle, so that concurrent requests meet. Tests may serve it one after another."""
     pytest.importorskip("transformers")
     from fastdiff.serve.app import create_app
 
     return create_app(
-        "fashion-mnist-t2i", device="cpu", steps=2, guidance=3.0, max_batch=4, max_wait_ms=300, queue_size=16
+        "fashion-mnist-t2i",
+        device="cpu",
+        steps=2,
+        guidance=3.0,
+        max_batch=4,
+        max_wait_ms=300,
+        queue_size=16,
+        idle_start=False,
     )
 
 

@@ -44,8 +44,11 @@ def decode(response_json: dict) -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def fmnist_app():
-    """The bundled fashion-mnist model on CPU, 2 steps, batches of 4, generous wait so concurrent requests meet."""
-    return create_app("fashion-mnist", device="cpu", steps=2, max_batch=4, max_wait_ms=400, queue_size=16)
+    """The bundled fashion-mnist model on CPU, 2 steps, batches of 4, a generous wait even when idle, so that
+    concurrent requests meet."""
+    return create_app(
+        "fashion-mnist", device="cpu", steps=2, max_batch=4, max_wait_ms=400, queue_size=16, idle_start=False
+    )
 
 
 BAD_REQUESTS = [
@@ -136,7 +139,7 @@ def test_batched_images_are_byte_identical_to_solo(fmnist_app, serve_app):
 
 
 def test_incompatible_requests_do_not_share_a_batch(fake_factory, serve_app):
-    app = create_app("fake", pipeline_factory=fake_factory, steps=5, max_batch=8, max_wait_ms=500)
+    app = create_app("fake", pipeline_factory=fake_factory, steps=5, max_batch=8, max_wait_ms=500, idle_start=False)
     bodies = [{"seed": 1}, {"seed": 2, "steps": 7}, {"seed": 3, "sampler": "ddpm"}, {"seed": 4}]
     with serve_app(app) as url, ThreadPoolExecutor(len(bodies)) as pool:
         responses = list(pool.map(lambda body: httpx.post(f"{url}/v1/images", json=body, timeout=30), bodies))
@@ -232,6 +235,49 @@ def test_cli_errors(capsys):
     assert "batch bucket 8 is outside 1..4" in capsys.readouterr().err
 
 
+def test_a_request_that_finds_the_service_idle_starts_at_once(fake_factory):
+    """``idle_start``: no wait for company when none is expected (the last batch answered one request and none
+    arrived while it ran; also the first request). After a batch that answered two requests, a lone request waits
+    ``max_wait_s``; with ``idle_start`` off, every lone request waits."""
+    import time
+
+    from fastdiff.serve.batcher import Batcher, BatchKey
+    from fastdiff.serve.metrics import ServiceMetrics
+
+    max_wait = 1.0
+    key = BatchKey("ddim", 5)
+
+    def seconds(batcher: Batcher, seed: int) -> float:
+        start = time.perf_counter()
+        batcher.submit(key, [seed]).future.result(10)
+        return time.perf_counter() - start
+
+    batcher = Batcher(fake_factory, ServiceMetrics(4), 4, max_wait, 8, pad_wait=0.0)
+    batcher.start()
+    try:
+        assert seconds(batcher, 1) < max_wait / 2, "the first request waited"
+        assert seconds(batcher, 2) < max_wait / 2, "a request after a batch of one waited"
+        fake_factory.gate.clear()  # hold the next batch while two more requests arrive
+        pipe = fake_factory.pipelines[-1]
+        pipe.entered.clear()
+        running = batcher.submit(key, [3])
+        assert pipe.entered.wait(10)
+        company = [batcher.submit(key, [seed]) for seed in (4, 5)]
+        fake_factory.gate.set()
+        running.future.result(10)
+        assert [job.future.result(10).batch_images for job in company] == [2, 2]
+        assert seconds(batcher, 6) >= max_wait * 0.9, "a request after a batch of two did not wait for company"
+        assert seconds(batcher, 7) < max_wait / 2
+    finally:
+        batcher.stop()
+    patient = Batcher(fake_factory, ServiceMetrics(4), 4, max_wait, 8, pad_wait=0.0, idle_start=False)
+    patient.start()
+    try:
+        assert seconds(patient, 8) >= max_wait * 0.9, "idle_start=False: a lone request started at once"
+    finally:
+        patient.stop()
+
+
 @pytest.mark.parametrize("pad_wait", [0.0, 0.5])
 def test_a_batch_that_would_run_padded_waits_for_company(fake_factory, pad_wait):
     """Run sizes 1 and 4: two requests, then two more 0.1 s later. Without ``pad_wait`` the first two run padded to 4
@@ -242,7 +288,7 @@ def test_a_batch_that_would_run_padded_waits_for_company(fake_factory, pad_wait)
     from fastdiff.serve.batcher import Batcher, BatchKey
     from fastdiff.serve.metrics import ServiceMetrics
 
-    batcher = Batcher(fake_factory, ServiceMetrics(4), 4, 0.005, 8, [1, 4], pad_wait=pad_wait)
+    batcher = Batcher(fake_factory, ServiceMetrics(4), 4, 0.005, 8, [1, 4], pad_wait=pad_wait, idle_start=False)
     batcher._run_seconds[4] = 1.0  # as warm-up would measure it
     key = BatchKey("ddim", 5)
     batcher.start()
@@ -262,3 +308,15 @@ def test_a_batch_that_would_run_padded_waits_for_company(fake_factory, pad_wait)
         assert fake_factory.calls[-1][2] == [1, 2, 3, 4] and fake_factory.calls[-2][2] == [9]
     else:
         assert runs[-2:] == [[1, 2, 2, 2], [3, 4, 4, 4]]
+
+
+def test_images_json_is_the_json_of_the_answer():
+    """The answer's JSON with the base64 PNGs spliced in as bytes parses to the same object as ``json.dumps``'s."""
+    from fastdiff.serve.app import images_json
+
+    pngs = [base64.b64encode(bytes(range(256)) * 3), base64.b64encode(b"\x89PNG")]
+    prompt = 'a "quoted" caf\u00e9 \u2603\n'
+    body = {"model": "fake", "parameters": {"prompt": prompt}, "warnings": [], "timing": {"x": 1.5}}
+    expected = body | {"images": [{"seed": s, "png_base64": p.decode()} for s, p in zip((7, 8), pngs, strict=True)]}
+    assert json.loads(images_json(body, [7, 8], pngs)) == expected
+    assert json.loads(images_json({}, [], [])) == {"images": []}

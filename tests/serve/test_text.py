@@ -272,7 +272,7 @@ def test_img2img_on_a_stable_diffusion_directory_alone_or_batched(tmp_path, serv
 
     root = tmp_path / "sd15"
     write_tiny_sd_pipeline(root, "sd15", seed=3)
-    app = create_app(str(root), device="cpu", steps=4, max_batch=2, max_wait_ms=300)
+    app = create_app(str(root), device="cpu", steps=4, max_batch=2, max_wait_ms=300, idle_start=False)
     info = app.state.model_info
     assert info.img2img and info.default_guidance == 7.5 and info.channels == 3 and info.size_multiple == 64
     init = png_base64(info.width, info.height, 90)

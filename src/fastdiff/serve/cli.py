@@ -74,6 +74,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="a batch that would run padded (fewer images than its batch size) waits for more requests up to this "
         "fraction of that size's sampling time beyond --max-wait-ms (0: off)",
     )
+    p.add_argument(
+        "--no-idle-start",
+        dest="idle_start",
+        action="store_false",
+        help="wait --max-wait-ms for company even when the service is idle (by default a request starts at once "
+        "when the last batch answered one request and none arrived while it ran)",
+    )
     p.add_argument("--queue-size", type=positive_int, default=64, help="waiting requests before 429")
     p.add_argument(
         "--batch-buckets",
@@ -159,6 +166,7 @@ def run_serve(args: argparse.Namespace) -> int:
         plan=args.plan,
         guidance=args.guidance,
         pad_wait=args.pad_wait,
+        idle_start=args.idle_start,
     )
     log.info("open http://%s:%d/ in a browser", args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=args.verbose)
