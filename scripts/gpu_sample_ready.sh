@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU call: how long `fastdiff sample` of the bundled model (make sample's first command: fashion-mnist, 36
 # images, DPM-Solver++ 20) takes from the command's start to its PNG on disk, in fresh processes: one with empty
-# Triton and fastdiff caches (cold), then WARM (3) with the caches it filled. Each run's wall time and the PNG's digest
-# go to $OUT/sample-ready-<gpu>.json as soon as the run ends (FASTDIFF_GIT_SHA names the commit).
+# Triton and fastdiff caches (cold), then WARM (3) with the caches it filled. Each run's wall time, the PNG's digest
+# and its log lines (-v) timed from its start go to $OUT/sample-ready-<gpu>.json as soon as the run ends
+# (FASTDIFF_GIT_SHA names the commit), with what python, `import torch` and CUDA's start cost alone (floors_s).
 source "$(dirname "$0")/gpu_env.sh"
 caches=$(mktemp -d)
 export TRITON_CACHE_DIR="$caches/triton" FASTDIFF_CACHE_DIR="$caches/fastdiff" TORCHINDUCTOR_CACHE_DIR="$caches/inductor"
@@ -12,19 +13,31 @@ import hashlib, json, subprocess, sys, tempfile, time
 from pathlib import Path
 from fastdiff.bench.env import environment
 out, warm, args = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
-runs = []
-for k, mode in enumerate(["cold"] + ["warm"] * warm):
-    png = Path(tempfile.mkdtemp()) / "grid.png"
+
+def timed(command):
+    """Wall seconds, return code and the timeline: each output line with the second it was printed at."""
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "fastdiff.cli", "sample", *args, "--out", str(png)],
-                          capture_output=True, text=True, timeout=240)
-    wall = time.perf_counter() - start
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    timeline = [[round(time.perf_counter() - start, 3), line.rstrip()[:200]] for line in proc.stdout]
+    rc = proc.wait(timeout=240)
+    return time.perf_counter() - start, rc, timeline
+
+floors = {}  # what any torch program on this machine pays before fastdiff does anything
+for name, code in (("python", "pass"), ("import_torch", "import torch"),
+                   ("import_torch_cuda_init", "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()")):
+    floors[name] = round(min(timed([sys.executable, "-c", code])[0] for _ in range(3)), 3)
+print(floors, flush=True)
+runs = []
+for mode in ["cold"] + ["warm"] * warm:
+    png = Path(tempfile.mkdtemp()) / "grid.png"
+    wall, rc, timeline = timed([sys.executable, "-m", "fastdiff.cli", "-v", "sample", *args, "--out", str(png)])
     digest = hashlib.sha256(png.read_bytes()).hexdigest()[:16] if png.exists() else None
-    runs.append({"mode": mode, "wall_s": round(wall, 3), "rc": proc.returncode, "png_digest": digest,
-                 "log_tail": (proc.stdout + proc.stderr).splitlines()[-2:]})
-    print(runs[-1], flush=True)
+    runs.append({"mode": mode, "wall_s": round(wall, 3), "rc": rc, "png_digest": digest, "timeline": timeline[:400]})
+    print({key: value for key, value in runs[-1].items() if key != "timeline"}, timeline[-2:], flush=True)
     record = {"what": "fastdiff sample (make sample's first command) from the command's start to its PNG on disk, "
-                      "fresh processes: the first with empty caches, the others with the caches it filled",
-              "command": ["fastdiff", "sample", *args], "env": environment(), "runs": runs}
+                      "fresh processes: the first with empty caches, the others with the caches it filled; "
+                      "timeline: each log line (-v) with the second it was printed at; floors_s: the fastest of 3 "
+                      "fresh processes doing only that",
+              "command": ["fastdiff", "sample", *args], "env": environment(), "floors_s": floors, "runs": runs}
     out.write_text(json.dumps(record, indent=1) + "\n")
 EOF
