@@ -369,3 +369,17 @@ def test_cli_prints_the_warning_in_one_line(tmp_path):
     assert warnings == ["WARNING fastdiff.devices: fp16 on the CPU is slow (many times slower than fp32, the CPU's "
                         "fast path): use dtype fp32 there"], proc.stderr  # fmt: skip
     assert (tmp_path / "g.png").is_file()
+
+
+def test_dtype_auto_is_fp16_on_a_gpu_and_fp32_on_the_cpu(monkeypatch):
+    """--dtype auto (the sampling commands' default) resolves by --device; "auto" asks torch for a GPU."""
+    import torch
+
+    from fastdiff.cli_args import resolve_dtype_choice
+
+    assert resolve_dtype_choice("auto", "cpu") == "fp32"
+    assert resolve_dtype_choice("auto", "cuda:1") == resolve_dtype_choice("auto", "cuda") == "fp16"
+    assert resolve_dtype_choice("bf16", "cuda") == "bf16" and resolve_dtype_choice("fp16", "cpu") == "fp16"
+    for available, expected in ((True, "fp16"), (False, "fp32")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)
+        assert resolve_dtype_choice("auto", "auto") == expected

@@ -20,7 +20,8 @@ from fastdiff.cli_args import (
     COMMANDS,
     DEFAULT_GUIDANCE,
     DEFAULT_MODEL,
-    DTYPES,
+    DTYPE_CHOICES,
+    DTYPE_HELP,
     FULL_GUIDANCE,
     KARRAS_SAMPLERS,
     SAMPLER_SCHEDULERS,
@@ -32,6 +33,7 @@ from fastdiff.cli_args import (
     check_seed_range,
     finite_nonnegative_float,
     positive_int,
+    resolve_dtype_choice,
     seed_int,
 )
 from fastdiff.errors import FastdiffError
@@ -100,11 +102,9 @@ def add_sample_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--dtype",
-        default="fp32",
-        choices=DTYPES,
-        help="model precision (on the CPU fp32 is the fast one: fp16/bf16 run many times slower there); fp8: fp16 "
-        "activations with e4m3 convs after each GroupNorm (Hopper GPUs, engine backend; pixel and "
-        "text-to-image U-Nets)",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help=DTYPE_HELP + "; pixel and text-to-image U-Nets",
     )
     p.add_argument("--device", default="auto", help="auto (GPU if present, else CPU), cpu, cuda or cuda:N")
     add_plan_argument(p)
@@ -274,6 +274,7 @@ def run_sample(args: argparse.Namespace) -> int:
     if split is not None:
         device, rank = start_parallel(args, split, init_image.height if init_image is not None else args.height)
         backend = "eager" if args.patch_parallel else None  # the engine splits guidance in its captured loop
+    args.dtype = resolve_dtype_choice(args.dtype, device)
     try:
         return sample_and_write(args, init_image, device, backend, rank)
     finally:
@@ -300,7 +301,13 @@ def sample_and_write(args: argparse.Namespace, init_image: Any, device: str, bac
         from fastdiff.pipelines.patch_parallel import DEFAULT_WARMUP
 
         pipe.split_patches(warmup=args.patch_warmup or DEFAULT_WARMUP)
-    params: dict[str, Any] = {"model": str(args.model), "sampler": args.sampler, "steps": pipe.steps, "eta": args.eta}
+    params: dict[str, Any] = {
+        "model": str(args.model),
+        "sampler": args.sampler,
+        "steps": pipe.steps,
+        "eta": args.eta,
+        "dtype": args.dtype,
+    }
     if args.karras:
         params["karras"] = True
     if args.cache_interval > 1:

@@ -85,7 +85,17 @@ from fastdiff.atomic import (
     write_temporary,
     write_text_atomic,
 )
-from fastdiff.cli_args import DEFAULT_GUIDANCE, DTYPES, FULL_GUIDANCE, MAX_SEED, SAMPLERS, check_guidance_interval
+from fastdiff.cli_args import (
+    DEFAULT_GUIDANCE,
+    DTYPE_CHOICES,
+    DTYPE_HELP,
+    DTYPES,
+    FULL_GUIDANCE,
+    MAX_SEED,
+    SAMPLERS,
+    check_guidance_interval,
+    resolve_dtype_choice,
+)
 from fastdiff.errors import FastdiffError
 from fastdiff.images import pil_image, png_bytes, uint8_pixels
 from fastdiff.prompts_file import PromptLine, read_prompts
@@ -1409,10 +1419,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=positive_int, default=defaults.steps, help="number of denoising steps")
     p.add_argument(
         "--dtype",
-        default=defaults.dtype,
-        choices=DTYPES,
-        help="model precision (fp32 on the CPU: fp16/bf16 run many times slower there); fp8: fp16 activations with "
-        "e4m3 convs after each GroupNorm (Hopper GPUs)",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help=DTYPE_HELP,
     )
     p.add_argument(
         "--device", default=defaults.device, help="auto, cpu, cuda or cuda:N (under torchrun: cuda:LOCAL_RANK)"
@@ -1436,7 +1445,7 @@ def run_generate(args: argparse.Namespace) -> int:
         first_seed=args.first_seed,
         sampler=args.sampler,
         steps=args.steps,
-        dtype=args.dtype,
+        dtype=resolve_dtype_choice(args.dtype, args.device),
         device=args.device,
         batch=args.batch,
         image_format=args.image_format,

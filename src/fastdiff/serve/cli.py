@@ -11,7 +11,8 @@ from fastdiff.atomic import check_output_location, write_text_atomic
 from fastdiff.cli_args import (
     DEFAULT_GUIDANCE,
     DEFAULT_MODEL,
-    DTYPES,
+    DTYPE_CHOICES,
+    DTYPE_HELP,
     PAD_WAIT,
     SAMPLERS,
     add_command,
@@ -20,6 +21,7 @@ from fastdiff.cli_args import (
     port_int,
     positive_float,
     positive_int,
+    resolve_dtype_choice,
     seed_int,
 )
 from fastdiff.errors import FastdiffError
@@ -101,10 +103,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (GPU if present, else CPU), cpu, cuda or cuda:N")
     p.add_argument(
         "--dtype",
-        default="fp32",
-        choices=DTYPES,
-        help="model precision (fp32 on the CPU: fp16/bf16 run many times slower there); fp8: fp16 activations with "
-        "e4m3 convs after each GroupNorm (Hopper GPUs)",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help=DTYPE_HELP,
     )
     p.add_argument("--warmup", action="store_true", help="sample every batch size once before serving")
     add_plan_argument(p)
@@ -155,7 +156,7 @@ def run_serve(args: argparse.Namespace) -> int:
     app = create_app(
         args.model,
         device=args.device,
-        dtype=args.dtype,
+        dtype=resolve_dtype_choice(args.dtype, args.device),
         sampler=args.sampler,
         steps=args.steps,
         max_batch=args.max_batch,
