@@ -4,12 +4,21 @@
 # Triton and fastdiff caches (cold), then WARM (3) with the caches it filled. Each run's wall time, the PNG's digest
 # and its log lines (-v) timed from its start go to $OUT/sample-ready-<gpu>.json as soon as the run ends
 # (FASTDIFF_GIT_SHA names the commit), with what python, `import torch` and CUDA's start cost alone (floors_s).
+# Python bytecode as on a pip install: a bytecode folder of the measurement's own, primed by one untimed import
+# (the lent machines set PYTHONDONTWRITEBYTECODE: every process would compile torch's source, ~2-3 s; BYTECODE=as-set
+# measures that instead), as benchmarks/ready.py does.
 source "$(dirname "$0")/gpu_env.sh"
 caches=$(mktemp -d)
 export TRITON_CACHE_DIR="$caches/triton" FASTDIFF_CACHE_DIR="$caches/fastdiff" TORCHINDUCTOR_CACHE_DIR="$caches/inductor"
+BYTECODE=${BYTECODE:-cached}
+if [ "$BYTECODE" = cached ]; then
+    unset PYTHONDONTWRITEBYTECODE
+    export PYTHONPYCACHEPREFIX="$caches/pycache"
+    python3 -c "import torch, triton, fastdiff.cli, fastdiff.engine, fastdiff.pipelines, fastdiff.images"
+fi
 args=(--sampler dpmsolver++ --steps 20 --batch 36)
-python3 - "$OUT/sample-ready-$gpu.json" "${WARM:-3}" "${args[@]}" <<'EOF'
-import hashlib, json, subprocess, sys, tempfile, time
+BYTECODE_MODE=$BYTECODE python3 - "$OUT/sample-ready-$gpu.json" "${WARM:-3}" "${args[@]}" <<'EOF'
+import hashlib, json, os, subprocess, sys, tempfile, time
 from pathlib import Path
 from fastdiff.bench.env import environment
 out, warm, args = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
@@ -38,6 +47,7 @@ for mode in ["cold"] + ["warm"] * warm:
                       "fresh processes: the first with empty caches, the others with the caches it filled; "
                       "timeline: each log line (-v) with the second it was printed at; floors_s: the fastest of 3 "
                       "fresh processes doing only that",
-              "command": ["fastdiff", "sample", *args], "env": environment(), "floors_s": floors, "runs": runs}
+              "command": ["fastdiff", "sample", *args], "env": environment(), "floors_s": floors,
+              "python_bytecode": os.environ.get("BYTECODE_MODE"), "runs": runs}
     out.write_text(json.dumps(record, indent=1) + "\n")
 EOF
