@@ -248,7 +248,8 @@ def test_bundled_model_images_are_byte_identical_alone_or_batched(t2i_app, serve
     assert alone["warnings"] == [] and together["warnings"] == []
     assert len(with_other["warnings"]) == 1 and "zzyzx" in with_other["warnings"][0]
     assert png_parameters(png) | {"fastdiff": None} == {"model": "fashion-mnist-t2i", "prompt": "ankle boot",
-        "steps": 2, "sampler": "ddim", "guidance": 3.0, "size": [32, 32], "seed": 5, "fastdiff": None}  # fmt: skip
+        "steps": 2, "sampler": "ddim", "guidance": 3.0, "size": [32, 32], "seed": 5, "dtype": "fp32",
+        "fastdiff": None}  # fmt: skip
     assert png_parameters(other_png)["negative_prompt"] == "shirt" and png_parameters(other_png)["seed"] == 9
     with Image.open(io.BytesIO(png)) as image:
         assert image.size == (32, 32) and image.mode == "L"

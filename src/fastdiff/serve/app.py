@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from PIL import Image
 
-from fastdiff.cli_args import DEFAULT_GUIDANCE, DEFAULT_MODEL, FULL_GUIDANCE, PAD_WAIT
+from fastdiff.cli_args import DEFAULT_GUIDANCE, DEFAULT_MODEL, FULL_GUIDANCE, PAD_WAIT, resolve_dtype_choice
 from fastdiff.engine.kernel_plan import KernelPlan
 from fastdiff.errors import FastdiffError
 from fastdiff.images import png_bytes
@@ -195,7 +195,7 @@ def create_app(
     *,
     pipeline_factory: PipelineFactory | None = None,
     device: str = "auto",
-    dtype: str = "fp32",
+    dtype: str = "auto",
     sampler: str = "ddim",
     steps: int = 50,
     max_batch: int = 16,
@@ -225,6 +225,8 @@ def create_app(
     if not 0 <= guidance <= MAX_GUIDANCE:
         raise FastdiffError(f"guidance must be in 0..{MAX_GUIDANCE:g}, got {guidance}")
     kernel_plan = None if plan is None else KernelPlan.load(plan)  # a bad file: one line, before any model loads
+    dtype = resolve_dtype_choice(dtype, device)
+    served_dtype = {"dtype": dtype} if pipeline_factory is None else {}  # what each PNG records (a factory's: unknown)
     factory = pipeline_factory or pretrained_factory(model, device, dtype, kernel_plan)
     metrics = ServiceMetrics(max_batch)
     batcher = Batcher(factory, metrics, max_batch, max_wait_ms / 1000, queue_size, batch_buckets, pad_wait, idle_start)
@@ -314,7 +316,7 @@ def create_app(
         if failure is not None:
             return error(500, f"sampling failed: {type(failure).__name__}: {failure}".splitlines()[0])
         result: JobResult = job.future.result()
-        per_image = resolved.image_parameters(model)
+        per_image = [params | served_dtype for params in resolved.image_parameters(model)]
         pngs = await asyncio.to_thread(encode_pngs if as_png else encode_base64_pngs, result.images, per_image)
         total_s = time.perf_counter() - arrived
         metrics.record_response(200, total_s)
