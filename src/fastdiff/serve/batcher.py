@@ -9,11 +9,11 @@ costs a whole run for images thrown away, the wait at most that fraction of one.
 1 and 8 and clients that send again as soon as they are answered: 8 clients got 5.1 images/s against 8.7 for 32,
 the 8 clients' requests arriving a few ms apart and leaving in batches of 2-7 padded to 8.)
 
-With ``idle_start`` (the default) a request that finds the service idle starts at once: when the last batch answered
-one request and none arrived while it ran, no company is expected (the clients that send again once answered come
-back together with the ones they were batched with, or arrive while a batch runs), so the wait would only add to the
-request's latency: ``max_wait_s`` of a batch-1 run, 4 % of an SD 1.5 image at 5 ms. The first request after start is
-such a request too.
+With ``idle_start`` (the default) a request that finds the service idle skips ``max_wait_s``: when the last batch
+answered one request and none arrived while it ran, no company is expected (the clients that send again once
+answered come back together with the ones they were batched with, or arrive while a batch runs), so the wait would
+only add to the request's latency (5 ms: 4 % of an SD 1.5 image at batch 1). The first request after start is such a
+request too. A batch that would run padded still waits up to ``pad_wait`` of a run.
 
 Every batch is sampled at a fixed *run size* (the smallest of ``buckets`` that holds its images), padded with
 filler images that are thrown away. Image k depends on seeds[k] only, but the float result of a kernel can depend
