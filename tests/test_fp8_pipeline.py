@@ -173,4 +173,5 @@ def test_generate_and_serve_help_explain_fp8(capsys, command):
     with pytest.raises(SystemExit):
         main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "fp8: fp16 activations with e4m3 convs after each GroupNorm (Hopper GPUs)" in text
+    assert "fp8: fp16 activations with e4m3 convs after each GroupNorm (Hopper GPUs, engine backend)" in text
+    assert "auto: fp16 on a GPU, fp32 on the CPU" in text
