@@ -317,7 +317,7 @@ def create_reference_app(
         except Exception as exc:
             return error(500, f"sampling failed: {type(exc).__name__}: {exc}".splitlines()[0])
         sample_s = time.perf_counter() - started[0]
-        per_image = resolved.image_parameters(model)
+        per_image = [params | {"dtype": dtype} for params in resolved.image_parameters(model)]  # as fastdiff serve's
         pngs = await asyncio.to_thread(lambda: [png_bytes(im, p) for im, p in zip(images, per_image, strict=True)])
         total_s = time.perf_counter() - arrived
         timing = {
