@@ -14,6 +14,7 @@ from fastdiff.cli_args import (
     check_seed_range,
     finite_nonnegative_float,
     positive_int,
+    resolve_dtype_choice,
     seed_int,
 )
 
@@ -120,7 +121,7 @@ def run_profile_cli(args: argparse.Namespace) -> int:
     check_seed_range(args.seed, args.batch)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
-    dtype = args.dtype if args.dtype != "auto" else ("fp16" if cuda else "fp32")
+    dtype = resolve_dtype_choice(args.dtype, device)
     backends = BACKENDS if args.backends == "auto" and cuda else ("eager",) if args.backends == "auto" else None
     backends = backends or tuple(b for b in args.backends.split(",") if b)
     cfg = ProfileConfig(

@@ -21,7 +21,6 @@ from fastdiff.cli_args import (
     port_int,
     positive_float,
     positive_int,
-    resolve_dtype_choice,
     seed_int,
 )
 from fastdiff.errors import FastdiffError
@@ -156,7 +155,7 @@ def run_serve(args: argparse.Namespace) -> int:
     app = create_app(
         args.model,
         device=args.device,
-        dtype=resolve_dtype_choice(args.dtype, args.device),
+        dtype=args.dtype,
         sampler=args.sampler,
         steps=args.steps,
         max_batch=args.max_batch,
